@@ -1,0 +1,33 @@
+"""softvq: collapse-free soft vector quantization (DDCL-Attention) for PyTorch.
+
+Public API:
+
+- :class:`DDCLQuantizer` — the DDCL soft codebook (soft-centroid output, ``L_q = L_OLS + V``).
+- :class:`HardVQ` — the straight-through VQ-VAE baseline (optionally EMA, dead-code restart).
+- :class:`QuantizerOutput` — the NamedTuple both return.
+- :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
+- :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
+- :mod:`softvq.functional` — ``codebook_usage``, ``prototype_separation`` (S(P)), ``assignment_entropy`` (H(Q)).
+"""
+
+from softvq import functional
+from softvq.ddcl import DDCLQuantizer
+from softvq.functional import assignment_entropy, codebook_usage, prototype_separation
+from softvq.hard_vq import HardVQ
+from softvq.metrics import CodebookUsage
+from softvq.optim import param_groups
+from softvq.types import QuantizerOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CodebookUsage",
+    "DDCLQuantizer",
+    "HardVQ",
+    "QuantizerOutput",
+    "assignment_entropy",
+    "codebook_usage",
+    "functional",
+    "param_groups",
+    "prototype_separation",
+]

@@ -1,0 +1,92 @@
+"""Input validation and small distributed helpers shared by the quantizers and metrics."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def check_positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_positive_float(name: str, value: float) -> float:
+    try:
+        value_f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}") from None
+    if not math.isfinite(value_f) or value_f <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return value_f
+
+
+def check_nonnegative_float(name: str, value: float) -> float:
+    try:
+        value_f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}") from None
+    if not math.isfinite(value_f) or value_f < 0:
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+    return value_f
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True) -> Tensor:
+    """Validate channel-last tokens ``(..., dim)`` and flatten them to ``(N, dim)``."""
+    if not isinstance(z, Tensor):
+        raise TypeError(f"expected a torch.Tensor of shape (..., {dim}), got {type(z).__name__}")
+    if z.ndim == 0 or z.shape[-1] != dim:
+        raise ValueError(
+            f"expected channel-last tokens of shape (..., {dim}), got shape {tuple(z.shape)}; "
+            f"the last dimension is the space in which to quantize (move channels last, "
+            f"e.g. einops.rearrange(z, 'b d h w -> b h w d'))"
+        )
+    if not z.is_floating_point():
+        raise ValueError(f"expected a floating-point tensor, got dtype {z.dtype}")
+    if check_finite and z.numel() > 0 and not bool(torch.isfinite(z).all()):
+        bad = int((~torch.isfinite(z)).sum())
+        raise ValueError(f"z contains {bad} non-finite value(s) (NaN or Inf) out of {z.numel()}")
+    return z.reshape(-1, dim)
+
+
+def check_indices(indices: Tensor, num_codes: int) -> None:
+    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int64, torch.int32, torch.int16,
+                                                                  torch.int8, torch.uint8):
+        raise ValueError(f"indices must be an integer tensor, got {getattr(indices, 'dtype', type(indices))}")
+    if indices.numel() > 0:
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= num_codes:
+            raise ValueError(f"indices must lie in [0, {num_codes}), got values in [{lo}, {hi}]")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else (bf16, fp16, fp32) is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum_(tensor: Tensor) -> Tensor:
+    """In-place sum across processes when running distributed; a no-op otherwise."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_(tensor: Tensor, src: int = 0) -> Tensor:
+    """In-place broadcast from ``src`` when running distributed, so every rank holds the same values."""
+    if is_distributed():
+        dist.broadcast(tensor, src=src)
+    return tensor

@@ -1,0 +1,94 @@
+"""Pure functions for codebook health: usage statistics and the paper's diagnostics S(P) and H(Q).
+
+:class:`softvq.CodebookUsage` is the stateful (epoch-accumulating, DDP-reducing) twin of
+:func:`codebook_usage`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from softvq._utils import check_choice, check_indices, check_positive_int
+
+
+def entropy_from_counts(counts: Tensor) -> Tensor:
+    """Shannon entropy (nats) of the distribution proportional to non-negative ``counts (K,)``; 0 log 0 = 0."""
+    total = counts.sum()
+    p = counts / total
+    return -(torch.special.xlogy(p, p)).sum()
+
+
+def usage_from_counts(hard_counts: Tensor, soft_mass: Tensor | None = None) -> dict[str, Tensor]:
+    """Utilization, dead codes and perplexities from per-code counts ``(K,)``.
+
+    Returns a dict with ``utilization`` (share of codes chosen at least once), ``dead_codes`` (number never
+    chosen), ``perplexity`` (``exp`` of the entropy of the hard usage, between 1 and K) and, when
+    ``soft_mass`` (summed assignments per code) is given, ``soft_perplexity``. With no tokens counted the
+    perplexities are NaN.
+    """
+    hard_counts = hard_counts.double()
+    used = hard_counts > 0
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=hard_counts.device)
+    out = {
+        "utilization": used.double().mean(),
+        "dead_codes": (~used).sum(),
+        "perplexity": entropy_from_counts(hard_counts).exp() if hard_counts.sum() > 0 else nan,
+    }
+    if soft_mass is not None:
+        soft_mass = soft_mass.double()
+        out["soft_perplexity"] = entropy_from_counts(soft_mass).exp() if soft_mass.sum() > 0 else nan
+    return out
+
+
+def codebook_usage(indices: Tensor, num_codes: int, probs: Tensor | None = None) -> dict[str, Tensor]:
+    """Codebook health of one batch: see :func:`usage_from_counts`.
+
+    Args:
+        indices: integer code indices, any shape, values in ``[0, num_codes)``.
+        num_codes: ``K``.
+        probs: optional soft assignments ``(..., K)`` whose leading shape matches ``indices``.
+    """
+    check_positive_int("num_codes", num_codes)
+    check_indices(indices, num_codes)
+    counts = torch.bincount(indices.reshape(-1).long(), minlength=num_codes)
+    soft = None
+    if probs is not None:
+        if probs.shape != (*indices.shape, num_codes):
+            raise ValueError(f"probs must have shape {(*indices.shape, num_codes)} to match indices, "
+                             f"got {tuple(probs.shape)}")
+        soft = probs.reshape(-1, num_codes).sum(0)
+    return usage_from_counts(counts, soft)
+
+
+def prototype_separation(prototypes: Tensor,
+                         distance: Literal["euclidean", "cosine"] = "euclidean") -> dict[str, Tensor]:
+    """S(P): the minimum and mean pairwise Euclidean distance between prototypes ``(K, D)``.
+
+    With ``distance="cosine"`` the prototypes are L2-normalised first (the geometry the layer uses). A
+    collapsed codebook has ``min`` near 0. Needs ``K >= 2``.
+    """
+    check_choice("distance", distance, ("euclidean", "cosine"))
+    if prototypes.ndim != 2 or prototypes.shape[0] < 2:
+        raise ValueError(f"prototypes must have shape (K, D) with K >= 2, got {tuple(prototypes.shape)}")
+    p = prototypes.detach().float() if prototypes.dtype != torch.float64 else prototypes.detach()
+    if distance == "cosine":
+        p = F.normalize(p, dim=-1)
+    pairwise = torch.pdist(p)  # (K (K-1) / 2,)
+    return {"min": pairwise.min(), "mean": pairwise.mean()}
+
+
+def assignment_entropy(probs: Tensor) -> Tensor:
+    """H(Q): the mean over tokens of the entropy (nats) of each token's assignment ``probs (..., K)``.
+
+    0 for hard (one-hot) assignments, ``log K`` for uniform ones.
+    """
+    if probs.ndim == 0:
+        raise ValueError("probs must have shape (..., K), got a scalar")
+    flat = probs.detach().reshape(-1, probs.shape[-1])
+    if flat.shape[0] == 0:
+        return torch.zeros((), dtype=probs.dtype, device=probs.device)
+    return -(torch.special.xlogy(flat, flat)).sum(-1).mean()

@@ -1,0 +1,168 @@
+"""Straight-through VQ-VAE quantizer (van den Oord et al. 2017), the baseline DDCL is compared against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from softvq._utils import (
+    all_reduce_sum_,
+    broadcast_,
+    check_indices,
+    check_nonnegative_float,
+    check_positive_float,
+    check_positive_int,
+    compute_dtype,
+    flatten_tokens,
+)
+from softvq.types import QuantizerOutput
+
+
+def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
+    """``||z_n - e_k||^2`` for ``z (N, D)`` and ``codebook (K, D)`` with one matmul: ``(N, K)``, clamped at 0."""
+    d = torch.addmm(codebook.square().sum(1), z, codebook.t(), alpha=-2.0)
+    return d.add_(z.square().sum(1, keepdim=True)).clamp_(min=0.0)
+
+
+class HardVQ(nn.Module):
+    """Nearest-code vector quantizer with a straight-through gradient (the VQ-VAE bottleneck).
+
+    Input: channel-last tokens ``z (..., dim)``; the last dimension is the space in which to quantize, all
+    other dimensions are flattened. ``quantized = z + sg[e - z]`` equals the nearest code ``e`` in value and
+    passes the output's gradient to ``z`` unchanged.
+
+    Loss (element-mean MSE, as in VQ-VAE): ``mse(sg[z], e) + beta * mse(z, sg[e])``; with ``ema_decay`` set
+    the codebook is instead an exponential moving average of its assigned tokens (updated in training mode
+    only, Laplace-smoothed counts) and the loss is ``beta * mse(z, sg[e])`` alone.
+
+    Dead-code restart: with ``dead_code_threshold > 0``, every training step a code whose running average
+    number of assigned tokens per batch (decay ``ema_decay``, or 0.99 without EMA) is below the threshold is
+    replaced by a random token of the current batch.
+
+    ``terms`` (detached): ``commitment`` (``mse(z, e)``, element mean), and the DDCL quantities for a one-hot
+    assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2`` and ``v = 0``, so both quantizers report
+    comparable numbers.
+
+    Args:
+        num_codes: ``K``.
+        dim: ``D``.
+        beta: commitment weight (``>= 0``).
+        ema_decay: ``None`` for a gradient-trained codebook, or a decay in ``(0, 1)`` for EMA updates.
+        dead_code_threshold: restart codes used less than this many times per batch on average; 0 = never.
+        epsilon: Laplace smoothing of the EMA cluster sizes.
+        check_finite: raise on NaN/Inf input.
+    """
+
+    def __init__(
+        self,
+        num_codes: int,
+        dim: int,
+        beta: float = 0.25,
+        ema_decay: float | None = None,
+        dead_code_threshold: float = 0.0,
+        epsilon: float = 1e-5,
+        check_finite: bool = True,
+    ) -> None:
+        super().__init__()
+        self.num_codes = check_positive_int("num_codes", num_codes)
+        self.dim = check_positive_int("dim", dim)
+        self.beta = check_nonnegative_float("beta", beta)
+        if ema_decay is not None and not (0.0 < float(ema_decay) < 1.0):
+            raise ValueError(f"ema_decay must be None or in (0, 1), got {ema_decay!r}")
+        self.ema_decay = None if ema_decay is None else float(ema_decay)
+        self.dead_code_threshold = check_nonnegative_float("dead_code_threshold", dead_code_threshold)
+        self.epsilon = check_positive_float("epsilon", epsilon)
+        self.check_finite = bool(check_finite)
+        init = torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes)  # VQ-VAE's init
+        if self.ema_decay is None:
+            self.embedding = nn.Parameter(init)  # (K, D)
+        else:
+            self.register_buffer("embedding", init)
+            # One pseudo-observation of each initial code, so unused codes keep their value under the EMA.
+            self.register_buffer("ema_cluster_size", torch.ones(num_codes))
+            self.register_buffer("ema_embed_sum", init.clone())
+        # Running average of assignments per batch, for dead-code restart.
+        self.register_buffer("usage", torch.zeros(num_codes))
+
+    @property
+    def codebook(self) -> Tensor:
+        """``(K, D)``, the codes."""
+        return self.embedding.detach()
+
+    def decode_indices(self, indices: Tensor) -> Tensor:
+        """Map code indices ``(...)`` to their codes ``(..., D)``."""
+        check_indices(indices, self.num_codes)
+        return F.embedding(indices.long(), self.codebook)
+
+    def extra_repr(self) -> str:
+        return (f"num_codes={self.num_codes}, dim={self.dim}, beta={self.beta:g}, ema_decay={self.ema_decay}, "
+                f"dead_code_threshold={self.dead_code_threshold:g}")
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        """Quantize channel-last tokens ``z (..., dim)``; see :class:`~softvq.QuantizerOutput`."""
+        flat = flatten_tokens(z, self.dim, check_finite=self.check_finite)  # (N, D)
+        lead = z.shape[:-1]
+        ctype = compute_dtype(z.dtype)
+        if flat.shape[0] == 0:
+            zero = (self.embedding.sum() * 0.0).to(ctype)
+            terms = {k: torch.zeros((), dtype=ctype, device=z.device) for k in ("commitment", "l_q", "l_ols", "v")}
+            return QuantizerOutput(z.clone(), torch.zeros(lead, dtype=torch.long, device=z.device),
+                                   z.new_zeros((*lead, self.num_codes), dtype=ctype), zero, terms)
+
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            zf = flat.to(ctype)
+            with torch.no_grad():
+                indices = squared_distances(zf, self.embedding.detach().to(ctype)).argmin(dim=1)  # (N,)
+            if self.training:
+                self._update_codebook(zf.detach(), indices)
+            codes = F.embedding(indices, self.embedding.to(ctype))  # (N, D); grad to the codebook if no EMA
+            commitment = F.mse_loss(zf, codes.detach())
+            if self.ema_decay is None:
+                loss = F.mse_loss(codes, zf.detach()) + self.beta * commitment
+            else:
+                loss = self.beta * commitment
+            quantized = zf + (codes - zf).detach()  # straight-through
+        per_token = commitment.detach() * self.dim
+        terms = {"commitment": commitment.detach(), "l_q": per_token, "l_ols": per_token,
+                 "v": torch.zeros_like(per_token)}
+        probs = F.one_hot(indices, self.num_codes).to(ctype)
+        return QuantizerOutput(
+            quantized=quantized.to(z.dtype).reshape(z.shape),
+            indices=indices.reshape(lead),
+            probs=probs.reshape(*lead, self.num_codes),
+            loss=loss,
+            terms=terms,
+        )
+
+    @torch.no_grad()
+    def _update_codebook(self, z: Tensor, indices: Tensor) -> None:
+        """EMA codebook update and dead-code restart (training mode only); counts summed across processes."""
+        counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
+        all_reduce_sum_(counts)
+        decay = self.ema_decay if self.ema_decay is not None else 0.99
+        self.usage.mul_(decay).add_(counts, alpha=1.0 - decay)
+        if self.ema_decay is not None:
+            embed_sum = torch.zeros_like(self.ema_embed_sum).index_add_(0, indices, z.to(self.ema_embed_sum.dtype))
+            all_reduce_sum_(embed_sum)
+            self.ema_cluster_size.mul_(decay).add_(counts, alpha=1.0 - decay)
+            self.ema_embed_sum.mul_(decay).add_(embed_sum, alpha=1.0 - decay)
+            n = self.ema_cluster_size.sum()
+            smoothed = (self.ema_cluster_size + self.epsilon) / (n + self.num_codes * self.epsilon) * n
+            self.embedding.copy_(self.ema_embed_sum / smoothed[:, None])
+        if self.dead_code_threshold > 0:
+            self._restart_dead_codes(z)
+
+    @torch.no_grad()
+    def _restart_dead_codes(self, z: Tensor) -> None:
+        dead = self.usage < self.dead_code_threshold  # (K,)
+        num_dead = int(dead.sum())
+        if num_dead == 0:
+            return
+        pick = torch.randint(z.shape[0], (num_dead,), device=z.device)
+        fresh = broadcast_(z[pick].to(self.embedding.dtype).contiguous())  # same restart on every rank
+        self.embedding[dead] = fresh
+        self.usage[dead] = self.dead_code_threshold
+        if self.ema_decay is not None:
+            self.ema_cluster_size[dead] = self.dead_code_threshold
+            self.ema_embed_sum[dead] = fresh * self.dead_code_threshold
