@@ -54,6 +54,9 @@ class _SoftCentroid(torch.autograd.Function):
     Returns ``mu (N, D)``, ``q (N, K)``, ``indices (N,)``, ``loss ()``, ``stats (3,) = [l_q, l_ols, v]``.
     ``loss = (cb_w * L_cb(sg z, P) + cm_w * L_cm(z, sg P)) / D``: the codebook term only reaches the prototypes,
     the commitment term only reaches ``z``; ``mu`` and ``q`` are differentiable w.r.t. both.
+
+    The backward pass is written out so that it touches each ``(N, K)`` array as few times as possible (it is
+    memory-bound on CPU): per side one matmul for ``dL/dq`` and three element-wise passes.
     """
 
     @staticmethod
@@ -74,14 +77,15 @@ class _SoftCentroid(torch.autograd.Function):
         zc = z - center  # (N, D)
         pc = prototypes - center  # (K, D)
         p_sq = pc.square().sum(1)  # (K,)
-        d = torch.addmm(p_sq, zc, pc.t(), alpha=-2.0)  # (N, K)
+        d = torch.addmm(p_sq, zc, pc.t(), alpha=-2.0)  # (N, K) squared distances
         d.add_(zc.square().sum(1, keepdim=True)).clamp_(min=0.0)
-        q = torch.softmax(d * (-1.0 / temperature), dim=1)  # (N, K), log-sum-exp stable
         indices = d.argmin(dim=1)
+        logits = d.mul_(-1.0 / temperature)  # in place: d is not kept, d = -T * logits
+        q = torch.softmax(logits, dim=1)  # (N, K), log-sum-exp stable
         mu_c = q @ pc  # (N, D)
         mu = mu_c + center
 
-        lq_n = _rows_dot(q, d)  # (N,) per-token L_q
+        lq_n = _rows_dot(q, logits).mul_(-temperature)  # (N,) per-token L_q = sum_k q d
         r = zc - mu_c  # (N, D) residual z - mu
         l_ols = r.square().sum(1).mean()
         v = (q @ p_sq - mu_c.square().sum(1)).mean()
@@ -96,8 +100,7 @@ class _SoftCentroid(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.routing = (cb_term, cb_weight, cm_term, cm_weight)
         need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
-        ctx.need_d = need_d
-        ctx.save_for_backward(zc, pc, q, r, d if need_d else None, lq_n if need_d else None)
+        ctx.save_for_backward(zc, pc, q, r, mu_c, logits if need_d else None, lq_n if need_d else None)
         ctx.mark_non_differentiable(indices, stats)
         ctx.set_materialize_grads(False)
         return mu, q, indices, loss, stats
@@ -111,7 +114,7 @@ class _SoftCentroid(torch.autograd.Function):
         g_loss: Tensor | None,
         _g_stats: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
-        zc, pc, q, r, d, lq_n = ctx.saved_tensors
+        zc, pc, q, r, mu_c, logits, lq_n = ctx.saved_tensors
         temperature = ctx.temperature
         cb_term, cb_weight, cm_term, cm_weight = ctx.routing
         n, dim = zc.shape
@@ -121,24 +124,29 @@ class _SoftCentroid(torch.autograd.Function):
             a_cb = scale * cb_weight if scale is not None and cb_weight > 0 else None
             a_cm = scale * cm_weight if scale is not None and cm_weight > 0 else None
 
-            # dL_q/dd_nk = q_nk (1 - (d_nk - L_q,n) / T): attraction of near prototypes, repulsion of far ones.
-            g_lq = None
-            if ctx.need_d and ((a_cb is not None and cb_term == "l_q") or (a_cm is not None and cm_term == "l_q")):
-                g_lq = q - (q * (d - lq_n[:, None])) / temperature
+            def scaled_grad_d(g_mu_side: Tensor | None, a_lq: Tensor | None) -> Tensor | None:
+                """``W`` with ``dL/dd = -W / T``, from mu / q (through the softmax) and an ``a_lq * L_q`` term.
 
-            def grad_d(g_mu_side: Tensor | None, a_lq: Tensor | None) -> Tensor | None:
-                """Gradient w.r.t. the distances, from mu / q (through the softmax) and an L_q term."""
-                g_q_side = g_q
+                Through the softmax (logits = -d/T): dL/dd = -q (g_q - <q, g_q>) / T. From L_q:
+                dL_q/dd = q (1 - (d - L_q,n) / T), attraction of near prototypes and repulsion of far ones.
+                Together: -q (g_q + a d - <q, g_q> - a L_q,n - a T) / T. Rows of W sum to -a T (to 0 without L_q).
+                """
+                w = None
+                row = None  # (N,) per-token constant subtracted inside the bracket
                 if g_mu_side is not None:
-                    from_mu = g_mu_side @ pc.t()  # (N, K); mu = q @ P, the centre cancels in the softmax
-                    g_q_side = from_mu if g_q_side is None else g_q_side + from_mu
-                out = None
-                if g_q_side is not None:
-                    # logits = -d / T  ->  dL/dd = -(q * (g_q - <q, g_q>)) / T
-                    out = q * (g_q_side - _rows_dot(q, g_q_side)[:, None]) * (-1.0 / temperature)
+                    w = g_mu_side @ pc.t()  # (N, K) dL/dq; mu = q @ P and the centre cancels in the softmax
+                    row = _rows_dot(g_mu_side, mu_c)  # <q, g_mu P^T> = g_mu . mu, an (N, D) product
+                if g_q is not None:
+                    w = g_q.clone() if w is None else w.add_(g_q)
+                    row = _rows_dot(q, g_q) if row is None else row.add_(_rows_dot(q, g_q))
                 if a_lq is not None:
-                    out = g_lq * a_lq if out is None else out.add_(g_lq * a_lq)
-                return out
+                    # a * d = -a T * logits
+                    w = logits * (-temperature * a_lq) if w is None else w.add_(logits * (-temperature * a_lq))
+                    extra = a_lq * (lq_n + temperature)
+                    row = extra if row is None else row.add_(extra)
+                if w is None:
+                    return None
+                return w.sub_(row[:, None]).mul_(q)
 
             # L_OLS = mean ||z - mu||^2 enters through mu (dL/dmu = -2 r) and, on z's side, directly (+2 r).
             g_mu_p = g_mu
@@ -147,25 +155,26 @@ class _SoftCentroid(torch.autograd.Function):
             g_mu_z = g_mu
             if a_cm is not None and cm_term == "l_ols":
                 g_mu_z = r * (-2.0 * a_cm) if g_mu_z is None else g_mu_z - 2.0 * a_cm * r
-
             lq_cb = a_cb if cb_term == "l_q" else None
             lq_cm = a_cm if cm_term == "l_q" else None
-            grad_z = grad_p = gd_p = None
+
+            # d_nk = ||z_n - p_k||^2: dd/dp_k = 2 (p_k - z_n), dd/dz_n = 2 (z_n - p_k); with dL/dd = -W / T.
+            grad_z = grad_p = w_p = None
             if ctx.needs_input_grad[1]:
-                gd_p = grad_d(g_mu_p, lq_cb)
+                w_p = scaled_grad_d(g_mu_p, lq_cb)
                 grad_p = torch.zeros_like(pc) if g_mu_p is None else q.t() @ g_mu_p  # direct path of mu
-                if gd_p is not None:
-                    # d_nk = ||z_n - p_k||^2  ->  dd/dp_k = 2 (p_k - z_n)
-                    grad_p += 2.0 * (gd_p.sum(0)[:, None] * pc - gd_p.t() @ zc)
+                if w_p is not None:
+                    grad_p.add_(w_p.sum(0)[:, None] * pc - w_p.t() @ zc, alpha=-2.0 / temperature)
             if ctx.needs_input_grad[0]:
-                reuse = gd_p is not None and g_mu_z is g_mu_p and lq_cb is None and lq_cm is None
-                gd_z = gd_p if reuse else grad_d(g_mu_z, lq_cm)
+                reuse = w_p is not None and g_mu_z is g_mu_p and lq_cb is None and lq_cm is None
+                w_z = w_p if reuse else scaled_grad_d(g_mu_z, lq_cm)
                 grad_z = torch.zeros_like(zc)
-                if gd_z is not None:
-                    # dd/dz_n = 2 (z_n - p_k)
-                    grad_z += 2.0 * (gd_z.sum(1)[:, None] * zc - gd_z @ pc)
+                if w_z is not None:
+                    grad_z.add_(w_z @ pc, alpha=2.0 / temperature)  # the row sums of W are known in closed form
+                if lq_cm is not None:
+                    grad_z.add_(2.0 * lq_cm * zc)
                 if a_cm is not None and cm_term == "l_ols":
-                    grad_z += 2.0 * a_cm * r
+                    grad_z.add_(2.0 * a_cm * r)
         return grad_z, grad_p, None, None, None, None, None
 
 

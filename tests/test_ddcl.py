@@ -164,7 +164,7 @@ def test_output_approaches_nearest_prototype_as_temperature_falls():
     for t in (10.0, 1.0, 0.1, 0.01, 0.001, 1e-4):
         quantizer.temperature = t  # annealing: the temperature can change between steps
         errors.append((quantizer(z).quantized - nearest)[clear].abs().max().item())
-    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
     assert errors[-1] < 1e-12, errors
 
 

@@ -1,0 +1,131 @@
+"""HardVQ against brute-force nearest codes and hand-computed EMA updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from softvq import HardVQ
+
+
+def exact_cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
+
+
+@pytest.mark.parametrize("shape", [(13, 6), (2, 5, 6), (2, 3, 4, 6)])
+@pytest.mark.parametrize("ema_decay", [None, 0.9])
+def test_forward_is_nearest_code(shape, ema_decay):
+    torch.manual_seed(0)
+    vq = HardVQ(20, 6, ema_decay=ema_decay).eval()
+    with torch.no_grad():
+        vq.embedding.normal_()
+    z = torch.randn(shape)
+    out = vq(z)
+    flat = z.reshape(-1, 6)
+    expected = exact_cdist(flat, vq.codebook).argmin(1)
+    assert torch.equal(out.indices.reshape(-1), expected)
+    assert out.indices.shape == shape[:-1] and out.indices.dtype == torch.int64
+    torch.testing.assert_close(out.quantized.reshape(-1, 6), vq.codebook[expected])
+    assert torch.equal(out.probs, F.one_hot(out.indices, 20).float())
+    torch.testing.assert_close(vq.decode_indices(out.indices), out.quantized)
+    per_token = (flat - vq.codebook[expected]).square().sum(1).mean()
+    torch.testing.assert_close(out.terms["l_q"], per_token)
+    torch.testing.assert_close(out.terms["commitment"], per_token / 6)
+    assert out.terms["v"].item() == 0.0
+
+
+def test_straight_through_passes_output_gradient_to_z():
+    torch.manual_seed(1)
+    vq = HardVQ(8, 4)
+    z = torch.randn(10, 4, requires_grad=True)
+    g = torch.randn(10, 4)
+    (vq(z).quantized * g).sum().backward()
+    torch.testing.assert_close(z.grad, g, rtol=0, atol=0)
+
+
+def test_loss_is_codebook_plus_beta_commitment():
+    torch.manual_seed(2)
+    vq = HardVQ(8, 4, beta=0.25)
+    z = torch.randn(10, 4, requires_grad=True)
+    out = vq(z)
+    codes = vq.codebook[out.indices]
+    mse = (z.detach() - codes).square().mean()
+    torch.testing.assert_close(out.loss, 1.25 * mse)
+    out.loss.backward()
+    # d/dz of beta * mse(z, sg e) and d/de of mse(e, sg z), element means
+    torch.testing.assert_close(z.grad, 0.25 * 2 * (z.detach() - codes) / z.numel())
+    expected_codebook_grad = torch.zeros(8, 4).index_add_(0, out.indices, 2 * (codes - z.detach()) / z.numel())
+    torch.testing.assert_close(vq.embedding.grad, expected_codebook_grad)
+
+
+def test_ema_update_matches_hand_computation_and_only_in_training():
+    vq = HardVQ(2, 1, ema_decay=0.5, epsilon=1e-5)
+    with torch.no_grad():
+        vq.embedding.copy_(torch.tensor([[0.0], [10.0]]))
+        vq.ema_embed_sum.copy_(vq.embedding)
+    z = torch.tensor([[1.0], [2.0], [3.0]])  # all nearest to code 0
+
+    vq.eval()
+    vq(z)
+    assert torch.equal(vq.codebook, torch.tensor([[0.0], [10.0]]))  # evaluation leaves the codebook alone
+
+    vq.train()
+    vq(z)
+    # cluster sizes: 0.5 * [1, 1] + 0.5 * [3, 0] = [2, 0.5]; sums: 0.5 * [0, 10] + 0.5 * [6, 0] = [3, 5]
+    size = torch.tensor([2.0, 0.5])
+    n = size.sum()
+    smoothed = (size + 1e-5) / (n + 2e-5) * n
+    expected = torch.tensor([3.0, 5.0]) / smoothed
+    torch.testing.assert_close(vq.codebook.squeeze(1), expected)
+    assert vq.embedding.grad is None and not vq.embedding.requires_grad
+
+
+def test_dead_code_is_restarted_from_batch_vectors():
+    torch.manual_seed(3)
+    vq = HardVQ(4, 2, ema_decay=0.9, dead_code_threshold=0.5)
+    with torch.no_grad():
+        vq.embedding.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1e3, 1e3]]))  # code 3 far away
+        vq.ema_embed_sum.copy_(vq.embedding)
+        vq.ema_cluster_size.fill_(10.0)
+        vq.usage.fill_(10.0)
+        vq.usage[3] = 0.0  # code 3 has not been used for a while
+    z = torch.rand(32, 2)
+    vq.train()
+    vq(z)
+    restarted = vq.codebook[3]
+    assert exact_cdist(restarted[None], z).min().item() == 0.0  # it is now one of the batch's vectors
+    assert vq.usage[3].item() == 0.5
+    torch.testing.assert_close(vq.ema_embed_sum[3], restarted * 0.5)
+
+
+def test_dead_code_restart_without_ema():
+    torch.manual_seed(4)
+    vq = HardVQ(3, 2, dead_code_threshold=1.0)
+    with torch.no_grad():
+        vq.embedding.copy_(torch.tensor([[0.0, 0.0], [5.0, 5.0], [-5.0, -5.0]]))
+    z = torch.rand(16, 2) * 0.1
+    vq(z)  # all tokens go to code 0: codes 1, 2 fall under the threshold
+    assert exact_cdist(vq.codebook[1:], z).min(1).values.max().item() == 0.0
+
+
+def test_empty_batch_and_bad_input():
+    vq = HardVQ(5, 3)
+    out = vq(torch.empty(0, 3))
+    assert out.quantized.shape == (0, 3) and out.indices.shape == (0,) and out.probs.shape == (0, 5)
+    out.loss.backward()
+    with pytest.raises(ValueError, match=r"\(\.\.\., 3\)"):
+        vq(torch.randn(4, 2))
+    with pytest.raises(ValueError, match="non-finite"):
+        vq(torch.tensor([[float("nan"), 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"num_codes": 0}, "num_codes"), ({"dim": -1}, "dim"), ({"beta": -1.0}, "beta"),
+     ({"ema_decay": 1.0}, "ema_decay"), ({"ema_decay": 0.0}, "ema_decay"),
+     ({"dead_code_threshold": -2.0}, "dead_code_threshold"), ({"epsilon": 0.0}, "epsilon")],
+)
+def test_invalid_hyperparameters_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HardVQ(**{"num_codes": 8, "dim": 4, **kwargs})
