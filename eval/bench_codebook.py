@@ -6,9 +6,9 @@
 Every configuration times the three quantizers in interleaved rounds in one process (so machine noise hits all
 of them alike) and reports the median. Peak memory is the extra memory of one step: on CUDA from
 ``torch.cuda.max_memory_allocated``; on CPU the rise of the resident set's high-water mark (``VmHWM``, reset
-through ``/proc/self/clear_refs``) over its size just before the step, with glibc told to serve every large
-block with mmap so that freed tensors leave the resident set at once (measured after all timing, since that
-setting slows allocation down).
+through ``/proc/self/clear_refs``) over its size just before the step, with glibc's free heap pages handed back
+first (``malloc_trim``) and every large block served with mmap so that freed tensors leave the resident set
+at once (measured after all timing, since that setting slows allocation down).
 vector-quantize-pytorch is a benchmark-only dependency: ``pip install -e .[bench]``.
 """
 
@@ -103,14 +103,26 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def serve_large_blocks_with_mmap() -> bool:
-    """Ask glibc to mmap every block >= 64 KiB, so a freed tensor leaves the resident set at once."""
+def _libc():
     try:
         import ctypes
 
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 65536))  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def serve_large_blocks_with_mmap() -> bool:
+    """Ask glibc to mmap every block >= 64 KiB, so a freed tensor leaves the resident set at once."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(-3, 65536))  # -3 = M_MMAP_THRESHOLD
+
+
+def release_free_heap() -> None:
+    """Hand glibc's free heap pages back to the system, so reusing them shows as a rise of the resident set."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def peak_memory_mib(step: Callable[[], None], device: torch.device) -> float:
@@ -123,6 +135,7 @@ def peak_memory_mib(step: Callable[[], None], device: torch.device) -> float:
         step()
         torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark to the current resident set

@@ -1,0 +1,54 @@
+"""The README's main job (examples/quickstart.py) and the benchmark script keep working."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_trains_both_quantizers_and_reports_the_identity(capsys):
+    quickstart = load(ROOT / "examples" / "quickstart.py")
+    quickstart.main(["--steps", "60", "--log-every", "30", "--codes", "32", "--batch-size", "64"])
+    lines = capsys.readouterr().out.splitlines()
+    ddcl = [line for line in lines if re.match(r"\s+\d+\s+ddcl ", line)]
+    hard = [line for line in lines if re.match(r"\s+\d+\s+hard ", line)]
+    assert len(ddcl) == 2 and len(hard) == 2
+    for line in ddcl:
+        residual = float(re.search(r"residual ([0-9.e+-]+)\)", line).group(1))
+        assert residual < 1e-5
+    for line in hard:  # a hard quantizer's decoded output is its training output
+        mse, mse_hard = (float(v) for v in line.split()[2:4])
+        assert mse == pytest.approx(mse_hard, rel=1e-4)
+
+
+def test_quickstart_rejects_bad_flags():
+    quickstart = load(ROOT / "examples" / "quickstart.py")
+    with pytest.raises(SystemExit):
+        quickstart.main(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        quickstart.main(["--no-such-flag"])
+
+
+def test_benchmark_prints_a_row_per_codebook_size(tmp_path, capsys):
+    bench_codebook = load(ROOT / "eval" / "bench_codebook.py")
+    out = tmp_path / "bench.json"
+    bench_codebook.main(["--tokens", "256", "--dim", "8", "--codes", "16", "32", "--reps", "2", "--warmup", "1",
+                         "--methods", "ddcl", "hard", "--json", str(out)])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(table) == 3  # header + one row per K
+    result = json.loads(out.read_text())
+    assert [row["K"] for row in result["rows"]] == [16, 32]
+    assert all(row["ms"][m] > 0 for row in result["rows"] for m in ("ddcl", "hard"))
