@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from softvq.types import QuantizerOutput
+
 
 def check_positive_int(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -15,23 +17,15 @@ def check_positive_int(name: str, value: int) -> int:
     return value
 
 
-def check_positive_float(name: str, value: float) -> float:
+def check_float(name: str, value: float, *, allow_zero: bool = False) -> float:
+    """A finite float that is > 0 (or >= 0 with ``allow_zero``), else a ValueError naming ``name`` and ``value``."""
+    kind = "non-negative" if allow_zero else "positive"
     try:
         value_f = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}") from None
-    if not math.isfinite(value_f) or value_f <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return value_f
-
-
-def check_nonnegative_float(name: str, value: float) -> float:
-    try:
-        value_f = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}") from None
-    if not math.isfinite(value_f) or value_f < 0:
-        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+        raise ValueError(f"{name} must be a {kind} finite number, got {value!r}") from None
+    if not math.isfinite(value_f) or value_f < 0 or (value_f == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a {kind} finite number, got {value!r}")
     return value_f
 
 
@@ -67,6 +61,32 @@ def check_indices(indices: Tensor, num_codes: int) -> None:
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= num_codes:
             raise ValueError(f"indices must lie in [0, {num_codes}), got values in [{lo}, {hi}]")
+
+
+def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
+    """``||z_n - e_k||^2`` for ``z (N, D)`` and ``codebook (K, D)`` with one matmul: ``(N, K)``, clamped at 0.
+
+    The expansion ``|z|^2 - 2 z.e + |e|^2`` cancels badly when both sides sit far from the origin: callers centre
+    them first (e.g. on the codebook's mean), which changes no distance.
+    """
+    d = torch.addmm(codebook.square().sum(1), z, codebook.t(), alpha=-2.0)
+    return d.add_(z.square().sum(1, keepdim=True)).clamp_(min=0.0)
+
+
+def empty_output(z: Tensor, num_codes: int, anchor: Tensor, term_names: tuple[str, ...]) -> QuantizerOutput:
+    """What a quantizer returns for zero tokens: empty tensors of the right shapes and a zero loss that is still
+    connected to ``anchor`` (a parameter or buffer), so ``loss.backward()`` works."""
+    lead = z.shape[:-1]
+    ctype = compute_dtype(z.dtype)
+    zero = (anchor.sum() * 0.0).to(ctype)
+    terms = {k: torch.zeros((), dtype=ctype, device=z.device) for k in term_names}
+    return QuantizerOutput(
+        quantized=z.clone(),
+        indices=torch.zeros(lead, dtype=torch.long, device=z.device),
+        probs=z.new_zeros((*lead, num_codes), dtype=ctype),
+        loss=zero,
+        terms=terms,
+    )
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

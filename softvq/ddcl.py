@@ -18,7 +18,7 @@ the prototypes without recomputing the layer (see :class:`DDCLQuantizer`).
 
 from __future__ import annotations
 
-import logging
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -28,16 +28,15 @@ from torch import Tensor, nn
 from softvq._utils import (
     broadcast_,
     check_choice,
+    check_float,
     check_indices,
-    check_nonnegative_float,
-    check_positive_float,
     check_positive_int,
     compute_dtype,
+    empty_output,
     flatten_tokens,
+    squared_distances,
 )
 from softvq.types import QuantizerOutput
-
-log = logging.getLogger(__name__)
 
 Term = Literal["l_q", "l_ols"]
 _TERMS = ("l_q", "l_ols")
@@ -77,8 +76,7 @@ class _SoftCentroid(torch.autograd.Function):
         zc = z - center  # (N, D)
         pc = prototypes - center  # (K, D)
         p_sq = pc.square().sum(1)  # (K,)
-        d = torch.addmm(p_sq, zc, pc.t(), alpha=-2.0)  # (N, K) squared distances
-        d.add_(zc.square().sum(1, keepdim=True)).clamp_(min=0.0)
+        d = squared_distances(zc, pc)  # (N, K), one matmul
         indices = d.argmin(dim=1)
         logits = d.mul_(-1.0 / temperature)  # in place: d is not kept, d = -T * logits
         q = torch.softmax(logits, dim=1)  # (N, K), log-sum-exp stable
@@ -245,12 +243,12 @@ class DDCLQuantizer(nn.Module):
         self.distance = check_choice("distance", distance, ("euclidean", "cosine"))
         self.codebook_term = check_choice("codebook_term", codebook_term, _TERMS)
         self.commitment_term = check_choice("commitment_term", commitment_term, _TERMS)
-        self.codebook_weight = check_nonnegative_float("codebook_weight", codebook_weight)
-        self.commitment_weight = check_nonnegative_float("commitment_weight", commitment_weight)
+        self.codebook_weight = check_float("codebook_weight", codebook_weight, allow_zero=True)
+        self.commitment_weight = check_float("commitment_weight", commitment_weight, allow_zero=True)
         self.init = check_choice("init", init, ("data", "normal"))
-        init_scale = check_positive_float("init_scale", init_scale)
+        init_scale = check_float("init_scale", init_scale)
         self.check_finite = bool(check_finite)
-        self._temperature = check_positive_float("temperature", temperature)
+        self._temperature = check_float("temperature", temperature)
         # Python-side state (no device sync to read it); saved through get_extra_state.
         self._initialized = init != "data"
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale)  # (K, D)
@@ -263,7 +261,7 @@ class DDCLQuantizer(nn.Module):
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        self._temperature = check_positive_float("temperature", value)
+        self._temperature = check_float("temperature", value)
 
     @property
     def initialized(self) -> bool:
@@ -331,9 +329,13 @@ class DDCLQuantizer(nn.Module):
         flat = flatten_tokens(z, self.dim, check_finite=self.check_finite)  # (N, D)
         lead = z.shape[:-1]
         if flat.shape[0] == 0:
-            return self._empty_output(z)
-        if not self._initialized and self.training:
-            self.init_from_data(flat.detach())
+            return empty_output(z, self.num_codes, self.prototypes, ("l_q", "l_ols", "v", "identity_residual"))
+        if not self._initialized:
+            if self.training:
+                self.init_from_data(flat.detach())
+            else:
+                warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised its "
+                              "prototypes: it is using random placeholder prototypes", stacklevel=2)
         ctype = compute_dtype(z.dtype)
         with torch.autocast(device_type=z.device.type, enabled=False):
             zf = flat.to(ctype)
@@ -356,18 +358,3 @@ class DDCLQuantizer(nn.Module):
             loss=loss,
             terms=terms,
         )
-
-    def _empty_output(self, z: Tensor) -> QuantizerOutput:
-        lead = z.shape[:-1]
-        ctype = compute_dtype(z.dtype)
-        zero = (self.prototypes.sum() * 0.0).to(ctype)  # keeps the graph so loss.backward() still works
-        terms = {k: torch.zeros((), dtype=ctype, device=z.device) for k in ("l_q", "l_ols", "v",
-                                                                           "identity_residual")}
-        return QuantizerOutput(
-            quantized=z.clone(),
-            indices=torch.zeros(lead, dtype=torch.long, device=z.device),
-            probs=z.new_zeros((*lead, self.num_codes), dtype=ctype),
-            loss=zero,
-            terms=terms,
-        )
-

@@ -9,20 +9,15 @@ from torch import Tensor, nn
 from softvq._utils import (
     all_reduce_sum_,
     broadcast_,
+    check_float,
     check_indices,
-    check_nonnegative_float,
-    check_positive_float,
     check_positive_int,
     compute_dtype,
+    empty_output,
     flatten_tokens,
+    squared_distances,
 )
 from softvq.types import QuantizerOutput
-
-
-def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
-    """``||z_n - e_k||^2`` for ``z (N, D)`` and ``codebook (K, D)`` with one matmul: ``(N, K)``, clamped at 0."""
-    d = torch.addmm(codebook.square().sum(1), z, codebook.t(), alpha=-2.0)
-    return d.add_(z.square().sum(1, keepdim=True)).clamp_(min=0.0)
 
 
 class HardVQ(nn.Module):
@@ -67,12 +62,12 @@ class HardVQ(nn.Module):
         super().__init__()
         self.num_codes = check_positive_int("num_codes", num_codes)
         self.dim = check_positive_int("dim", dim)
-        self.beta = check_nonnegative_float("beta", beta)
+        self.beta = check_float("beta", beta, allow_zero=True)
         if ema_decay is not None and not (0.0 < float(ema_decay) < 1.0):
             raise ValueError(f"ema_decay must be None or in (0, 1), got {ema_decay!r}")
         self.ema_decay = None if ema_decay is None else float(ema_decay)
-        self.dead_code_threshold = check_nonnegative_float("dead_code_threshold", dead_code_threshold)
-        self.epsilon = check_positive_float("epsilon", epsilon)
+        self.dead_code_threshold = check_float("dead_code_threshold", dead_code_threshold, allow_zero=True)
+        self.epsilon = check_float("epsilon", epsilon)
         self.check_finite = bool(check_finite)
         init = torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes)  # VQ-VAE's init
         if self.ema_decay is None:
@@ -105,15 +100,14 @@ class HardVQ(nn.Module):
         lead = z.shape[:-1]
         ctype = compute_dtype(z.dtype)
         if flat.shape[0] == 0:
-            zero = (self.embedding.sum() * 0.0).to(ctype)
-            terms = {k: torch.zeros((), dtype=ctype, device=z.device) for k in ("commitment", "l_q", "l_ols", "v")}
-            return QuantizerOutput(z.clone(), torch.zeros(lead, dtype=torch.long, device=z.device),
-                                   z.new_zeros((*lead, self.num_codes), dtype=ctype), zero, terms)
+            return empty_output(z, self.num_codes, self.embedding, ("commitment", "l_q", "l_ols", "v"))
 
         with torch.autocast(device_type=z.device.type, enabled=False):
             zf = flat.to(ctype)
             with torch.no_grad():
-                indices = squared_distances(zf, self.embedding.detach().to(ctype)).argmin(dim=1)  # (N,)
+                codebook = self.embedding.detach().to(ctype)
+                center = codebook.mean(0)  # distances are translation invariant; centring keeps them accurate
+                indices = squared_distances(zf - center, codebook - center).argmin(dim=1)  # (N,)
             if self.training:
                 self._update_codebook(zf.detach(), indices)
             codes = F.embedding(indices, self.embedding.to(ctype))  # (N, D); grad to the codebook if no EMA

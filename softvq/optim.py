@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from softvq._utils import check_nonnegative_float, check_positive_float
+from softvq._utils import check_float
 from softvq.ddcl import DDCLQuantizer
 
 
@@ -25,9 +25,9 @@ def param_groups(model: nn.Module, lr: float, eps: float = 0.1, weight_decay: fl
         ValueError: on a non-positive ``lr``/``eps``, a negative ``weight_decay``, or a model without any
             trainable DDCL prototypes (``eps`` would silently do nothing).
     """
-    lr = check_positive_float("lr", lr)
-    eps = check_positive_float("eps", eps)
-    weight_decay = check_nonnegative_float("weight_decay", weight_decay)
+    lr = check_float("lr", lr)
+    eps = check_float("eps", eps)
+    weight_decay = check_float("weight_decay", weight_decay, allow_zero=True)
     prototype_ids = {
         id(m.prototypes) for m in model.modules() if isinstance(m, DDCLQuantizer) and m.prototypes.requires_grad
     }
