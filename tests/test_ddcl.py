@@ -174,7 +174,8 @@ def test_data_initialisation_copies_first_training_batch():
     assert not quantizer.initialized
     z = torch.randn(4, 10, 3)
     quantizer.eval()
-    quantizer(z)
+    with pytest.warns(UserWarning, match="placeholder"):
+        quantizer(z)
     assert not quantizer.initialized  # evaluation never initialises
     quantizer.train()
     quantizer(z)
@@ -292,3 +293,32 @@ def test_invalid_temperature_assignment_raises():
 def test_bad_input_raises(z, match):
     with pytest.raises(ValueError, match=match):
         make(dtype=torch.float32)(z)
+
+
+class _RecordShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every tensor any aten op produces (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+def test_never_builds_an_n_by_k_by_d_tensor(distance):
+    """Memory is O(N K): no op of the forward or backward pass produces N*K*D elements."""
+    n, k, dim = 96, 40, 24
+    quantizer = DDCLQuantizer(k, dim, distance=distance, init="normal")
+    z = torch.randn(n, dim, requires_grad=True)
+    with _RecordShapes() as rec:
+        out = quantizer(z)
+        (out.quantized.square().mean() + out.probs.square().mean() + out.loss).backward()
+    assert (n, k) in rec.shapes  # the recorder sees the distance matrix...
+    largest = max(torch.Size(s).numel() for s in rec.shapes)
+    assert largest == n * k, f"largest intermediate has {largest} elements (N*K = {n * k})"  # ...and nothing larger
