@@ -272,6 +272,9 @@ class DDCLQuantizer(nn.Module):
         return {"temperature": self._temperature, "initialized": self._initialized}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
+            raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
+                             f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
         self.temperature = state["temperature"]
         self._initialized = bool(state["initialized"])
 

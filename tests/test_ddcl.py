@@ -209,6 +209,20 @@ def test_state_dict_keeps_temperature_and_initialisation():
     torch.testing.assert_close(restored(z).quantized, quantizer(z).quantized)
 
 
+def test_state_dict_with_bad_extra_state_raises():
+    quantizer = DDCLQuantizer(8, 2)
+    state = quantizer.state_dict()
+    state["_extra_state"] = {"temperature": 0.5}  # e.g. a hand-edited or foreign checkpoint
+    with pytest.raises(ValueError, match="initialized"):
+        quantizer.load_state_dict(state)
+    state["_extra_state"] = {"temperature": -1.0, "initialized": True}
+    with pytest.raises(ValueError, match="temperature"):
+        quantizer.load_state_dict(state)
+    del state["_extra_state"]
+    with pytest.raises(RuntimeError, match="_extra_state"):  # strict loading names the missing entry
+        quantizer.load_state_dict(state)
+
+
 def test_cosine_distance_is_scale_invariant():
     quantizer = DDCLQuantizer(10, 6, distance="cosine", temperature=0.1, init="normal")
     z = torch.randn(30, 6)
@@ -322,3 +336,16 @@ def test_never_builds_an_n_by_k_by_d_tensor(distance):
     assert (n, k) in rec.shapes  # the recorder sees the distance matrix...
     largest = max(torch.Size(s).numel() for s in rec.shapes)
     assert largest == n * k, f"largest intermediate has {largest} elements (N*K = {n * k})"  # ...and nothing larger
+
+
+def test_jacobian_of_soft_centroid_is_assignment_covariance():
+    """DESIGN §2: d mu_n / d z_n = (2/T) C_n with C_n = sum_k q_nk (p_k - mu_n)(p_k - mu_n)^T, trace C_n = V_n."""
+    torch.manual_seed(10)
+    quantizer = make(num_codes=7, dim=3, temperature=0.6)
+    z = torch.randn(1, 3, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda x: quantizer(x).quantized[0], z)[:, 0, :]  # (D, D)
+    out = quantizer(z)
+    p, q, mu = quantizer.prototypes.detach(), out.probs[0], out.quantized[0]
+    cov = ((p - mu).T * q) @ (p - mu)
+    torch.testing.assert_close(jac, (2 / 0.6) * cov, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.trace(cov), out.terms["v"], rtol=1e-10, atol=0)
