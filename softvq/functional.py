@@ -44,6 +44,22 @@ def usage_from_counts(hard_counts: Tensor, soft_mass: Tensor | None = None) -> d
     return out
 
 
+def batch_counts(indices: Tensor, num_codes: int, probs: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Per-code hard counts ``(K,)`` int64 and, when ``probs (..., K)`` is given, summed assignments ``(K,)``.
+
+    Raises:
+        ValueError: indices outside ``[0, num_codes)`` or not integer, or ``probs`` whose shape does not match.
+    """
+    check_indices(indices, num_codes)
+    counts = torch.bincount(indices.reshape(-1).long(), minlength=num_codes)
+    if probs is None:
+        return counts, None
+    if probs.shape != (*indices.shape, num_codes):
+        raise ValueError(f"probs must have shape {(*indices.shape, num_codes)} to match indices, "
+                         f"got {tuple(probs.shape)}")
+    return counts, probs.detach().reshape(-1, num_codes).sum(0, dtype=torch.float32)
+
+
 def codebook_usage(indices: Tensor, num_codes: int, probs: Tensor | None = None) -> dict[str, Tensor]:
     """Codebook health of one batch: see :func:`usage_from_counts`.
 
@@ -53,15 +69,7 @@ def codebook_usage(indices: Tensor, num_codes: int, probs: Tensor | None = None)
         probs: optional soft assignments ``(..., K)`` whose leading shape matches ``indices``.
     """
     check_positive_int("num_codes", num_codes)
-    check_indices(indices, num_codes)
-    counts = torch.bincount(indices.reshape(-1).long(), minlength=num_codes)
-    soft = None
-    if probs is not None:
-        if probs.shape != (*indices.shape, num_codes):
-            raise ValueError(f"probs must have shape {(*indices.shape, num_codes)} to match indices, "
-                             f"got {tuple(probs.shape)}")
-        soft = probs.reshape(-1, num_codes).sum(0)
-    return usage_from_counts(counts, soft)
+    return usage_from_counts(*batch_counts(indices, num_codes, probs))
 
 
 def prototype_separation(prototypes: Tensor,

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from softvq._utils import check_indices, check_positive_int
-from softvq.functional import usage_from_counts
+from softvq._utils import check_positive_int
+from softvq.functional import batch_counts, usage_from_counts
 
 
 class CodebookUsage(Metric):
@@ -38,15 +38,11 @@ class CodebookUsage(Metric):
         self.add_state("soft_tokens", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, indices: Tensor, probs: Tensor | None = None) -> None:
-        check_indices(indices, self.num_codes)
-        self.hard_counts += torch.bincount(indices.reshape(-1).long(), minlength=self.num_codes)
-        if probs is not None:
-            if probs.shape != (*indices.shape, self.num_codes):
-                raise ValueError(f"probs must have shape {(*indices.shape, self.num_codes)} to match indices, "
-                                 f"got {tuple(probs.shape)}")
-            flat = probs.detach().reshape(-1, self.num_codes)
-            self.soft_mass += flat.sum(0, dtype=torch.float32)
-            self.soft_tokens += flat.shape[0]
+        counts, soft = batch_counts(indices, self.num_codes, probs)
+        self.hard_counts += counts
+        if soft is not None:
+            self.soft_mass += soft
+            self.soft_tokens += indices.numel()
 
     def compute(self) -> dict[str, Tensor]:
         soft = self.soft_mass if int(self.soft_tokens) > 0 else None
