@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import exact_cdist
 
 from softvq import DDCLQuantizer
 from softvq.ddcl import _SoftCentroid
@@ -24,11 +25,6 @@ def brute_force(z: torch.Tensor, p: torch.Tensor, temperature: float, distance: 
     l_ols = (z - mu).square().sum(1).mean()
     v = (q * (p[None, :, :] - mu[:, None, :]).square().sum(-1)).sum(1).mean()
     return d, q, mu, {"l_q": l_q, "l_ols": l_ols, "v": v}
-
-
-def exact_cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Pairwise Euclidean distances without the matmul shortcut (an independent, exact reference)."""
-    return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
 
 
 def make(num_codes=12, dim=5, dtype=torch.float64, **kw) -> DDCLQuantizer:

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import exact_cdist, free_port
 
 from softvq import DDCLQuantizer, HardVQ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _data() -> torch.Tensor:
-    return torch.randn(2, 3, 64, 4, generator=torch.Generator().manual_seed(0))  # (step, rank's half..., D)
+    return torch.randn(2, 3, 64, 4, generator=torch.Generator().manual_seed(0))  # (rank, step, token, D)
 
 
 def _make_ema(dead_code_threshold: float = 0.3) -> HardVQ:
@@ -55,7 +49,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 @pytest.fixture(scope="module")
 def two_ranks():
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), results), nprocs=2, join=True)
     return dict(results)
 
 
@@ -77,5 +71,5 @@ def test_ema_over_two_ranks_equals_one_process_on_the_whole_batch(two_ranks):
 def test_ddcl_data_init_comes_from_rank_zero(two_ranks):
     data = _data()
     rank0_tokens = data[0, 0]
-    dist_to_rank0 = torch.cdist(two_ranks[1]["ddcl"], rank0_tokens, compute_mode="donot_use_mm_for_euclid_dist")
+    dist_to_rank0 = exact_cdist(two_ranks[1]["ddcl"], rank0_tokens)
     assert dist_to_rank0.min(1).values.max().item() == 0.0

@@ -5,12 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import exact_cdist
 
 from softvq import HardVQ
-
-
-def exact_cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
 
 
 @pytest.mark.parametrize("shape", [(13, 6), (2, 5, 6), (2, 3, 4, 6)])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 
 from softvq import CodebookUsage, assignment_entropy, codebook_usage, prototype_separation
 
@@ -99,12 +99,6 @@ def test_assignment_entropy_known_cases():
     assert assignment_entropy(two).item() == pytest.approx(math.log(2) / 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -119,7 +113,7 @@ def _ddp_worker(rank: int, world: int, port: int, results) -> None:
 
 def test_counts_sum_across_processes():
     results = mp.Manager().dict()
-    mp.spawn(_ddp_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), results), nprocs=2, join=True)
     expected = {k: float(v) for k, v in codebook_usage(torch.tensor([0, 0, 1, 1, 3]), 6).items()}
     assert results[0] == pytest.approx(expected) and results[1] == pytest.approx(expected)
     assert expected["dead_codes"] == 3
