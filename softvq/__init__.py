@@ -7,6 +7,8 @@ Public API:
 - :class:`QuantizerOutput` — the NamedTuple both return.
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
+- :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
+- :mod:`softvq.data` — ``CIFAR10DataModule`` (imported on demand: it pulls in Lightning and torchvision).
 - :mod:`softvq.functional` — ``codebook_usage``, ``prototype_separation`` (S(P)), ``assignment_entropy`` (H(Q)).
 """
 
@@ -16,6 +18,7 @@ from softvq.functional import assignment_entropy, codebook_usage, prototype_sepa
 from softvq.hard_vq import HardVQ
 from softvq.metrics import CodebookUsage
 from softvq.optim import param_groups
+from softvq.schedule import anneal_temperature
 from softvq.types import QuantizerOutput
 
 __version__ = "0.1.0"
@@ -25,6 +28,7 @@ __all__ = [
     "DDCLQuantizer",
     "HardVQ",
     "QuantizerOutput",
+    "anneal_temperature",
     "assignment_entropy",
     "codebook_usage",
     "functional",

@@ -1,0 +1,322 @@
+"""VQVAE: encoder -> any softvq quantizer -> decoder, as a LightningModule with per-epoch codebook health."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, NamedTuple
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
+import softvq
+from models.autoencoder import Decoder, Encoder
+from softvq._utils import check_choice, check_float, check_positive_int
+from softvq.schedule import SCHEDULES, anneal_temperature
+from softvq.types import QuantizerOutput
+
+QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
+PIXEL_SHIFT = 0.5  # the model sees x - 0.5, so inputs and reconstructions are centred on 0
+
+
+def build_quantizer(name: str, num_codes: int, dim: int, **kwargs: Any) -> nn.Module:
+    """``"ddcl"`` -> :class:`softvq.DDCLQuantizer`, ``"hard"`` -> :class:`softvq.HardVQ`, with ``kwargs``."""
+    check_choice("quantizer", name, QUANTIZERS)
+    cls = softvq.DDCLQuantizer if name == "ddcl" else softvq.HardVQ
+    try:
+        return cls(num_codes, dim, **kwargs)
+    except TypeError as err:  # an option the chosen quantizer does not have
+        raise ValueError(f"invalid option for quantizer {name!r}: {err}") from err
+
+
+class VQVAEOutput(NamedTuple):
+    """What :meth:`VQVAE.forward` returns.
+
+    Attributes:
+        reconstruction: ``(B, C, H, W)`` in image units (``[0, 1]`` for a perfect model; not clamped).
+        latents: ``(B, D, h, w)``, the encoder's output before quantization.
+        quantizer: the quantizer's :class:`~softvq.QuantizerOutput` (tokens channel-last, ``(B, h, w, ...)``).
+    """
+
+    reconstruction: Tensor
+    latents: Tensor
+    quantizer: QuantizerOutput
+
+
+class VQVAE(L.LightningModule):
+    """A VQ-VAE whose bottleneck is any softvq quantizer (DDCL soft codebook or hard straight-through VQ).
+
+    Training loss: ``mse(reconstruction, x) + quantizer.loss`` (pixels in ``[0, 1]``). For a DDCL codebook the
+    optimizer gives the prototypes learning rate ``lr / eps`` (:func:`softvq.param_groups`), and the temperature
+    follows ``temperature_schedule`` from the quantizer's initial temperature to ``temperature_final`` over the
+    run's optimizer steps.
+
+    Per training epoch (counts over the whole epoch, summed across processes) :meth:`epoch_summary` reports
+    utilization, dead codes, hard and soft perplexity, the epoch means of the quantizer's terms (``l_q``,
+    ``l_ols``, ``v``, ...; ``identity_residual`` is the epoch's maximum), ``assignment_entropy`` H(Q),
+    ``separation`` S(P) (mean and ``separation_min``), ``train_mse``, and on the validation set MSE, PSNR and
+    SSIM of the soft reconstruction and of the reconstruction decoded from hard indices (``*_hard``).
+
+    Args:
+        quantizer: ``"ddcl"``, ``"hard"``, or a quantizer module (then pass it again to ``load_from_checkpoint``).
+        num_codes: ``K`` (ignored when ``quantizer`` is a module).
+        code_dim: ``D``, the latent channels.
+        quantizer_kwargs: options of the quantizer class (e.g. ``temperature``, ``beta``, ``ema_decay``).
+        in_channels, width, res_hidden, res_blocks, downsamples: see :class:`models.autoencoder.Encoder`.
+        lr: encoder/decoder learning rate (Adam).
+        eps: ``encoder lr / prototype lr`` for DDCL prototypes (the paper's timescale ratio).
+        temperature_schedule: ``"constant"``, ``"linear"``, ``"cosine"`` or ``"exponential"``.
+        temperature_final: the temperature at the last step (required unless the schedule is constant).
+    """
+
+    def __init__(
+        self,
+        quantizer: str | nn.Module = "ddcl",
+        num_codes: int = 512,
+        code_dim: int = 64,
+        quantizer_kwargs: dict[str, Any] | None = None,
+        in_channels: int = 3,
+        width: int = 128,
+        res_hidden: int = 32,
+        res_blocks: int = 2,
+        downsamples: int = 2,
+        lr: float = 3e-4,
+        eps: float = 0.1,
+        temperature_schedule: str = "constant",
+        temperature_final: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
+        if isinstance(quantizer, nn.Module):
+            self.quantizer_name = type(quantizer).__name__
+            self.quantizer = quantizer
+        else:
+            self.quantizer_name = quantizer
+            self.quantizer = build_quantizer(quantizer, num_codes, code_dim, **(quantizer_kwargs or {}))
+        self.num_codes = int(getattr(self.quantizer, "num_codes", num_codes))
+        if getattr(self.quantizer, "dim", code_dim) != code_dim:
+            raise ValueError(f"the quantizer's dim ({self.quantizer.dim}) differs from code_dim ({code_dim})")
+        self.in_channels = check_positive_int("in_channels", in_channels)
+        self.downsamples = check_positive_int("downsamples", downsamples)
+        self.encoder = Encoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
+        self.decoder = Decoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
+        self.lr = check_float("lr", lr)
+        self.eps = check_float("eps", eps)
+        self.temperature_schedule = check_choice("temperature_schedule", temperature_schedule, SCHEDULES)
+        self.temperature_start = getattr(self.quantizer, "temperature", None)
+        if self.temperature_schedule != "constant":
+            if self.temperature_start is None:
+                raise ValueError(f"temperature_schedule={temperature_schedule!r} needs a quantizer with a temperature")
+            if temperature_final is None:
+                raise ValueError(f"temperature_schedule={temperature_schedule!r} needs temperature_final")
+        self.temperature_final = None if temperature_final is None else check_float("temperature_final",
+                                                                                      temperature_final)
+        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
+
+        # Per-epoch state (torchmetrics: reduced across processes, not saved in checkpoints).
+        self.train_usage = softvq.CodebookUsage(self.num_codes)
+        self.train_mse = MeanMetric()
+        self.train_terms = nn.ModuleDict()  # one MeanMetric per quantizer term, created on first sight
+        self.train_identity = MaxMetric()
+        self.train_entropy = MeanMetric()
+        self.val_usage = softvq.CodebookUsage(self.num_codes)
+        self.val_metrics = nn.ModuleDict()
+        for suffix in ("", "_hard"):
+            self.val_metrics["mse" + suffix] = MeanMetric()
+            self.val_metrics["psnr" + suffix] = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))  # per image
+            self.val_metrics["ssim" + suffix] = StructuralSimilarityIndexMeasure(data_range=1.0)
+        self._val_summary: dict[str, float | None] = {}
+        self._summary_cache: tuple[tuple[int, int], dict[str, Any]] | None = None
+        self._epoch_start = time.perf_counter()
+
+    # ---- model API -----------------------------------------------------------------------------------------
+    def _check_images(self, x: Tensor) -> None:
+        factor = 2 ** self.downsamples
+        if not isinstance(x, Tensor) or x.ndim != 4 or x.shape[1] != self.in_channels:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"expected images of shape (B, {self.in_channels}, H, W), got {shape}")
+        if x.shape[2] % factor or x.shape[3] % factor:
+            raise ValueError(f"image height and width must be multiples of {factor} (2^downsamples), "
+                             f"got {tuple(x.shape[2:])}")
+        if not x.is_floating_point():
+            raise ValueError(f"expected float images in [0, 1], got dtype {x.dtype}")
+
+    def _decode(self, z_q: Tensor) -> Tensor:
+        """Channel-last quantized tokens ``(B, h, w, D)`` -> images in ``[0, 1]`` units ``(B, C, H, W)``."""
+        return self.decoder(rearrange(z_q, "b h w d -> b d h w")) + PIXEL_SHIFT
+
+    def forward(self, x: Tensor) -> VQVAEOutput:
+        """Encode, quantize and decode images ``x (B, C, H, W)`` in ``[0, 1]``."""
+        self._check_images(x)
+        latents = self.encoder(x - PIXEL_SHIFT)  # (B, D, h, w)
+        out = self.quantizer(rearrange(latents, "b d h w -> b h w d"))
+        return VQVAEOutput(self._decode(out.quantized), latents, out)
+
+    @torch.no_grad()
+    def encode(self, x: Tensor) -> Tensor:
+        """Images ``(B, C, H, W)`` in ``[0, 1]`` -> code indices ``(B, h, w)`` (argmax of the assignments)."""
+        self._check_images(x)
+        return self.quantizer(rearrange(self.encoder(x - PIXEL_SHIFT), "b d h w -> b h w d")).indices
+
+    @torch.no_grad()
+    def decode_indices(self, indices: Tensor) -> Tensor:
+        """Code indices ``(B, h, w)`` -> images ``(B, C, H, W)`` in ``[0, 1]`` units (not clamped)."""
+        if indices.ndim != 3:
+            raise ValueError(f"expected indices of shape (B, h, w), got {tuple(indices.shape)}")
+        return self._decode(self.quantizer.decode_indices(indices.to(self.device)))
+
+    # ---- training --------------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        has_prototypes = any(isinstance(m, softvq.DDCLQuantizer) and m.prototypes.requires_grad
+                             for m in self.modules())
+        if has_prototypes:
+            return torch.optim.Adam(softvq.param_groups(self, lr=self.lr, eps=self.eps))
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+    def current_temperature(self) -> float | None:
+        return getattr(self.quantizer, "temperature", None)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.temperature_schedule == "constant":
+            return
+        total = max(int(self.trainer.estimated_stepping_batches) - 1, 1)
+        self.quantizer.temperature = anneal_temperature(
+            self.temperature_start, self.temperature_final, self.global_step / total, self.temperature_schedule)
+
+    def on_train_epoch_start(self) -> None:
+        for metric in (self.train_usage, self.train_mse, self.train_identity, self.train_entropy,
+                       *self.train_terms.values()):
+            metric.reset()
+        self._epoch_start = time.perf_counter()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x = batch[0]
+        out = self(x)
+        rec = F.mse_loss(out.reconstruction, x)
+        loss = rec + out.quantizer.loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss ({float(loss)}) at global step {self.global_step} "
+                                     f"(reconstruction {float(rec)}, quantizer {float(out.quantizer.loss)})")
+        q = out.quantizer
+        n = x.shape[0]
+        self.train_usage.update(q.indices, q.probs)
+        self.train_mse.update(rec.detach(), weight=n)
+        self.train_entropy.update(softvq.assignment_entropy(q.probs), weight=n)
+        for name, value in q.terms.items():
+            if name == "identity_residual":
+                self.train_identity.update(value)
+                continue
+            if name not in self.train_terms:
+                self.train_terms[name] = MeanMetric().to(self.device)
+            self.train_terms[name].update(value, weight=n)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
+        self.log("train/mse", rec.detach(), batch_size=n)
+        return loss
+
+    # ---- validation ------------------------------------------------------------------------------------------
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
+        x = batch[0]
+        out = self(x)
+        hard = self._decode(self.quantizer.decode_indices(out.quantizer.indices)) if self.is_soft \
+            else out.reconstruction
+        self.val_usage.update(out.quantizer.indices)
+        for suffix, rec in (("", out.reconstruction), ("_hard", hard)):
+            self.val_metrics["mse" + suffix].update(F.mse_loss(rec, x), weight=x.shape[0])
+            clamped = rec.clamp(0.0, 1.0)
+            self.val_metrics["psnr" + suffix].update(clamped, x)
+            self.val_metrics["ssim" + suffix].update(clamped, x)
+        if batch_idx == 0:  # for the reconstruction grid (models.callbacks.ReconstructionGrid)
+            return {"images": x[:8], "reconstruction": out.reconstruction[:8], "reconstruction_hard": hard[:8]}
+        return None
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_usage.reset()
+        for metric in self.val_metrics.values():
+            metric.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        summary: dict[str, float | None] = {}
+        if int(self.val_usage.hard_counts.sum()) > 0 or self.trainer.world_size > 1:
+            for name, metric in self.val_metrics.items():
+                summary[f"val_{name}"] = float(metric.compute())
+            usage = self.val_usage.compute()
+            summary.update(val_utilization=float(usage["utilization"]), val_dead_codes=int(usage["dead_codes"]),
+                           val_perplexity=float(usage["perplexity"]))
+            self.log_dict({k.replace("val_", "val/"): v for k, v in summary.items()})
+        self._val_summary = summary
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The global RNG states, so a resumed run draws the same data order and restarts as an uninterrupted one
+        # (exactly so with num_workers=0 or non-persistent workers on CPU; Lightning does not save them itself).
+        # Plain types only, so that Lightning's weights_only loading accepts the checkpoint.
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        checkpoint["softvq_rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                                    "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                              int(has_gauss), float(cached)]}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("softvq_rng")
+        if state is not None:
+            torch.set_rng_state(state["torch"])
+            random.setstate(state["python"])
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+    # ---- per-epoch summary -----------------------------------------------------------------------------------
+    def epoch_summary(self) -> dict[str, Any]:
+        """This training epoch's record (the keys of ``history.jsonl``), computed once per epoch and step.
+
+        Call at the end of a training epoch on every process (the metrics synchronise across processes).
+        Validation keys are ``None`` when no validation ran this epoch.
+        """
+        key = (self.current_epoch, self.global_step)
+        if self._summary_cache is not None and self._summary_cache[0] == key:
+            return self._summary_cache[1]
+        usage = self.train_usage.compute()
+        record: dict[str, Any] = {
+            "epoch": self.current_epoch + 1,
+            "step": self.global_step,
+            "quantizer": self.quantizer_name,
+            "utilization": float(usage["utilization"]),
+            "dead_codes": int(usage["dead_codes"]),
+            "perplexity": float(usage["perplexity"]),
+            "soft_perplexity": float(usage.get("soft_perplexity", usage["perplexity"])),
+            "train_mse": float(self.train_mse.compute()),
+            "assignment_entropy": float(self.train_entropy.compute()),
+        }
+        for name, metric in self.train_terms.items():
+            record[name] = float(metric.compute())
+        if self.train_identity.update_count > 0:
+            record["identity_residual"] = float(self.train_identity.compute())
+        codebook = getattr(self.quantizer, "codebook", None)
+        if codebook is not None and codebook.shape[0] >= 2:
+            distance = getattr(self.quantizer, "distance", "euclidean")
+            separation = softvq.prototype_separation(codebook, distance=distance)
+            record["separation"] = float(separation["mean"])
+            record["separation_min"] = float(separation["min"])
+        temperature = self.current_temperature()
+        if temperature is not None:
+            record["temperature"] = float(temperature)
+        for suffix in ("", "_hard"):
+            for name in ("mse", "psnr", "ssim"):
+                record[f"val_{name}{suffix}"] = self._val_summary.get(f"val_{name}{suffix}")
+        for name in ("val_utilization", "val_dead_codes", "val_perplexity"):
+            record[name] = self._val_summary.get(name)
+        record["time_s"] = round(time.perf_counter() - self._epoch_start, 2)
+        self._summary_cache = (key, record)
+        return record
+
+    def on_train_epoch_end(self) -> None:
+        record = self.epoch_summary()
+        skip = {"epoch", "step", "quantizer"}
+        self.log_dict({f"train/{k}": float(v) for k, v in record.items()
+                       if k not in skip and not k.startswith("val_") and v is not None})

@@ -1,0 +1,298 @@
+"""CIFAR-10 for the VQ-VAE trainer: one LightningDataModule over three on-disk layouts, offline first.
+
+``CIFAR10DataModule(data_root=...)`` finds the data in this order:
+
+1. ``<data_root>/cifar-10-batches-py`` — the official release, read by ``torchvision.datasets.CIFAR10``;
+2. ``<data_root>/train`` and ``<data_root>/test`` — an ImageFolder tree (one folder per class);
+3. ``<data_root>`` *is* a ``.tar.gz``/``.tgz``/``.tar`` archive of such a tree, or ``<data_root>`` holds exactly
+   one (e.g. ``cifar10-jpeg.tar.gz``) — extracted once into a cache directory and reused;
+4. nothing found and ``download=True``: torchvision downloads the official release into ``data_root``.
+
+Offline with no data, the error says where to put it. A corrupt or truncated archive raises an error and leaves
+nothing behind in the cache (extraction goes to a temporary directory that is renamed only when complete).
+
+Splits: ``train`` is the official training set minus a held-out ``val`` set of ``val_size`` images (a fixed,
+seeded split, the same for every run so that runs compare on the same images); ``test`` is the official test
+set. ``train_subset`` keeps the first ``N`` images of a fixed permutation of the remaining training images.
+Images are float tensors in ``[0, 1]`` of shape ``(3, 32, 32)``; labels are the CIFAR-10 class indices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision import datasets, transforms
+
+from softvq._utils import check_positive_int
+
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+SPLIT_SEED = 0  # fixed: the val split and the training subset do not change with the run's --seed
+_MARKER = ".softvq-complete"
+
+
+class DataNotFoundError(FileNotFoundError):
+    """No CIFAR-10 in any supported layout at the given root (and no download)."""
+
+
+class CorruptArchiveError(RuntimeError):
+    """The archive could not be read or extracted completely."""
+
+
+def default_cache_dir() -> Path:
+    """``$SOFTVQ_CACHE``, else ``$XDG_CACHE_HOME/softvq``, else ``~/.cache/softvq``."""
+    if os.environ.get("SOFTVQ_CACHE"):
+        return Path(os.environ["SOFTVQ_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "softvq"
+
+
+def _is_archive(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(ARCHIVE_SUFFIXES)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _expected_sha256(archive: Path) -> str | None:
+    """The digest in ``<archive>.sha256`` (``sha256sum`` format) if that file exists."""
+    sidecar = archive.with_name(archive.name + ".sha256")
+    if not sidecar.is_file():
+        return None
+    text = sidecar.read_text().split()
+    return text[0].lower() if text else None
+
+
+def _find_image_folder(root: Path) -> Path | None:
+    """``root`` or a single sub-directory of it that holds ``train/`` and ``test/``."""
+    for candidate in (root, *sorted(p for p in root.iterdir() if p.is_dir())):
+        if (candidate / "train").is_dir() and (candidate / "test").is_dir():
+            return candidate
+    return None
+
+
+def _safe_extractall(tar: tarfile.TarFile, dest: Path) -> None:
+    """``extractall`` that refuses members escaping ``dest`` (absolute paths, ``..``, links, devices)."""
+    if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
+        tar.extractall(dest, filter="data")
+        return
+    for member in tar.getmembers():
+        name = Path(member.name)
+        if name.is_absolute() or ".." in name.parts or not (member.isfile() or member.isdir()):
+            raise tarfile.TarError(f"refusing unsafe archive member {member.name!r}")
+    tar.extractall(dest)
+
+
+def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Extract an ImageFolder archive into the cache once and return the folder holding ``train/`` and ``test/``.
+
+    The cache entry is keyed by the archive's SHA-256, so a changed archive is extracted anew and a reused one
+    costs one hash. When ``<archive>.sha256`` exists beside the archive its digest is checked first.
+
+    Raises:
+        FileNotFoundError: ``archive`` does not exist.
+        CorruptArchiveError: digest mismatch, a truncated/corrupt archive, unsafe member paths, or no
+            ``train/`` + ``test/`` inside. Nothing is left in the cache in that case.
+    """
+    archive = Path(archive).expanduser()
+    if not archive.is_file():
+        raise FileNotFoundError(f"archive not found: {archive}")
+    digest = _sha256(archive)
+    expected = _expected_sha256(archive)
+    if expected is not None and expected != digest:
+        raise CorruptArchiveError(
+            f"{archive} is corrupt or incomplete: its sha256 is {digest}, but {archive.name}.sha256 says {expected}; "
+            f"copy or download the archive again")
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache / f"{archive.name.split('.')[0]}-{digest[:16]}"
+    if (target / _MARKER).is_file():
+        found = _find_image_folder(target)
+        if found is not None:
+            return found
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=cache))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
+    try:
+        try:
+            with tarfile.open(archive) as tar:
+                _safe_extractall(tar, tmp)
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
+            raise CorruptArchiveError(f"cannot extract {archive}: {type(err).__name__}: {err}. The archive is "
+                                      f"corrupt or truncated; copy or download it again") from err
+        if _find_image_folder(tmp) is None:
+            raise CorruptArchiveError(f"{archive} holds no train/ and test/ folders (ImageFolder layout expected)")
+        (tmp / _MARKER).write_text(digest + "\n")
+        if target.exists():  # an incomplete earlier attempt, or a concurrent extraction that finished first
+            if (target / _MARKER).is_file():
+                shutil.rmtree(tmp)
+                return _find_image_folder(target)  # type: ignore[return-value]
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _find_image_folder(target)  # type: ignore[return-value]
+
+
+def _not_found_message(root: Path) -> str:
+    return (
+        f"no CIFAR-10 data found at {root}. Provide one of:\n"
+        f"  - {root}/cifar-10-batches-py/  (the official python release; pass --download with internet access, or\n"
+        f"    fetch https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz and extract it into {root})\n"
+        f"  - {root}/train/<class>/*.jpg and {root}/test/<class>/*.jpg  (an ImageFolder tree)\n"
+        f"  - an ImageFolder archive (.tar.gz), passed as the data root itself, e.g. "
+        f"--data-root ../shared/data/cifar10-jpeg.tar.gz"
+    )
+
+
+def resolve_cifar10(
+    data_root: str | os.PathLike, download: bool = False, cache_dir: str | os.PathLike | None = None
+) -> tuple[str, Path]:
+    """Find CIFAR-10 under ``data_root``: returns ``("torchvision", root)`` or ``("imagefolder", folder)``.
+
+    See the module docstring for the search order. Raises :class:`DataNotFoundError` (with instructions) when
+    nothing is found and ``download`` is off or fails.
+    """
+    root = Path(data_root).expanduser()
+    if _is_archive(root):
+        return "imagefolder", extract_archive(root, cache_dir)
+    if root.is_dir():
+        if (root / "cifar-10-batches-py").is_dir():
+            return "torchvision", root
+        folder = _find_image_folder(root)
+        if folder is not None:
+            return "imagefolder", folder
+        archives = sorted(p for p in root.iterdir() if _is_archive(p))
+        if len(archives) == 1:
+            return "imagefolder", extract_archive(archives[0], cache_dir)
+        if len(archives) > 1:
+            names = ", ".join(p.name for p in archives)
+            raise DataNotFoundError(f"{root} holds several archives ({names}); pass one of them as the data root")
+    elif root.exists():
+        raise DataNotFoundError(f"data root {root} is a file but not a .tar.gz/.tgz/.tar archive")
+    if download:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            datasets.CIFAR10(str(root), train=True, download=True)
+            datasets.CIFAR10(str(root), train=False, download=True)
+        except (OSError, RuntimeError) as err:  # URLError is an OSError
+            raise DataNotFoundError(f"downloading CIFAR-10 into {root} failed ({type(err).__name__}: {err}).\n"
+                                    + _not_found_message(root)) from err
+        return "torchvision", root
+    raise DataNotFoundError(_not_found_message(root))
+
+
+def load_split(source: str, root: Path, train: bool, transform: Callable | None = None) -> Dataset:
+    """The official train (``train=True``) or test split of a resolved source, as a torchvision dataset."""
+    if source == "torchvision":
+        try:
+            return datasets.CIFAR10(str(root), train=train, download=False, transform=transform)
+        except RuntimeError as err:  # torchvision's md5 check of the batch files
+            raise DataNotFoundError(f"the CIFAR-10 python release in {root / 'cifar-10-batches-py'} is corrupt or "
+                                    f"incomplete ({err}); delete it and download again (--download)") from err
+    folder = root / ("train" if train else "test")
+    try:
+        return datasets.ImageFolder(str(folder), transform=transform)
+    except FileNotFoundError as err:  # no class folders, or class folders without images
+        raise DataNotFoundError(f"{folder} holds no images in the ImageFolder layout (<class>/<image>): {err}") from err
+
+
+def split_indices(n: int, val_size: int, train_subset: int | None) -> tuple[list[int], list[int]]:
+    """Fixed split of ``n`` training images into (train, val) index lists; see the module docstring."""
+    if not 0 <= val_size < n:
+        raise ValueError(f"val_size must be in [0, {n}) for a training set of {n} images, got {val_size}")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    val, train = order[:val_size], order[val_size:]
+    if train_subset is not None:
+        if train_subset > len(train):
+            raise ValueError(f"train_subset={train_subset} exceeds the {len(train)} training images left after "
+                             f"holding out val_size={val_size}")
+        train = train[:train_subset]
+    return train, val
+
+
+class CIFAR10DataModule(L.LightningDataModule):
+    """CIFAR-10 train / held-out val / official test loaders, from any layout :func:`resolve_cifar10` accepts.
+
+    Args:
+        data_root: directory or archive; see the module docstring.
+        batch_size: images per batch (per process under DDP).
+        val_size: training images held out for validation (fixed split); 0 disables validation.
+        train_subset: keep only this many training images (quick runs); ``None`` = all.
+        num_workers: DataLoader worker processes.
+        download: allow torchvision to download the official release when nothing is found locally.
+        cache_dir: where archives are extracted (default :func:`default_cache_dir`).
+    """
+
+    def __init__(
+        self,
+        data_root: str | os.PathLike = "data",
+        batch_size: int = 128,
+        val_size: int = 5000,
+        train_subset: int | None = None,
+        num_workers: int = 2,
+        download: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> None:
+        super().__init__()
+        self.data_root = Path(data_root)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        if isinstance(val_size, bool) or not isinstance(val_size, int) or val_size < 0:
+            raise ValueError(f"val_size must be a non-negative integer, got {val_size!r}")
+        self.val_size = val_size
+        self.train_subset = None if train_subset is None else check_positive_int("train_subset", train_subset)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
+        self.num_workers = num_workers
+        self.download = download
+        self.cache_dir = cache_dir
+        self.transform = transforms.ToTensor()
+        self.source: tuple[str, Path] | None = None
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    def prepare_data(self) -> None:
+        # Runs on one process per node: the place to download or extract.
+        resolve_cifar10(self.data_root, self.download, self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.source is None:
+            self.source = resolve_cifar10(self.data_root, download=False, cache_dir=self.cache_dir)
+        source, root = self.source
+        if stage in (None, "fit", "validate") and self.train_set is None:
+            full = load_split(source, root, train=True, transform=self.transform)
+            train_idx, val_idx = split_indices(len(full), self.val_size, self.train_subset)
+            self.train_set, self.val_set = Subset(full, train_idx), Subset(full, val_idx)
+        if stage in (None, "test", "predict") and self.test_set is None:
+            self.test_set = load_split(source, root, train=False, transform=self.transform)
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("call setup() before asking for a DataLoader")
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, drop_last=False)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)

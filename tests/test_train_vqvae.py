@@ -1,0 +1,170 @@
+"""train_vqvae.py end to end on a tiny data set: history.jsonl, checkpoints, resume, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_vqvae
+from models import VQVAE
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--train-subset", "96", "--val-size", "48", "--batch-size", "32", "--width", "16", "--res-hidden", "8",
+        "--res-blocks", "1", "--num-codes", "32", "--code-dim", "8", "--num-workers", "0", "--no-progress-bar"]
+COMMON_KEYS = {"epoch", "step", "quantizer", "utilization", "dead_codes", "perplexity", "soft_perplexity",
+               "train_mse", "val_mse", "val_psnr", "val_ssim", "val_psnr_hard", "val_mse_hard", "val_ssim_hard",
+               "l_q", "l_ols", "v", "assignment_entropy", "separation", "separation_min", "time_s"}
+DDCL_KEYS = COMMON_KEYS | {"identity_residual", "temperature"}
+
+
+def run(tmp_path: Path, data: Path, *extra: str) -> dict:
+    return train_vqvae.main([*TINY, "--data-root", str(data), *extra])
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifar, capsys):
+    out = tmp_path / "cmp"
+    histories = run(tmp_path, tiny_cifar["archive"], "--quantizer", "ddcl", "hard", "--epochs", "2",
+                    "--out", str(out), "--temperature", "0.05", "--temperature-schedule", "exponential",
+                    "--temperature-final", "0.005")
+    for name, keys in (("ddcl", DDCL_KEYS), ("hard", COMMON_KEYS)):
+        rows = [json.loads(line) for line in (out / name / "history.jsonl").read_text().splitlines()]
+        assert rows == histories[name] and [r["epoch"] for r in rows] == [1, 2]
+        for row in rows:
+            assert keys <= set(row), keys - set(row)
+            assert row["quantizer"] == name and row["step"] == 3 * row["epoch"]
+            assert 0 < row["utilization"] <= 1 and 0 <= row["dead_codes"] < 32
+            assert row["dead_codes"] == round(32 * (1 - row["utilization"]))
+            assert 1 <= row["perplexity"] <= 32 and row["val_psnr"] > 0 and -1 <= row["val_ssim"] <= 1
+        ckpts = sorted(p.name for p in (out / name / "checkpoints").iterdir())
+        assert "last.ckpt" in ckpts and any(c.startswith("best-epoch") for c in ckpts)
+        for epoch in (1, 2):
+            png = out / name / f"recon_epoch{epoch:02d}.png"
+            assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert list((out / name / "tb").glob("events.out.tfevents.*"))
+        assert json.loads((out / name / "config.json").read_text())["quantizer"] == name
+    ddcl = histories["ddcl"]
+    assert all(r["identity_residual"] < 1e-5 for r in ddcl)
+    # T is set before each of the 6 steps: steps 0..5 run from 0.05 to 0.005 geometrically; the record holds the
+    # temperature of the epoch's last step (2 and 5).
+    assert ddcl[0]["temperature"] == pytest.approx(0.05 * 0.1 ** (2 / 5))
+    assert ddcl[1]["temperature"] == pytest.approx(0.005)
+    hard = histories["hard"]
+    assert all(r["val_psnr"] == r["val_psnr_hard"] and r["v"] == 0 for r in hard)
+    table = (out / "comparison.md").read_text()
+    assert table.count("\n") == 4 and "ddcl util %" in table and "hard val PSNR" in table
+    assert table in capsys.readouterr().out
+
+
+def test_resume_continues_from_the_last_checkpoint_exactly(tmp_path, tiny_cifar):
+    straight = tmp_path / "straight"
+    run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "2", "--out", str(straight),
+        "--temperature", "0.05", "--seed", "3")
+    parts = tmp_path / "parts"
+    run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(parts),
+        "--temperature", "0.05", "--seed", "3")
+    after_one = weights(parts / "checkpoints" / "last.ckpt")
+    history = run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "2", "--out", str(parts),
+                  "--temperature", "0.05", "--seed", "3", "--resume")["ddcl"]
+    assert [r["epoch"] for r in history] == [1, 2] and history[1]["step"] == 6
+    ckpt = torch.load(parts / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["epoch"] == 1 and ckpt["global_step"] == 6  # Lightning counts epochs from 0
+    resumed, reference = weights(parts / "checkpoints" / "last.ckpt"), weights(straight / "checkpoints" / "last.ckpt")
+    assert any(not torch.equal(resumed[k], after_one[k]) for k in resumed)  # it trained on
+    for key in reference:  # and it trained on exactly as an uninterrupted run (CPU, num_workers=0)
+        assert torch.equal(resumed[key], reference[key]), key
+    straight_rows = [json.loads(x) for x in (straight / "history.jsonl").read_text().splitlines()]
+    for a, b in zip(history, straight_rows, strict=True):
+        assert {k: v for k, v in a.items() if k != "time_s"} == {k: v for k, v in b.items() if k != "time_s"}
+
+
+def test_resume_drops_history_rows_written_after_the_checkpoint(tmp_path, tiny_cifar):
+    out = tmp_path / "run"
+    run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "1", "--out", str(out))
+    with open(out / "history.jsonl", "a") as f:  # as if killed after writing epoch 2 but before its checkpoint
+        f.write(json.dumps({"epoch": 2, "quantizer": "hard", "stale": True}) + "\n")
+    history = run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "2", "--out", str(out),
+                  "--resume")["hard"]
+    assert [r["epoch"] for r in history] == [1, 2] and "stale" not in history[1]
+
+
+def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path, tiny_cifar):
+    out = tmp_path / "run"
+    run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "1", "--out", str(out))
+    with pytest.raises(ValueError, match="num_codes: checkpoint 32 vs now 64"):
+        run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "2", "--out", str(out),
+            "--resume", "--num-codes", "64")
+    truncated = tmp_path / "truncated.ckpt"
+    raw = (out / "checkpoints" / "last.ckpt").read_bytes()
+    truncated.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match="truncated.ckpt is truncated or corrupt"):
+        run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "2", "--out", str(out),
+            "--resume", str(truncated))
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "2", "--out", str(out),
+            "--resume", str(tmp_path / "missing.ckpt"))
+    # A fresh run into a used directory neither overwrites it silently nor loses the old history.
+    before = (out / "history.jsonl").read_text()
+    with pytest.raises(FileExistsError, match="--resume .* --overwrite"):
+        run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "1", "--out", str(out))
+    assert (out / "history.jsonl").read_text() == before
+
+
+def test_checkpoint_loads_back_into_a_model(tmp_path, tiny_cifar):
+    out = tmp_path / "run"
+    run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(out),
+        "--temperature", "0.02")
+    model = VQVAE.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu").eval()
+    assert model.quantizer.temperature == 0.02 and model.quantizer.initialized
+    images = model.decode_indices(model.encode(torch.rand(2, 3, 32, 32)))
+    assert images.shape == (2, 3, 32, 32)
+
+
+def test_missing_data_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no CIFAR-10 data found"):
+        run(tmp_path, tmp_path / "no-data", "--quantizer", "hard", "--epochs", "1", "--out", str(tmp_path / "o"))
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        train_vqvae.main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--quantizer", "--epochs", "--batch-size", "--train-subset", "--data-root", "--out", "--seed",
+                 "--num-codes", "--code-dim", "--width", "--lr", "--eps", "--temperature", "--temperature-schedule",
+                 "--temperature-final", "--beta", "--ema-decay", "--dead-code-threshold", "--resume", "--download"):
+        assert flag in text, flag
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--quantizer", "fsq"], "invalid choice"),
+    (["--epochs", "-1"], "--epochs: expected a positive integer"),
+    (["--eps", "0"], "--eps: expected a positive finite number"),
+    (["--temperature", "-0.5"], "--temperature: expected a positive"),
+    (["--ema-decay", "1.5"], "--ema-decay: expected a number in"),
+    (["--temperature-schedule", "cosine"], "needs --temperature-final"),
+    (["--width", "15"], "--width: must be even"),
+])
+def test_bad_flags_exit_with_a_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as info:
+        train_vqvae.main(argv)
+    assert info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_script_runs_as_a_command(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "train_vqvae.py"), "--data-root", str(tmp_path / "none"),
+                             "--out", str(tmp_path / "o"), "--epochs", "1"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "error: no CIFAR-10 data found" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,203 @@
+"""models/: encoder/decoder shapes, VQVAE encode/decode against the parts, per-epoch summary by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from helpers import exact_cdist
+
+import softvq
+from models import VQVAE, Decoder, Encoder, build_quantizer
+from softvq.schedule import anneal_temperature
+
+SMALL = {"num_codes": 16, "code_dim": 8, "width": 16, "res_hidden": 8, "res_blocks": 1}
+
+
+@pytest.mark.parametrize("downsamples, size", [(1, 16), (2, 8), (3, 4)])
+def test_encoder_decoder_shapes(downsamples, size):
+    enc = Encoder(width=16, res_hidden=8, res_blocks=2, downsamples=downsamples, code_dim=5)
+    dec = Decoder(width=16, res_hidden=8, res_blocks=2, upsamples=downsamples, code_dim=5)
+    z = enc(torch.rand(2, 3, 32, 32))
+    assert z.shape == (2, 5, size, size)
+    assert dec(z).shape == (2, 3, 32, 32)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"width": 15}, "width must be even"),
+    ({"width": 0}, "width"),
+    ({"res_blocks": -1}, "res_blocks"),
+    ({"downsamples": 0}, "downsamples"),
+    ({"code_dim": 0}, "code_dim"),
+])
+def test_encoder_rejects_bad_configs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Encoder(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["ddcl", "hard"])
+def test_encode_and_decode_match_the_parts(name):
+    torch.manual_seed(0)
+    options = {"init": "normal", "init_scale": 0.1} if name == "ddcl" else {}
+    model = VQVAE(name, quantizer_kwargs=options, **SMALL).eval()
+    x = torch.rand(3, 3, 32, 32)
+    with torch.no_grad():
+        tokens = rearrange(model.encoder(x - 0.5), "b d h w -> (b h w) d")
+        codebook = model.quantizer.codebook
+        expected = exact_cdist(tokens.double(), codebook.double()).argmin(dim=1).reshape(3, 8, 8)
+        indices = model.encode(x)
+        assert indices.shape == (3, 8, 8) and torch.equal(indices, expected)
+        images = model.decode_indices(indices)
+        by_hand = model.decoder(rearrange(codebook[indices], "b h w d -> b d h w")) + 0.5
+        assert images.shape == x.shape and torch.allclose(images, by_hand, atol=1e-6)
+        out = model(x)
+    assert out.reconstruction.shape == x.shape and out.latents.shape == (3, 8, 8, 8)
+    if name == "hard":  # straight-through: the forward value is the hard decode
+        assert torch.allclose(out.reconstruction, images, atol=1e-6)
+
+
+@pytest.mark.parametrize("x, match", [
+    (torch.rand(2, 1, 32, 32), r"shape \(B, 3, H, W\)"),
+    (torch.rand(3, 32, 32), r"shape \(B, 3, H, W\)"),
+    (torch.rand(2, 3, 30, 32), "multiples of 4"),
+    (torch.zeros(2, 3, 32, 32, dtype=torch.uint8), "float images"),
+])
+def test_bad_images_are_rejected(x, match):
+    with pytest.raises(ValueError, match=match):
+        VQVAE("hard", **SMALL)(x)
+
+
+def test_bad_model_options_are_rejected():
+    with pytest.raises(ValueError, match="quantizer must be one of"):
+        VQVAE("fsq", **SMALL)
+    with pytest.raises(ValueError, match="invalid option for quantizer 'hard'"):
+        VQVAE("hard", quantizer_kwargs={"temperature": 0.5}, **SMALL)
+    with pytest.raises(ValueError, match="temperature"):
+        VQVAE("ddcl", quantizer_kwargs={"temperature": -1.0}, **SMALL)
+    with pytest.raises(ValueError, match="needs temperature_final"):
+        VQVAE("ddcl", temperature_schedule="cosine", **SMALL)
+    with pytest.raises(ValueError, match="needs a quantizer with a temperature"):
+        VQVAE("hard", temperature_schedule="linear", temperature_final=0.1, **SMALL)
+    with pytest.raises(ValueError, match="eps"):
+        VQVAE("ddcl", eps=0.0, **SMALL)
+
+
+def test_any_quantizer_module_can_be_plugged_in():
+    quantizer = softvq.DDCLQuantizer(16, 8, temperature=0.1, distance="cosine")
+    model = VQVAE(quantizer, **SMALL)
+    assert model.quantizer is quantizer and "quantizer" not in model.hparams
+    with pytest.raises(ValueError, match="differs from code_dim"):
+        VQVAE(softvq.HardVQ(16, 4), **SMALL)
+
+
+def test_optimizer_gives_prototypes_lr_over_eps():
+    ddcl = VQVAE("ddcl", lr=2e-4, eps=0.05, **SMALL).configure_optimizers()
+    lrs = {g["name"]: g["lr"] for g in ddcl.param_groups}
+    assert lrs == pytest.approx({"model": 2e-4, "prototypes": 4e-3})
+    hard = VQVAE("hard", lr=2e-4, **SMALL).configure_optimizers()
+    assert len(hard.param_groups) == 1 and hard.param_groups[0]["lr"] == 2e-4
+
+
+def test_epoch_summary_counts_the_whole_epoch(recwarn):
+    torch.manual_seed(0)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05}, **SMALL)
+    model.on_train_epoch_start()
+    batches = [torch.rand(5, 3, 32, 32), torch.rand(3, 3, 32, 32), torch.rand(4, 3, 32, 32)]
+    indices, sq_errors, terms = [], [], []
+    for x in batches:
+        loss = model.training_step((x, torch.zeros(len(x))), 0)
+        loss.backward()  # no optimizer step: the recomputation below sees the same weights
+        with torch.no_grad():
+            out = model(x)
+        indices.append(out.quantizer.indices.flatten())
+        sq_errors.append(((out.reconstruction - x) ** 2).mean(dim=(1, 2, 3)))
+        terms.append(out.quantizer.terms)
+    record = model.epoch_summary()
+    everything = torch.cat(indices)
+    counts = torch.bincount(everything, minlength=16).double()
+    p = counts[counts > 0] / counts.sum()
+    assert record["utilization"] == pytest.approx(float((counts > 0).sum()) / 16)
+    assert record["dead_codes"] == int((counts == 0).sum())
+    assert record["perplexity"] == pytest.approx(math.exp(float(-(p * p.log()).sum())), rel=1e-6)
+    assert record["train_mse"] == pytest.approx(float(torch.cat(sq_errors).mean()), rel=1e-5)
+    weights = torch.tensor([5.0, 3.0, 4.0])
+    for name in ("l_q", "l_ols", "v"):
+        mean = float((torch.stack([t[name] for t in terms]) * weights).sum() / weights.sum())
+        assert record[name] == pytest.approx(mean, rel=1e-5)
+    assert record["identity_residual"] == pytest.approx(max(float(t["identity_residual"]) for t in terms))
+    assert record["identity_residual"] < 1e-5
+    separation = softvq.prototype_separation(model.quantizer.codebook)
+    assert record["separation_min"] == pytest.approx(float(separation["min"]))
+    assert record["temperature"] == 0.05 and record["epoch"] == 1 and record["quantizer"] == "ddcl"
+    assert record["val_psnr"] is None  # no validation ran
+    assert model.epoch_summary() is record  # computed once per epoch
+
+
+def test_validation_psnr_is_per_image_and_hard_decode_is_reported():
+    torch.manual_seed(1)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.5, "init": "normal", "init_scale": 0.1},
+                  **SMALL).eval()
+    x = torch.rand(6, 3, 32, 32)
+    model.on_validation_epoch_start()
+    with torch.no_grad():
+        model.validation_step((x, torch.zeros(6)), 0)
+        soft = model(x).reconstruction.clamp(0, 1)
+        hard = model.decode_indices(model.encode(x)).clamp(0, 1)
+    for metric, rec in (("psnr", soft), ("psnr_hard", hard)):
+        per_image = 10 * torch.log10(1.0 / ((rec - x) ** 2).mean(dim=(1, 2, 3)))
+        assert float(model.val_metrics[metric].compute()) == pytest.approx(float(per_image.mean()), rel=1e-5)
+    assert float(model.val_metrics["mse"].compute()) != pytest.approx(float(model.val_metrics["mse_hard"].compute()))
+
+
+def test_temperature_follows_the_schedule():
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 1.0}, temperature_schedule="exponential",
+                  temperature_final=0.01, **SMALL)
+
+    class FakeTrainer:
+        estimated_stepping_batches = 11
+        global_step = 0
+
+    model.trainer = FakeTrainer()
+    for step in (0, 5, 10):
+        FakeTrainer.global_step = step
+        model.on_train_batch_start(None, 0)
+        assert model.quantizer.temperature == pytest.approx(10 ** (-2 * step / 10))
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    ("constant", [2.0, 2.0, 2.0]),
+    ("linear", [2.0, 1.25, 0.5]),
+    ("cosine", [2.0, 1.25, 0.5]),
+    ("exponential", [2.0, 1.0, 0.5]),
+])
+def test_anneal_temperature_known_values(schedule, expected):
+    got = [anneal_temperature(2.0, 0.5, t, schedule) for t in (0.0, 0.5, 1.0)]
+    assert got == pytest.approx(expected)
+    assert anneal_temperature(2.0, 0.5, 1.7, schedule) == pytest.approx(expected[-1])  # clamped
+
+
+def test_cosine_schedule_shape():
+    # cosine: slow start, slow end; at 1/4 it has covered (1 - cos(pi/4)) / 2 of the way
+    assert anneal_temperature(1.0, 0.0 + 1e-9, 0.25, "cosine") == pytest.approx(1 - (1 - math.cos(math.pi / 4)) / 2)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0.0, 0.1, 0.5, "linear"), "start"),
+    ((1.0, -0.1, 0.5, "linear"), "end"),
+    ((1.0, 0.1, float("nan"), "linear"), "progress"),
+    ((1.0, 0.1, 0.5, "step"), "schedule"),
+])
+def test_anneal_temperature_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        anneal_temperature(*args)
+
+
+def test_build_quantizer_passes_options():
+    q = build_quantizer("hard", 8, 4, beta=0.5, ema_decay=0.9)
+    assert isinstance(q, softvq.HardVQ) and q.beta == 0.5 and q.ema_decay == 0.9
+    q = build_quantizer("ddcl", 8, 4, temperature=0.3)
+    assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3
+    assert F.mse_loss(q.codebook, q.prototypes.detach()) == 0

@@ -1,0 +1,296 @@
+"""Train VQ-VAEs on CIFAR-10 with a DDCL soft codebook and/or a hard straight-through VQ, side by side.
+
+Examples:
+    # both quantizers, 10k training images, 5 epochs, offline from the shared archive:
+    python train_vqvae.py --quantizer ddcl hard --epochs 5 --train-subset 10000 \
+        --data-root ../shared/data/cifar10-jpeg.tar.gz --out runs/compare
+    # continue a run from its last checkpoint (to a larger epoch count):
+    python train_vqvae.py --quantizer ddcl --out runs/ddcl --epochs 20 --resume
+
+Every run directory (``--out``, or ``--out/<quantizer>`` when several quantizers are given) holds
+``history.jsonl`` (one JSON object per epoch: codebook health, losses, validation metrics), ``config.json``,
+``checkpoints/last.ckpt`` and ``checkpoints/best-epochNN.ckpt`` (lowest validation MSE), ``recon_epochNN.png``
+(originals / soft / hard-decoded reconstructions) and TensorBoard logs in ``tb/``
+(``tensorboard --logdir <out>``). With several quantizers a per-epoch comparison table is printed at the end and
+written to ``<out>/comparison.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from models import QUANTIZERS, VQVAE
+from models.callbacks import HistoryWriter, ReconstructionGrid, read_history, write_atomic
+from softvq.data import CIFAR10DataModule
+from softvq.schedule import SCHEDULES
+
+# Hyperparameters that define the model: a checkpoint must match them to be resumed.
+MODEL_KEYS = ("quantizer", "num_codes", "code_dim", "in_channels", "width", "res_hidden", "res_blocks", "downsamples")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _float_check(allow_zero: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"expected a {'non-negative' if allow_zero else 'positive'} "
+                                             f"finite number, got {text!r}")
+        return value
+    return parse
+
+
+_positive_float, _non_negative_float = _float_check(False), _float_check(True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Data: --data-root is searched for cifar-10-batches-py/ (official release), train/ + test/ "
+               "(ImageFolder), or is itself a .tar.gz of such a tree (extracted once into $SOFTVQ_CACHE, "
+               "default ~/.cache/softvq). With internet access, --download fetches the official release.")
+    g = p.add_argument_group("run")
+    g.add_argument("--quantizer", nargs="+", choices=QUANTIZERS, default=["ddcl"],
+                   help="bottleneck(s) to train; several are trained one after the other with the same seed and "
+                        "data, each into --out/<quantizer>")
+    g.add_argument("--epochs", type=_positive_int, default=10, help="training epochs (total, also when resuming)")
+    g.add_argument("--batch-size", type=_positive_int, default=128, help="images per optimizer step")
+    g.add_argument("--out", type=Path, default=Path("runs/vqvae"), help="output directory")
+    g.add_argument("--seed", type=int, default=0, help="seed for weights, data order and initialisation")
+    g.add_argument("--resume", nargs="?", const="last", default=None, metavar="CKPT",
+                   help="continue from a checkpoint: a path, or without a value <out>/checkpoints/last.ckpt")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that already holds a run (its history is replaced)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    g.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
+    g.add_argument("--train-subset", type=_positive_int, default=None,
+                   help="train on this many images (a fixed subset) instead of all 45,000")
+    g.add_argument("--val-size", type=_non_negative_int, default=5000,
+                   help="training images held out for validation (a fixed split); 0 = no validation")
+    g.add_argument("--num-workers", type=_non_negative_int, default=2, help="DataLoader worker processes")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-codes", type=_positive_int, default=512, help="K, codebook size")
+    g.add_argument("--code-dim", type=_positive_int, default=64, help="D, latent channels = code dimension")
+    g.add_argument("--width", type=_positive_int, default=128, help="channels of the encoder/decoder trunk (even)")
+    g.add_argument("--res-hidden", type=_positive_int, default=32, help="channels inside residual blocks")
+    g.add_argument("--res-blocks", type=_non_negative_int, default=2, help="residual blocks in encoder and decoder")
+    g.add_argument("--downsamples", type=_positive_int, default=2,
+                   help="stride-2 layers: 2 maps 32x32 images to 8x8 latents")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=_positive_float, default=3e-4, help="Adam learning rate of encoder and decoder")
+    g.add_argument("--eps", type=_positive_float, default=0.1,
+                   help="DDCL timescale ratio: encoder lr / prototype lr (prototypes use lr / eps)")
+    g = p.add_argument_group("DDCL codebook (--quantizer ddcl)")
+    g.add_argument("--temperature", type=_positive_float, default=1.0,
+                   help="Boltzmann temperature T (in squared-distance units) at the first step")
+    g.add_argument("--temperature-schedule", choices=SCHEDULES, default="constant",
+                   help="anneal T from --temperature to --temperature-final over the run's steps")
+    g.add_argument("--temperature-final", type=_positive_float, default=None,
+                   help="T at the last step (needed by every schedule but constant)")
+    g.add_argument("--distance", choices=("euclidean", "cosine"), default="euclidean",
+                   help="squared Euclidean, or cosine (tokens and prototypes L2-normalised)")
+    g.add_argument("--codebook-term", choices=("l_q", "l_ols"), default="l_q",
+                   help="loss term that trains the prototypes (stop-gradient on the encoder)")
+    g.add_argument("--codebook-weight", type=_non_negative_float, default=1.0, help="its weight")
+    g.add_argument("--commitment-term", choices=("l_ols", "l_q"), default="l_ols",
+                   help="loss term that pulls the encoder to the codebook (stop-gradient on the prototypes)")
+    g.add_argument("--init", choices=("data", "normal"), default="data",
+                   help="prototype initialisation: tokens of the first batch, or N(0, 1)")
+    g = p.add_argument_group("both quantizers")
+    g.add_argument("--beta", type=_non_negative_float, default=0.25,
+                   help="commitment weight (hard VQ's beta; DDCL's commitment term weight)")
+    g = p.add_argument_group("hard VQ (--quantizer hard)")
+    g.add_argument("--ema-decay", type=float, default=None,
+                   help="EMA codebook updates with this decay in (0, 1) instead of gradient updates")
+    g.add_argument("--dead-code-threshold", type=_non_negative_float, default=0.0,
+                   help="restart codes used fewer times per batch (running average) than this; 0 = never")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
+    g.add_argument("--devices", default="1", help="Lightning devices (a count, a list, or 'auto')")
+    g.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true, bf16-mixed")
+    g.add_argument("--no-progress-bar", action="store_true", help="disable the progress bar (e.g. in CI logs)")
+    return p
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.ema_decay is not None and not 0.0 < args.ema_decay < 1.0:
+        parser.error(f"argument --ema-decay: expected a number in (0, 1), got {args.ema_decay}")
+    if args.temperature_schedule != "constant" and args.temperature_final is None:
+        parser.error(f"--temperature-schedule {args.temperature_schedule} needs --temperature-final")
+    if args.width % 2:
+        parser.error(f"argument --width: must be even, got {args.width}")
+    if args.resume not in (None, "last") and len(args.quantizer) > 1:
+        parser.error("--resume with a checkpoint path needs a single --quantizer (use --resume alone to resume "
+                     "every run from its own last checkpoint)")
+    if len(set(args.quantizer)) != len(args.quantizer):
+        parser.error(f"argument --quantizer: repeated names {args.quantizer}")
+
+
+def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
+    """The VQVAE constructor arguments for one quantizer."""
+    if quantizer == "ddcl":
+        kwargs = {"temperature": args.temperature, "distance": args.distance, "codebook_term": args.codebook_term,
+                  "codebook_weight": args.codebook_weight, "commitment_term": args.commitment_term,
+                  "commitment_weight": args.beta, "init": args.init}
+        schedule, final = args.temperature_schedule, args.temperature_final
+    else:
+        kwargs = {"beta": args.beta, "ema_decay": args.ema_decay, "dead_code_threshold": args.dead_code_threshold}
+        schedule, final = "constant", None
+    return {"quantizer": quantizer, "num_codes": args.num_codes, "code_dim": args.code_dim, "quantizer_kwargs": kwargs,
+            "width": args.width, "res_hidden": args.res_hidden, "res_blocks": args.res_blocks,
+            "downsamples": args.downsamples, "lr": args.lr, "eps": args.eps,
+            "temperature_schedule": schedule, "temperature_final": final}
+
+
+def check_checkpoint(path: Path, config: dict[str, Any]) -> None:
+    """A readable Lightning checkpoint whose model hyperparameters match ``config``; else a clear error."""
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # truncated zip, pickle error, ...
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {err})") from err
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"{path} is not a Lightning checkpoint of this trainer (no state_dict)")
+    saved = ckpt.get("hyper_parameters", {})
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {config.get(k)!r}" for k in MODEL_KEYS
+            if k in saved and saved.get(k) != config.get(k, saved.get(k))]
+    if diff:
+        raise ValueError(f"checkpoint {path} was trained with another model configuration; pass the same "
+                         f"flags to resume it:\n  " + "\n  ".join(diff))
+
+
+def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[str, Any]]:
+    """Train (or resume) one VQ-VAE into ``out``; returns its history records."""
+    config = model_config(args, quantizer)
+    ckpt_path = None
+    if args.resume is not None:
+        ckpt_path = out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
+        check_checkpoint(ckpt_path, config)
+    elif not args.overwrite and ((out / "history.jsonl").exists() or (out / "checkpoints").exists()):
+        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
+                              f"start afresh (or choose another --out)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "config.json", json.dumps({**vars(args), "quantizer": quantizer}, default=str, indent=2))
+    except OSError as err:
+        raise OSError(f"cannot write to the output directory {out}: {err}") from err
+    if args.overwrite and args.resume is None:  # the previous run's artefacts would mix with the new ones
+        (out / "history.jsonl").unlink(missing_ok=True)
+        for stale in (out / "checkpoints", out / "tb"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for png in out.glob("recon_epoch*.png"):
+            png.unlink()
+
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
+                             train_subset=args.train_subset, num_workers=args.num_workers, download=args.download)
+    model = VQVAE(**config)
+    has_val = args.val_size > 0
+    checkpoint = ModelCheckpoint(
+        dirpath=out / "checkpoints", filename="best-epoch{epoch:02d}", auto_insert_metric_name=False,
+        monitor="val/mse" if has_val else None, mode="min", save_top_k=1 if has_val else 0, save_last=True,
+        save_on_train_epoch_end=True)
+    steps_per_epoch = math.ceil((args.train_subset or 45_000) / args.batch_size)
+    trainer = L.Trainer(
+        max_epochs=args.epochs, accelerator=args.accelerator, devices=_devices(args.devices),
+        precision=args.precision, default_root_dir=out,
+        logger=TensorBoardLogger(save_dir=str(out), name="tb", version=""),
+        callbacks=[HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out), checkpoint],
+        num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
+        log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_progress_bar=not args.no_progress_bar)
+    with warnings.catch_warnings():
+        # One core per worker is the right setting on small machines; Lightning's hint does not apply.
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        # Resuming writes into the run's own checkpoint directory on purpose.
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        # Lightning's pytree helper against newer torch; harmless.
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    return read_history(out / "history.jsonl")
+
+
+def _devices(text: str) -> int | str | list[int]:
+    if text == "auto":
+        return text
+    if "," in text:
+        return [int(t) for t in text.split(",") if t]
+    return int(text)
+
+
+def comparison_table(histories: dict[str, list[dict[str, Any]]]) -> str:
+    """A markdown table with one row per epoch and, per quantizer, utilization, dead codes, perplexity, PSNR."""
+    names = list(histories)
+    header = ["epoch"] + [f"{n} {col}" for n in names for col in ("util %", "dead", "ppl", "val PSNR (hard)")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    epochs = sorted({row["epoch"] for rows in histories.values() for row in rows})
+    for epoch in epochs:
+        cells = [str(epoch)]
+        for name in names:
+            row = next((r for r in histories[name] if r["epoch"] == epoch), None)
+            if row is None:
+                cells += ["", "", "", ""]
+                continue
+            psnr = "n/a" if row.get("val_psnr") is None else f"{row['val_psnr']:.2f} ({row['val_psnr_hard']:.2f})"
+            cells += [f"{100 * row['utilization']:.1f}", str(row["dead_codes"]), f"{row['perplexity']:.1f}", psnr]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    several = len(args.quantizer) > 1
+    histories = {}
+    for quantizer in args.quantizer:
+        out = args.out / quantizer if several else args.out
+        histories[quantizer] = train_one(args, quantizer, out)
+    table = comparison_table(histories)
+    if several:
+        write_atomic(args.out / "comparison.md", table)
+    print("\nPer-epoch codebook health and validation PSNR (soft and decoded from hard indices):\n" + table)
+    return histories
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, FileExistsError, ValueError, OSError, FloatingPointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
