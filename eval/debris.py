@@ -256,15 +256,16 @@ def plot(path: Path, features: Tensor, y: np.ndarray, fits: dict[str, Fit], mean
     f = features.numpy()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     markers = {"k-means": ("X", "black", "k-means centres"), "DDCL (direct)": ("*", "red", "DDCL (direct) prototypes"),
-               "DDCL (encoder)": ("P", "magenta", "DDCL (encoder) cluster means")}
+               "DDCL (encoder)": ("P", "cyan", "DDCL (encoder) cluster means")}
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:purple")  # LEO, MEO, GEO, HEO
     for ax, (col, ylabel) in zip(axes, ((ie, "eccentricity"), (ii, "inclination (deg)")), strict=True):
         for r, name in enumerate(REGIMES):
             m = show[y[show] == r]
-            ax.scatter(f[m, ia], f[m, col], s=4, alpha=0.4, label=f"{name} ({(y == r).mean():.0%})")
+            ax.scatter(f[m, ia], f[m, col], s=4, alpha=0.4, c=palette[r], label=f"{name} ({(y == r).mean():.0%})")
         for name, fit in fits.items():
             c = fit.centres * std.numpy() + mean.numpy()  # back to physical units
             marker, colour, label = markers.get(name, ("o", "grey", name))
-            ax.scatter(c[:, ia], c[:, col], marker=marker, s=140, c=colour, edgecolors="white", linewidths=0.8,
+            ax.scatter(c[:, ia], c[:, col], marker=marker, s=140, c=colour, edgecolors="black", linewidths=0.8,
                        label=label)
         ax.set_xscale("log")
         ax.set_xlabel("semi-major axis (km)")
