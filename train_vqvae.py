@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from models import QUANTIZERS, VQVAE
 from models.callbacks import HistoryWriter, ReconstructionGrid, read_history, write_atomic
-from softvq.data import CIFAR10DataModule
+from softvq.datasets.cifar10 import CIFAR10DataModule
 from softvq.schedule import SCHEDULES
 
 # Hyperparameters that define the model: a checkpoint must match them to be resumed.

@@ -46,6 +46,7 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp creates the file private; these are ordinary outputs
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

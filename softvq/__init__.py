@@ -8,7 +8,9 @@ Public API:
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
 - :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
-- :mod:`softvq.data` — ``CIFAR10DataModule`` (imported on demand: it pulls in Lightning and torchvision).
+- :mod:`softvq.datasets` — ``CIFAR10DataModule`` (offline-capable CIFAR-10) and the synthetic orbital-debris
+  catalogue (``make_orbital_debris``); imported on demand.
+- :mod:`softvq.clustering` — Hungarian clustering accuracy and contingency tables.
 - :mod:`softvq.functional` — ``codebook_usage``, ``prototype_separation`` (S(P)), ``assignment_entropy`` (H(Q)).
 """
 

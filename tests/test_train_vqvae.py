@@ -119,6 +119,17 @@ def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path, tiny_cif
     assert (out / "history.jsonl").read_text() == before
 
 
+def test_overwrite_starts_afresh_without_stale_artefacts(tmp_path, tiny_cifar):
+    out = tmp_path / "run"
+    run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "2", "--out", str(out))
+    stale = out / "checkpoints" / "best-epoch99.ckpt"
+    stale.write_bytes(b"old")
+    history = run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "1", "--out", str(out),
+                  "--overwrite")["hard"]
+    assert [r["epoch"] for r in history] == [1]
+    assert not stale.exists() and not (out / "recon_epoch02.png").exists()
+
+
 def test_checkpoint_loads_back_into_a_model(tmp_path, tiny_cifar):
     out = tmp_path / "run"
     run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(out),

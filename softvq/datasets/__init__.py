@@ -1,4 +1,8 @@
-"""Synthetic data sets for softvq's studies."""
+"""Data sets: CIFAR-10 for the VQ-VAE trainer (``cifar10``) and the synthetic orbital-debris catalogue (``debris``).
+
+``CIFAR10DataModule`` and its helpers are imported on first use, so that the debris generator does not pull in
+Lightning and torchvision.
+"""
 
 from softvq.datasets.debris import (
     FEATURES,
@@ -10,7 +14,19 @@ from softvq.datasets.debris import (
     orbital_period,
 )
 
+_CIFAR10 = ("CIFAR10DataModule", "CorruptArchiveError", "DataNotFoundError", "extract_archive", "resolve_cifar10")
+
+
+def __getattr__(name: str):
+    if name in _CIFAR10:
+        from softvq.datasets import cifar10
+
+        return getattr(cifar10, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    *_CIFAR10,
     "FEATURES",
     "REGIMES",
     "DebrisConfig",

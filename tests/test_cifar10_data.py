@@ -17,8 +17,14 @@ from PIL import Image
 from torchvision import datasets
 from torchvision.datasets import cifar as cifar_module
 
-from softvq import data as svdata
-from softvq.data import CIFAR10DataModule, CorruptArchiveError, DataNotFoundError, extract_archive, split_indices
+from softvq.datasets import cifar10 as svdata
+from softvq.datasets.cifar10 import (
+    CIFAR10DataModule,
+    CorruptArchiveError,
+    DataNotFoundError,
+    extract_archive,
+    split_indices,
+)
 
 
 def all_tensors(dm: CIFAR10DataModule, split: str) -> tuple[torch.Tensor, torch.Tensor]:
