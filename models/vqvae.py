@@ -318,5 +318,6 @@ class VQVAE(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         record = self.epoch_summary()
         skip = {"epoch", "step", "quantizer"}
-        self.log_dict({f"train/{k}": float(v) for k, v in record.items()
+        # "train_epoch/" beside the per-step "train/" curves; validation figures are logged as "val/" already.
+        self.log_dict({f"train_epoch/{k.removeprefix('train_')}": float(v) for k, v in record.items()
                        if k not in skip and not k.startswith("val_") and v is not None})
