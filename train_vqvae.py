@@ -41,24 +41,18 @@ from softvq.schedule import SCHEDULES
 MODEL_KEYS = ("quantizer", "num_codes", "code_dim", "in_channels", "width", "res_hidden", "res_blocks", "downsamples")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_check(minimum: int):
+    kind = "positive" if minimum == 1 else "non-negative"
 
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}")
+        return value
+    return parse
 
 
 def _float_check(allow_zero: bool):
@@ -74,6 +68,7 @@ def _float_check(allow_zero: bool):
     return parse
 
 
+_positive_int, _non_negative_int = _int_check(1), _int_check(0)
 _positive_float, _non_negative_float = _float_check(False), _float_check(True)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from softvq._utils import check_positive_int
+from softvq._utils import check_non_negative_int, check_positive_int
 
 
 class ResidualBlock(nn.Module):
@@ -39,8 +39,7 @@ def _check_config(width: int, res_hidden: int, res_blocks: int, downsamples: int
     check_positive_int("width", width)
     check_positive_int("res_hidden", res_hidden)
     check_positive_int("code_dim", code_dim)
-    if isinstance(res_blocks, bool) or not isinstance(res_blocks, int) or res_blocks < 0:
-        raise ValueError(f"res_blocks must be a non-negative integer, got {res_blocks!r}")
+    check_non_negative_int("res_blocks", res_blocks)
     check_positive_int("downsamples", downsamples)
     if width % 2:
         raise ValueError(f"width must be even (the first layer has width // 2 channels), got {width}")

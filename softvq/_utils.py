@@ -17,6 +17,12 @@ def check_positive_int(name: str, value: int) -> int:
     return value
 
 
+def check_non_negative_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def check_float(name: str, value: float, *, allow_zero: bool = False) -> float:
     """A finite float that is > 0 (or >= 0 with ``allow_zero``), else a ValueError naming ``name`` and ``value``."""
     kind = "non-negative" if allow_zero else "positive"

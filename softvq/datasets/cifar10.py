@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 
-from softvq._utils import check_positive_int
+from softvq._utils import check_non_negative_int, check_positive_int
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -252,13 +252,9 @@ class CIFAR10DataModule(L.LightningDataModule):
         super().__init__()
         self.data_root = Path(data_root)
         self.batch_size = check_positive_int("batch_size", batch_size)
-        if isinstance(val_size, bool) or not isinstance(val_size, int) or val_size < 0:
-            raise ValueError(f"val_size must be a non-negative integer, got {val_size!r}")
-        self.val_size = val_size
+        self.val_size = check_non_negative_int("val_size", val_size)
         self.train_subset = None if train_subset is None else check_positive_int("train_subset", train_subset)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
-        self.num_workers = num_workers
+        self.num_workers = check_non_negative_int("num_workers", num_workers)
         self.download = download
         self.cache_dir = cache_dir
         self.transform = transforms.ToTensor()
