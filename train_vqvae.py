@@ -31,6 +31,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from models import QUANTIZERS, VQVAE
 from models.callbacks import HistoryWriter, ReconstructionGrid, read_history, write_atomic
@@ -190,14 +191,10 @@ def check_checkpoint(path: Path, config: dict[str, Any]) -> None:
                          f"flags to resume it:\n  " + "\n  ".join(diff))
 
 
-def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[str, Any]]:
-    """Train (or resume) one VQ-VAE into ``out``; returns its history records."""
-    config = model_config(args, quantizer)
-    ckpt_path = None
-    if args.resume is not None:
-        ckpt_path = out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
-        check_checkpoint(ckpt_path, config)
-    elif not args.overwrite and ((out / "history.jsonl").exists() or (out / "checkpoints").exists()):
+def prepare_out(args: argparse.Namespace, quantizer: str, out: Path) -> None:
+    """Refuse to start afresh over an old run (unless --overwrite, which clears it); write config.json."""
+    if args.resume is None and not args.overwrite and ((out / "history.jsonl").exists()
+                                                       or (out / "checkpoints").exists()):
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
                               f"start afresh (or choose another --out)")
     try:
@@ -212,6 +209,17 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
         for png in out.glob("recon_epoch*.png"):
             png.unlink()
 
+
+def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[str, Any]]:
+    """Train (or resume) one VQ-VAE into ``out``; returns its history records."""
+    config = model_config(args, quantizer)
+    ckpt_path = None
+    if args.resume is not None:
+        ckpt_path = out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
+        check_checkpoint(ckpt_path, config)
+    if rank_zero_only.rank == 0:  # under DDP the other processes re-run this script: one process owns --out
+        prepare_out(args, quantizer, out)
+
     L.seed_everything(args.seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, download=args.download)
@@ -221,9 +229,11 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
         dirpath=out / "checkpoints", filename="best-epoch{epoch:02d}", auto_insert_metric_name=False,
         monitor="val/mse" if has_val else None, mode="min", save_top_k=1 if has_val else 0, save_last=True,
         save_on_train_epoch_end=True)
-    steps_per_epoch = math.ceil((args.train_subset or 45_000) / args.batch_size)
+    devices = _devices(args.devices)
+    processes = devices if isinstance(devices, int) else len(devices) if isinstance(devices, list) else 1
+    steps_per_epoch = math.ceil((args.train_subset or 45_000) / (args.batch_size * max(processes, 1)))
     trainer = L.Trainer(
-        max_epochs=args.epochs, accelerator=args.accelerator, devices=_devices(args.devices),
+        max_epochs=args.epochs, accelerator=args.accelerator, devices=devices,
         precision=args.precision, default_root_dir=out,
         logger=TensorBoardLogger(save_dir=str(out), name="tb", version=""),
         callbacks=[HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out), checkpoint],
@@ -277,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         out = args.out / quantizer if several else args.out
         histories[quantizer] = train_one(args, quantizer, out)
     table = comparison_table(histories)
+    if rank_zero_only.rank != 0:
+        return histories
     if several:
         write_atomic(args.out / "comparison.md", table)
     print("\nPer-epoch codebook health and validation PSNR (soft and decoded from hard indices):\n" + table)

@@ -149,7 +149,9 @@ class VQVAE(L.LightningModule):
 
     def _decode(self, z_q: Tensor) -> Tensor:
         """Channel-last quantized tokens ``(B, h, w, D)`` -> images in ``[0, 1]`` units ``(B, C, H, W)``."""
-        return self.decoder(rearrange(z_q, "b h w d -> b d h w")) + PIXEL_SHIFT
+        # contiguous: a channels-last view would make the decoder's 1x1-conv weight gradients channels-last too,
+        # which DDP's gradient buckets flag as a stride mismatch.
+        return self.decoder(rearrange(z_q, "b h w d -> b d h w").contiguous()) + PIXEL_SHIFT
 
     def forward(self, x: Tensor) -> VQVAEOutput:
         """Encode, quantize and decode images ``x (B, C, H, W)`` in ``[0, 1]``."""
@@ -250,7 +252,8 @@ class VQVAE(L.LightningModule):
             usage = self.val_usage.compute()
             summary.update(val_utilization=float(usage["utilization"]), val_dead_codes=int(usage["dead_codes"]),
                            val_perplexity=float(usage["perplexity"]))
-            self.log_dict({k.replace("val_", "val/"): v for k, v in summary.items()})
+            # sync_dist: the values are equal on every process already (torchmetrics); this only silences the hint.
+            self.log_dict({k.replace("val_", "val/"): v for k, v in summary.items()}, sync_dist=True)
         self._val_summary = summary
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
@@ -320,4 +323,4 @@ class VQVAE(L.LightningModule):
         skip = {"epoch", "step", "quantizer"}
         # "train_epoch/" beside the per-step "train/" curves; validation figures are logged as "val/" already.
         self.log_dict({f"train_epoch/{k.removeprefix('train_')}": float(v) for k, v in record.items()
-                       if k not in skip and not k.startswith("val_") and v is not None})
+                       if k not in skip and not k.startswith("val_") and v is not None}, sync_dist=True)
