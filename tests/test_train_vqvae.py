@@ -35,13 +35,13 @@ def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifa
     out = tmp_path / "cmp"
     histories = run(tmp_path, tiny_cifar["archive"], "--quantizer", "ddcl", "hard", "--epochs", "2",
                     "--out", str(out), "--temperature", "0.05", "--temperature-schedule", "exponential",
-                    "--temperature-final", "0.005")
+                    "--temperature-final", "0.005", "--train-subset", "240", "--val-size", "60")
     for name, keys in (("ddcl", DDCL_KEYS), ("hard", COMMON_KEYS)):
         rows = [json.loads(line) for line in (out / name / "history.jsonl").read_text().splitlines()]
         assert rows == histories[name] and [r["epoch"] for r in rows] == [1, 2]
         for row in rows:
             assert keys <= set(row), keys - set(row)
-            assert row["quantizer"] == name and row["step"] == 3 * row["epoch"]
+            assert row["quantizer"] == name and row["step"] == 8 * row["epoch"]  # 240 images in batches of 32
             assert 0 < row["utilization"] <= 1 and 0 <= row["dead_codes"] < 32
             assert row["dead_codes"] == round(32 * (1 - row["utilization"]))
             assert 1 <= row["perplexity"] <= 32 and row["val_psnr"] > 0 and -1 <= row["val_ssim"] <= 1
@@ -54,9 +54,9 @@ def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifa
         assert json.loads((out / name / "config.json").read_text())["quantizer"] == name
     ddcl = histories["ddcl"]
     assert all(r["identity_residual"] < 1e-5 for r in ddcl)
-    # T is set before each of the 6 steps: steps 0..5 run from 0.05 to 0.005 geometrically; the record holds the
-    # temperature of the epoch's last step (2 and 5).
-    assert ddcl[0]["temperature"] == pytest.approx(0.05 * 0.1 ** (2 / 5))
+    # T is set before each of the 16 steps: steps 0..15 run from 0.05 to 0.005 geometrically; the record holds the
+    # temperature of the epoch's last step (7 and 15).
+    assert ddcl[0]["temperature"] == pytest.approx(0.05 * 0.1 ** (7 / 15))
     assert ddcl[1]["temperature"] == pytest.approx(0.005)
     hard = histories["hard"]
     assert all(r["val_psnr"] == r["val_psnr_hard"] and r["v"] == 0 for r in hard)
