@@ -96,7 +96,7 @@ class HistoryWriter(L.Callback):
             return
         rows = read_history(self.path)
         kept = [row for row in rows if row.get("epoch", 0) <= trainer.current_epoch]
-        if len(kept) != len(rows) or (rows and not self.path.read_text().endswith("\n")):
+        if len(kept) != len(rows):
             write_atomic(self.path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

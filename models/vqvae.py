@@ -18,6 +18,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 import softvq
 from models.autoencoder import Decoder, Encoder
 from softvq._utils import check_choice, check_float, check_positive_int
+from softvq.optim import has_trainable_prototypes
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
 
@@ -175,14 +176,9 @@ class VQVAE(L.LightningModule):
 
     # ---- training --------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        has_prototypes = any(isinstance(m, softvq.DDCLQuantizer) and m.prototypes.requires_grad
-                             for m in self.modules())
-        if has_prototypes:
+        if has_trainable_prototypes(self):
             return torch.optim.Adam(softvq.param_groups(self, lr=self.lr, eps=self.eps))
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
-
-    def current_temperature(self) -> float | None:
-        return getattr(self.quantizer, "temperature", None)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.temperature_schedule == "constant":
@@ -228,7 +224,8 @@ class VQVAE(L.LightningModule):
         hard = self._decode(self.quantizer.decode_indices(out.quantizer.indices)) if self.is_soft \
             else out.reconstruction
         self.val_usage.update(out.quantizer.indices)
-        for suffix, rec in (("", out.reconstruction), ("_hard", hard)):
+        pairs = (("", out.reconstruction), ("_hard", hard)) if self.is_soft else (("", out.reconstruction),)
+        for suffix, rec in pairs:
             self.val_metrics["mse" + suffix].update(F.mse_loss(rec, x), weight=x.shape[0])
             clamped = rec.clamp(0.0, 1.0)
             self.val_metrics["psnr" + suffix].update(clamped, x)
@@ -248,7 +245,10 @@ class VQVAE(L.LightningModule):
         summary: dict[str, float | None] = {}
         if int(self.val_usage.hard_counts.sum()) > 0 or self.trainer.world_size > 1:
             for name, metric in self.val_metrics.items():
-                summary[f"val_{name}"] = float(metric.compute())
+                if self.is_soft or not name.endswith("_hard"):
+                    summary[f"val_{name}"] = float(metric.compute())
+            if not self.is_soft:  # straight-through: the reconstruction is the hard decode
+                summary.update({f"val_{name}_hard": summary[f"val_{name}"] for name in ("mse", "psnr", "ssim")})
             usage = self.val_usage.compute()
             summary.update(val_utilization=float(usage["utilization"]), val_dead_codes=int(usage["dead_codes"]),
                            val_perplexity=float(usage["perplexity"]))
@@ -306,14 +306,11 @@ class VQVAE(L.LightningModule):
             separation = softvq.prototype_separation(codebook, distance=distance)
             record["separation"] = float(separation["mean"])
             record["separation_min"] = float(separation["min"])
-        temperature = self.current_temperature()
+        temperature = getattr(self.quantizer, "temperature", None)
         if temperature is not None:
             record["temperature"] = float(temperature)
-        for suffix in ("", "_hard"):
-            for name in ("mse", "psnr", "ssim"):
-                record[f"val_{name}{suffix}"] = self._val_summary.get(f"val_{name}{suffix}")
-        for name in ("val_utilization", "val_dead_codes", "val_perplexity"):
-            record[name] = self._val_summary.get(name)
+        for name in (*self.val_metrics, "utilization", "dead_codes", "perplexity"):
+            record[f"val_{name}"] = self._val_summary.get(f"val_{name}")
         record["time_s"] = round(time.perf_counter() - self._epoch_start, 2)
         self._summary_cache = (key, record)
         return record

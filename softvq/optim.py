@@ -10,6 +10,16 @@ from softvq._utils import check_float
 from softvq.ddcl import DDCLQuantizer
 
 
+def _trainable_prototype_ids(model: nn.Module) -> set[int]:
+    return {id(m.prototypes) for m in model.modules() if isinstance(m, DDCLQuantizer) and m.prototypes.requires_grad}
+
+
+def has_trainable_prototypes(model: nn.Module) -> bool:
+    """Whether ``model`` holds a :class:`~softvq.DDCLQuantizer` with trainable prototypes (what
+    :func:`param_groups` needs)."""
+    return bool(_trainable_prototype_ids(model))
+
+
 def param_groups(model: nn.Module, lr: float, eps: float = 0.1, weight_decay: float = 0.0) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into encoder/decoder and DDCL-prototype groups.
 
@@ -28,9 +38,7 @@ def param_groups(model: nn.Module, lr: float, eps: float = 0.1, weight_decay: fl
     lr = check_float("lr", lr)
     eps = check_float("eps", eps)
     weight_decay = check_float("weight_decay", weight_decay, allow_zero=True)
-    prototype_ids = {
-        id(m.prototypes) for m in model.modules() if isinstance(m, DDCLQuantizer) and m.prototypes.requires_grad
-    }
+    prototype_ids = _trainable_prototype_ids(model)
     if not prototype_ids:
         raise ValueError(f"model ({type(model).__name__}) holds no trainable DDCLQuantizer prototypes; "
                          f"use its plain parameters() instead")

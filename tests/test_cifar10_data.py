@@ -28,10 +28,8 @@ from softvq.datasets.cifar10 import (
 
 
 def all_tensors(dm: CIFAR10DataModule, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    loader = {"train": dm.val_dataloader, "val": dm.val_dataloader, "test": dm.test_dataloader}[split]()
-    if split == "train":
-        loader = torch.utils.data.DataLoader(dm.train_set, batch_size=64, shuffle=False)
-    xs, ys = zip(*loader, strict=True)
+    dataset = {"train": dm.train_set, "val": dm.val_set, "test": dm.test_set}[split]
+    xs, ys = zip(*torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=False), strict=True)
     return torch.cat(xs), torch.cat(ys)
 
 

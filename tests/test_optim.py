@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from softvq import DDCLQuantizer, HardVQ, param_groups
+from softvq.optim import has_trainable_prototypes
 
 
 class Tiny(nn.Module):
@@ -48,3 +49,14 @@ def test_invalid_arguments(kwargs, match):
 def test_model_without_ddcl_is_an_error():
     with pytest.raises(ValueError, match="no trainable DDCLQuantizer"):
         param_groups(nn.Sequential(nn.Linear(2, 2), HardVQ(4, 2)), lr=1e-3)
+
+
+def test_has_trainable_prototypes_matches_what_param_groups_accepts():
+    ddcl = nn.Sequential(nn.Linear(4, 4), DDCLQuantizer(8, 4))
+    assert has_trainable_prototypes(ddcl)
+    hard = nn.Sequential(nn.Linear(4, 4), HardVQ(8, 4))
+    assert not has_trainable_prototypes(hard)
+    with pytest.raises(ValueError, match="no trainable DDCLQuantizer prototypes"):
+        param_groups(hard, lr=1e-3)
+    ddcl[1].prototypes.requires_grad_(False)
+    assert not has_trainable_prototypes(ddcl)
