@@ -173,12 +173,14 @@ def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
                   "dead_code_threshold": 1.0 if args.dead_code_threshold is None else args.dead_code_threshold}
         schedule, final = args.temperature_schedule, args.temperature_final
     else:
-        kwargs = {"beta": args.beta, "ema_decay": args.ema_decay, "dead_code_threshold": args.dead_code_threshold or 0.0}
+        kwargs = {"beta": args.beta, "ema_decay": args.ema_decay,
+                  "dead_code_threshold": args.dead_code_threshold or 0.0}
         schedule, final = "constant", None
     return {"quantizer": quantizer, "num_codes": args.num_codes, "code_dim": args.code_dim, "quantizer_kwargs": kwargs,
             "width": args.width, "res_hidden": args.res_hidden, "res_blocks": args.res_blocks,
             "downsamples": args.downsamples, "lr": args.lr, "eps": args.eps,
-            "temperature_schedule": schedule, "temperature_final": final, "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" else "none")}
+            "temperature_schedule": schedule, "temperature_final": final,
+            "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" else "none")}
 
 
 def check_checkpoint(path: Path, config: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from softvq._utils import (
+    all_reduce_sum_,
     broadcast_,
     check_choice,
     check_float,
@@ -33,7 +34,6 @@ from softvq._utils import (
     check_positive_int,
     compute_dtype,
     empty_output,
-    all_reduce_sum_,
     flatten_tokens,
     restart_dead_codes_,
     squared_distances,
