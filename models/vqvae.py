@@ -174,18 +174,22 @@ class VQVAE(L.LightningModule):
         # which DDP's gradient buckets flag as a stride mismatch.
         return self.decoder(rearrange(z_q, "b h w d -> b d h w").contiguous()) + PIXEL_SHIFT
 
+    def latents(self, x: Tensor) -> Tensor:
+        """Images ``(B, C, H, W)`` in ``[0, 1]`` -> the latents the quantizer sees, ``(B, D, h, w)`` (after
+        ``latent_norm``); what downstream readouts of a trained codebook should consume."""
+        self._check_images(x)
+        return self.norm(self.encoder(x - PIXEL_SHIFT))
+
     def forward(self, x: Tensor) -> VQVAEOutput:
         """Encode, quantize and decode images ``x (B, C, H, W)`` in ``[0, 1]``."""
-        self._check_images(x)
-        latents = self.norm(self.encoder(x - PIXEL_SHIFT))  # (B, D, h, w)
+        latents = self.latents(x)  # (B, D, h, w)
         out = self.quantizer(rearrange(latents, "b d h w -> b h w d"))
         return VQVAEOutput(self._decode(out.quantized), latents, out)
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> Tensor:
         """Images ``(B, C, H, W)`` in ``[0, 1]`` -> code indices ``(B, h, w)`` (argmax of the assignments)."""
-        self._check_images(x)
-        return self.quantizer(rearrange(self.norm(self.encoder(x - PIXEL_SHIFT)), "b d h w -> b h w d")).indices
+        return self.quantizer(rearrange(self.latents(x), "b d h w -> b h w d")).indices
 
     @torch.no_grad()
     def decode_indices(self, indices: Tensor) -> Tensor:

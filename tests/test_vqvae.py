@@ -46,6 +46,7 @@ def test_encode_and_decode_match_the_parts(name):
     x = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
         tokens = rearrange(model.norm(model.encoder(x - 0.5)), "b d h w -> (b h w) d")
+        assert torch.equal(rearrange(model.latents(x), "b d h w -> (b h w) d"), tokens)
         codebook = model.quantizer.codebook
         expected = exact_cdist(tokens.double(), codebook.double()).argmin(dim=1).reshape(3, 8, 8)
         indices = model.encode(x)
