@@ -84,6 +84,10 @@ class VQVAE(L.LightningModule):
         eps: ``encoder lr / prototype lr`` for DDCL prototypes (the paper's timescale ratio).
         temperature_schedule: ``"constant"``, ``"linear"``, ``"cosine"`` or ``"exponential"``.
         temperature_final: the temperature at the last step (required unless the schedule is constant).
+        target_entropy: if set, entropy-controlled temperature: after every training step
+            ``T <- T exp(temperature_rate (target_entropy - H(Q)))`` (:func:`softvq.adapt_temperature`), so T follows
+            the distance scale and about ``exp(target_entropy)`` prototypes share each token.
+        temperature_rate: the gain of that control, per step.
         latent_norm: ``"batch"`` standardises each latent channel over the batch (non-affine BatchNorm, running
             statistics at evaluation) before the quantizer, so the encoder cannot shrink what the codebook sees;
             ``"none"``; default ``"batch"`` for ``"ddcl"`` and ``"none"`` otherwise.
@@ -105,6 +109,8 @@ class VQVAE(L.LightningModule):
         temperature_schedule: str = "constant",
         temperature_final: float | None = None,
         latent_norm: str | None = None,
+        target_entropy: float | None = None,
+        temperature_rate: float = 0.01,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
@@ -138,6 +144,14 @@ class VQVAE(L.LightningModule):
         self.temperature_final = None if temperature_final is None else check_float("temperature_final",
                                                                                       temperature_final)
         self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
+        self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
+        self.temperature_rate = check_float("temperature_rate", temperature_rate)
+        if self.target_entropy is not None:
+            if self.temperature_start is None:
+                raise ValueError("target_entropy needs a quantizer with a temperature")
+            if self.temperature_schedule != "constant":
+                raise ValueError(f"target_entropy (entropy-controlled T) and temperature_schedule="
+                                 f"{temperature_schedule!r} both set the temperature; choose one")
 
         # Per-epoch state (torchmetrics: reduced across processes, not saved in checkpoints).
         self.train_usage = softvq.CodebookUsage(self.num_codes)
@@ -230,7 +244,14 @@ class VQVAE(L.LightningModule):
         n = x.shape[0]
         self.train_usage.update(q.indices, q.probs)
         self.train_mse.update(rec.detach(), weight=n)
-        self.train_entropy.update(softvq.assignment_entropy(q.probs), weight=n)
+        entropy = softvq.assignment_entropy(q.probs)
+        self.train_entropy.update(entropy, weight=n)
+        if self.target_entropy is not None:  # T for the next step, the same on every process
+            trainer = self._trainer  # None when the step is called by hand
+            mean_entropy = self.all_gather(entropy).mean() if trainer is not None and trainer.world_size > 1 \
+                else entropy
+            self.quantizer.temperature = softvq.adapt_temperature(
+                self.quantizer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
         for name, value in q.terms.items():
             if name == "identity_residual":
                 self.train_identity.update(value)

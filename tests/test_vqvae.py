@@ -189,6 +189,34 @@ def test_temperature_follows_the_schedule():
         assert model.quantizer.temperature == pytest.approx(10 ** (-2 * step / 10))
 
 
+def test_entropy_controlled_temperature_follows_the_measured_entropy(recwarn):
+    torch.manual_seed(2)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "init": "normal", "dead_code_threshold": 0.0},
+                  target_entropy=0.5, temperature_rate=0.2, **SMALL)
+    for _ in range(3):
+        x = torch.rand(4, 3, 32, 32)
+        before = model.quantizer.temperature
+        with torch.no_grad():
+            entropy = float(softvq.assignment_entropy(model(x).quantizer.probs))  # same weights, same batch
+        model.training_step((x, torch.zeros(4)), 0)
+        assert model.quantizer.temperature == pytest.approx(before * math.exp(0.2 * (0.5 - entropy)), rel=1e-5)
+    with pytest.raises(ValueError, match="choose one"):
+        VQVAE("ddcl", target_entropy=1.0, temperature_schedule="linear", temperature_final=0.1, **SMALL)
+    with pytest.raises(ValueError, match="target_entropy"):
+        VQVAE("hard", target_entropy=1.0, **SMALL)
+
+
+def test_adapt_temperature_known_values_and_errors():
+    assert softvq.adapt_temperature(4.0, 3.0, 2.5, rate=0.1) == pytest.approx(4.0 * math.exp(-0.05))
+    assert softvq.adapt_temperature(4.0, 2.0, 2.5, rate=0.1) == pytest.approx(4.0 * math.exp(0.05))
+    assert softvq.adapt_temperature(4.0, 2.5, 2.5) == 4.0
+    for kwargs, match in (({"temperature": 0.0}, "temperature"), ({"entropy": float("nan")}, "entropy"),
+                          ({"rate": -1.0}, "rate"), ({"target_entropy": -0.1}, "target_entropy")):
+        args = {"temperature": 1.0, "entropy": 1.0, "target_entropy": 1.0, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            softvq.adapt_temperature(**args)
+
+
 @pytest.mark.parametrize("schedule, expected", [
     ("constant", [2.0, 2.0, 2.0]),
     ("linear", [2.0, 1.25, 0.5]),
