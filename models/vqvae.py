@@ -30,6 +30,10 @@ LATENT_NORMS: tuple[str, ...] = ("none", "batch")
 # ~10 batches) is moved onto a token of the batch. The layer's own defaults supply the free-energy codebook term and
 # no commitment.
 DDCL_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold": 1.0}
+# Entropy-controlled T (softvq.adapt_temperature): hold H(Q) at the 2.5 nats that T = 4 gives in the first epoch,
+# so T follows the distance scale down as the codebook tightens (a fixed T lets H(Q) climb to 4 nats and the
+# soft/hard gap to 4 dB over 10 epochs).
+DDCL_TARGET_ENTROPY = 2.5
 PIXEL_SHIFT = 0.5  # the model sees x - 0.5, so inputs and reconstructions are centred on 0
 
 
@@ -86,7 +90,8 @@ class VQVAE(L.LightningModule):
         temperature_final: the temperature at the last step (required unless the schedule is constant).
         target_entropy: if set, entropy-controlled temperature: after every training step
             ``T <- T exp(temperature_rate (target_entropy - H(Q)))`` (:func:`softvq.adapt_temperature`), so T follows
-            the distance scale and about ``exp(target_entropy)`` prototypes share each token.
+            the distance scale and about ``exp(target_entropy)`` prototypes share each token. ``"auto"``:
+            ``DDCL_TARGET_ENTROPY`` (2.5 nats) for ``"ddcl"`` with a constant schedule, else off; ``None``: off.
         temperature_rate: the gain of that control, per step.
         latent_norm: ``"batch"`` standardises each latent channel over the batch (non-affine BatchNorm, running
             statistics at evaluation) before the quantizer, so the encoder cannot shrink what the codebook sees;
@@ -109,7 +114,7 @@ class VQVAE(L.LightningModule):
         temperature_schedule: str = "constant",
         temperature_final: float | None = None,
         latent_norm: str | None = None,
-        target_entropy: float | None = None,
+        target_entropy: float | str | None = "auto",
         temperature_rate: float = 0.01,
     ) -> None:
         super().__init__()
@@ -144,6 +149,9 @@ class VQVAE(L.LightningModule):
         self.temperature_final = None if temperature_final is None else check_float("temperature_final",
                                                                                       temperature_final)
         self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
+        if target_entropy == "auto":
+            auto = quantizer == "ddcl" and self.temperature_schedule == "constant"
+            target_entropy = DDCL_TARGET_ENTROPY if auto else None
         self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
         self.temperature_rate = check_float("temperature_rate", temperature_rate)
         if self.target_entropy is not None:

@@ -125,7 +125,7 @@ def test_optimizer_gives_prototypes_lr_over_eps():
 
 def test_epoch_summary_counts_the_whole_epoch(recwarn):
     torch.manual_seed(0)
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05}, **SMALL)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05}, target_entropy=None, **SMALL)
     model.on_train_epoch_start()
     batches = [torch.rand(5, 3, 32, 32), torch.rand(3, 3, 32, 32), torch.rand(4, 3, 32, 32)]
     indices, sq_errors, terms = [], [], []
