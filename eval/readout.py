@@ -8,8 +8,11 @@ The checkpoint's encoder and codebook are frozen; every image becomes its 8x8 la
 of dimension ``D`` (row-major over the grid), plus the hard code index of every token (the quantizer's own
 ``indices``). Tokens of a fixed subset of the official training split (``--train-subset``) and of the official
 test split are computed once and cached (``$SOFTVQ_CACHE/readout/``, keyed by the checkpoint's SHA-256 and the
-data selection). Readouts (``eval/_readout_heads.py``), each trained with Adam on the training labels for
-``--epochs`` epochs and scored on the test split after the last epoch (no selection on the test split):
+data selection). Every readout sees the tokens standardised by one fixed affine map from the training tokens,
+applied to the codebook too so that its assignments do not change (:func:`standardize`); ``--readout-temperature``
+overrides the codebook's temperature for the DDCL readouts. Readouts (``eval/_readout_heads.py``), each trained
+with Adam on the training labels for ``--epochs`` epochs and scored on the test split after the last epoch (no
+selection on the test split):
 
 (a) mean token + linear probe; (b) normalised histogram of the hard codes + linear probe; (c) a
 :class:`softvq.DDCLReadout` over the checkpoint's codebook, frozen, and a linear head on its pooled vector, soft
@@ -23,8 +26,10 @@ Writes ``report.md`` (mean +- sample std over ``--seeds``) and ``results.json`` 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -33,11 +38,12 @@ from typing import Any
 
 import torch
 from einops import rearrange
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
 from models.vqvae import PIXEL_SHIFT, VQVAE
+from softvq import DDCLQuantizer, assignment_entropy
 from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError, _sha256, default_cache_dir
 
 log = logging.getLogger("eval.readout")
@@ -102,6 +108,39 @@ def latents(args: argparse.Namespace, model: VQVAE, digest: str, device: torch.d
     return train, test
 
 
+def standardize(train: Split, test: Split, quantizer: nn.Module) -> tuple[Split, Split, nn.Module, dict[str, float]]:
+    """Map tokens by ``z' = (z - m) / s`` (``m`` the mean training token, ``s`` the RMS deviation from it) and a
+    copy of a DDCL codebook the same way, with ``T' = T / s^2``: every squared distance is divided by ``s^2``, so
+    the codebook's assignments do not change while every readout sees tokens of unit scale. For
+    ``distance="cosine"`` only ``s`` applies (``m = 0``), which keeps the angles."""
+    flat = train[0].reshape(-1, train[0].shape[-1]).double()
+    cosine = getattr(quantizer, "distance", "euclidean") == "cosine"
+    center = torch.zeros(flat.shape[1], dtype=torch.float64) if cosine else flat.mean(0)
+    scale = float((flat - center).square().sum(1).mean().sqrt() / math.sqrt(flat.shape[1]))
+    scale = scale if scale > 0 else 1.0
+    mapped = copy.deepcopy(quantizer)
+    if isinstance(mapped, DDCLQuantizer):
+        with torch.no_grad():
+            mapped.prototypes.sub_(center.to(mapped.prototypes.dtype)).div_(scale)
+        if not cosine:
+            mapped.temperature = quantizer.temperature / scale**2
+
+    def apply(split: Split) -> Split:
+        return (split[0] - center.float()) / scale, split[1], split[2]
+
+    return apply(train), apply(test), mapped, {"center_norm": float(center.norm()), "scale": scale}
+
+
+def codebook_entropy(quantizer: nn.Module, tokens: Tensor, images: int = 256) -> float | None:
+    """``H(Q) / log K`` of a DDCL codebook's assignments on (a spread-out sample of) ``tokens (N, T, D)``: 1 means
+    uniform assignments (the readout then sees little more than the mean token), 0 one-hot."""
+    if not isinstance(quantizer, DDCLQuantizer):
+        return None
+    sample = tokens[:: max(1, tokens.shape[0] // images)]
+    with torch.no_grad():
+        return float(assignment_entropy(quantizer(sample).probs)) / math.log(quantizer.num_codes)
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
     out = {}
     for name in ("test_acc", "train_acc", "seconds", "codebook_shift"):
@@ -123,6 +162,9 @@ def report(results: dict[str, Any]) -> str:
         f"{c['test_images']} test images (official test split). Adam, lr {c['lr']:g} (DDCL prototypes "
         f"lr / eps = {c['lr'] / c['eps']:g}), batch {c['batch_size']}, {c['epochs']} epoch(s); test accuracy "
         f"after the last epoch, mean ± sample std over seeds {c['seeds']}.", "",
+        f"Every readout sees the tokens standardised by one fixed map z' = (z - m) / s from the training tokens "
+        f"(|m| = {c['center_norm']:.3g}, s = {c['scale']:.3g}); the codebook is mapped the same way with T / s^2, "
+        f"so its assignments are unchanged.{entropy_note(c)}", "",
         "| readout | test accuracy | train accuracy | trainable params | codebook shift | seconds per seed |",
         "|---|---|---|---|---|---|",
     ]
@@ -137,6 +179,13 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def entropy_note(c: dict[str, Any]) -> str:
+    if c["assignment_entropy_ratio"] is None:
+        return ""
+    return (f" Its assignments on test tokens at T = {c['temperature']:g} (checkpoint units) have entropy "
+            f"H(Q) = {c['assignment_entropy_ratio']:.3f} log K (1 = uniform).")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     model = load_vqvae(args.checkpoint).to(device)
@@ -145,7 +194,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train, test = latents(args, model, digest, device)
     encode_seconds = time.perf_counter() - begin
     _, length, dim = train[0].shape
-    quantizer = model.quantizer.cpu()
+    quantizer = copy.deepcopy(model.quantizer).cpu()
+    if args.readout_temperature is not None:
+        if not isinstance(quantizer, DDCLQuantizer):
+            raise ValueError("--readout-temperature needs a DDCL checkpoint")
+        quantizer.temperature = args.readout_temperature
+    raw_temperature = getattr(quantizer, "temperature", None)
+    train, test, quantizer, scaling = standardize(train, test, quantizer)
+    entropy = codebook_entropy(quantizer, test[0])
+    if entropy is not None and entropy > 0.95:
+        log.warning("the codebook's assignments are nearly uniform on these tokens (H(Q) = %.3f log K) at T = %g: "
+                    "its DDCL readouts see little more than the mean token; try a smaller --readout-temperature",
+                    entropy, raw_temperature)
     readouts: dict[str, Any] = {}
     for name in args.readouts:
         runs = []
@@ -163,7 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "tokens": length, "grid": f"{side}x{side}" if side * side == length else f"{length}-token",
               "train_images": len(train[2]), "test_images": len(test[2]), "lr": args.lr, "eps": args.eps,
               "batch_size": args.batch_size, "epochs": args.epochs, "seeds": args.seeds, "heads": args.heads,
-              "device": str(device), "threads": torch.get_num_threads()}
+              "device": str(device), "threads": torch.get_num_threads(), "temperature": raw_temperature,
+              "assignment_entropy_ratio": entropy, **scaling}
     per_seed = sum(r["summary"]["seconds_mean"] for r in readouts.values())
     return {"config": config, "readouts": readouts, "seconds_per_seed": per_seed, "encode_seconds": encode_seconds}
 
@@ -184,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run: small subsets and one epoch")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     p.add_argument("--eps", type=float, default=0.1, help="readout lr / prototype lr for fine-tuned codebooks")
+    p.add_argument("--readout-temperature", type=float, default=None,
+                   help="T of the DDCL readouts in the checkpoint's squared-distance units (default: the checkpoint's)")
     p.add_argument("--batch-size", type=int, default=256, help="readout training batch (default 256)")
     p.add_argument("--heads", type=int, default=4, help="attention heads of the transformer readouts (default 4)")
     p.add_argument("--cache", type=Path, default=None, help="latent cache file (default under $SOFTVQ_CACHE)")
@@ -201,8 +264,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, value in positive.items():
         if value < 1:
             p.error(f"argument {flag}: expected a positive integer, got {value}")
-    if not (args.lr > 0 and args.eps > 0) or args.num_workers < 0:
-        p.error("--lr and --eps must be positive and --num-workers non-negative")
+    temperature_ok = args.readout_temperature is None or args.readout_temperature > 0
+    if not (args.lr > 0 and args.eps > 0 and temperature_ok) or args.num_workers < 0:
+        p.error("--lr, --eps and --readout-temperature must be positive and --num-workers non-negative")
     return args
 
 

@@ -15,6 +15,7 @@ import train_vqvae
 from eval import bench_readout, readout
 from eval._readout_heads import HistogramProbe, fit
 from models import VQVAE
+from softvq import DDCLQuantizer, assignment_entropy
 
 TINY = ["--train-subset", "96", "--val-size", "0", "--batch-size", "32", "--width", "16", "--res-hidden", "8",
         "--res-blocks", "1", "--num-codes", "16", "--code-dim", "8", "--num-workers", "0", "--no-progress-bar",
@@ -111,3 +112,25 @@ def test_readout_benchmark_prints_a_row_per_length_and_checks_linear_growth(tmp_
     assert passed and "ddcl: 8.50 PASS" in text and "attn: 60.00" in text
     rows[1]["ms"]["ddcl"] = 9.5
     assert not bench_readout.growth_check(rows, ["ddcl", "attn"])[1]
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+def test_standardize_gives_unit_scale_tokens_and_keeps_the_codebook_assignments(distance):
+    torch.manual_seed(0)
+    quantizer = DDCLQuantizer(8, 3, temperature=0.05, distance=distance, init="normal")
+    with torch.no_grad():
+        quantizer.prototypes.mul_(0.2).add_(3.0)
+    tokens = torch.randn(40, 6, 3) * 0.2 + 3.0
+    split = (tokens, torch.zeros(40, 6, dtype=torch.long), torch.zeros(40, dtype=torch.long))
+    before = quantizer.prototypes.detach().clone()
+    train, test, mapped, scaling = readout.standardize(split, split, quantizer)
+    assert torch.equal(quantizer.prototypes.detach(), before)  # a copy is mapped
+    flat = train[0].reshape(-1, 3).double()
+    if distance == "euclidean":
+        torch.testing.assert_close(flat.mean(0), torch.zeros(3, dtype=torch.float64), atol=1e-6, rtol=0)
+        assert flat.square().sum(1).mean().item() == pytest.approx(3.0, rel=1e-5)  # unit RMS per coordinate
+    else:  # angles are kept: only a scale, the RMS of the raw tokens
+        assert scaling["center_norm"] == 0 and scaling["scale"] == pytest.approx(tokens.square().mean().sqrt().item())
+    torch.testing.assert_close(mapped(test[0]).probs, quantizer(tokens).probs, atol=1e-5, rtol=1e-4)
+    assert readout.codebook_entropy(mapped, test[0]) == pytest.approx(
+        float(assignment_entropy(quantizer(tokens).probs)) / math.log(8), rel=1e-4)
