@@ -247,7 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eps", type=float, default=0.1, help="readout lr / prototype lr for fine-tuned codebooks")
     p.add_argument("--readout-temperature", type=float, default=None,
                    help="T of the DDCL readouts in the checkpoint's squared-distance units (default: the checkpoint's)")
-    p.add_argument("--batch-size", type=int, default=256, help="readout training batch (default 256)")
+    p.add_argument("--batch-size", type=int, default=128,
+                   help="readout training batch (default 128; 256 is slower on CPU: its (B, K, D) slots pass 32 MiB)")
     p.add_argument("--heads", type=int, default=4, help="attention heads of the transformer readouts (default 4)")
     p.add_argument("--cache", type=Path, default=None, help="latent cache file (default under $SOFTVQ_CACHE)")
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers while encoding (default 2)")
