@@ -39,7 +39,8 @@ from softvq.datasets.cifar10 import CIFAR10DataModule
 from softvq.schedule import SCHEDULES
 
 # Hyperparameters that define the model: a checkpoint must match them to be resumed.
-MODEL_KEYS = ("quantizer", "num_codes", "code_dim", "in_channels", "width", "res_hidden", "res_blocks", "downsamples")
+MODEL_KEYS = ("quantizer", "num_codes", "code_dim", "in_channels", "width", "res_hidden", "res_blocks", "downsamples",
+              "latent_norm")
 
 
 def _int_check(minimum: int):
@@ -109,32 +110,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stride-2 layers: 2 maps 32x32 images to 8x8 latents")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=_positive_float, default=3e-4, help="Adam learning rate of encoder and decoder")
-    g.add_argument("--eps", type=_positive_float, default=0.1,
+    g.add_argument("--eps", type=_positive_float, default=0.01,
                    help="DDCL timescale ratio: encoder lr / prototype lr (prototypes use lr / eps)")
     g = p.add_argument_group("DDCL codebook (--quantizer ddcl)")
-    g.add_argument("--temperature", type=_positive_float, default=1.0,
-                   help="Boltzmann temperature T (in squared-distance units) at the first step")
+    g.add_argument("--temperature", type=_positive_float, default=4.0,
+                   help="Boltzmann temperature T (in squared-distance units; with --latent-norm batch two random "
+                        "tokens are 2 * code-dim apart on average) at the first step")
     g.add_argument("--temperature-schedule", choices=SCHEDULES, default="constant",
                    help="anneal T from --temperature to --temperature-final over the run's steps")
     g.add_argument("--temperature-final", type=_positive_float, default=None,
                    help="T at the last step (needed by every schedule but constant)")
     g.add_argument("--distance", choices=("euclidean", "cosine"), default="euclidean",
                    help="squared Euclidean, or cosine (tokens and prototypes L2-normalised)")
-    g.add_argument("--codebook-term", choices=("l_q", "l_ols"), default="l_q",
+    g.add_argument("--codebook-term", choices=("free_energy", "l_q", "l_ols"), default="free_energy",
                    help="loss term that trains the prototypes (stop-gradient on the encoder)")
     g.add_argument("--codebook-weight", type=_non_negative_float, default=1.0, help="its weight")
-    g.add_argument("--commitment-term", choices=("l_ols", "l_q"), default="l_ols",
+    g.add_argument("--commitment-weight", type=_non_negative_float, default=0.0,
+                   help="weight of the commitment term (0: the encoder learns from the reconstruction alone)")
+    g.add_argument("--commitment-term", choices=("l_ols", "l_q", "free_energy"), default="l_ols",
                    help="loss term that pulls the encoder to the codebook (stop-gradient on the prototypes)")
     g.add_argument("--init", choices=("data", "normal"), default="data",
                    help="prototype initialisation: tokens of the first batch, or N(0, 1)")
     g = p.add_argument_group("both quantizers")
-    g.add_argument("--beta", type=_non_negative_float, default=0.25,
-                   help="commitment weight (hard VQ's beta; DDCL's commitment term weight)")
+    g.add_argument("--latent-norm", choices=("none", "batch"), default=None,
+                   help="normalise the latents before the quantizer (batch: per-channel standardisation, "
+                        "non-affine BatchNorm); default batch for ddcl, none for hard")
+    g.add_argument("--dead-code-threshold", type=_non_negative_float, default=None,
+                   help="restart codes chosen fewer times per batch (running average) than this; 0 = never; "
+                        "default 1 for ddcl, 0 for hard")
     g = p.add_argument_group("hard VQ (--quantizer hard)")
+    g.add_argument("--beta", type=_non_negative_float, default=0.25, help="commitment weight")
     g.add_argument("--ema-decay", type=float, default=None,
                    help="EMA codebook updates with this decay in (0, 1) instead of gradient updates")
-    g.add_argument("--dead-code-threshold", type=_non_negative_float, default=0.0,
-                   help="restart codes used fewer times per batch (running average) than this; 0 = never")
     g = p.add_argument_group("hardware")
     g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
     g.add_argument("--devices", default="1", help="Lightning devices (a count, a list, or 'auto')")
@@ -162,15 +169,18 @@ def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
     if quantizer == "ddcl":
         kwargs = {"temperature": args.temperature, "distance": args.distance, "codebook_term": args.codebook_term,
                   "codebook_weight": args.codebook_weight, "commitment_term": args.commitment_term,
-                  "commitment_weight": args.beta, "init": args.init}
+                  "commitment_weight": args.commitment_weight, "init": args.init,
+                  "dead_code_threshold": 1.0 if args.dead_code_threshold is None else args.dead_code_threshold}
         schedule, final = args.temperature_schedule, args.temperature_final
     else:
-        kwargs = {"beta": args.beta, "ema_decay": args.ema_decay, "dead_code_threshold": args.dead_code_threshold}
+        kwargs = {"beta": args.beta, "ema_decay": args.ema_decay,
+                  "dead_code_threshold": args.dead_code_threshold or 0.0}
         schedule, final = "constant", None
     return {"quantizer": quantizer, "num_codes": args.num_codes, "code_dim": args.code_dim, "quantizer_kwargs": kwargs,
             "width": args.width, "res_hidden": args.res_hidden, "res_blocks": args.res_blocks,
             "downsamples": args.downsamples, "lr": args.lr, "eps": args.eps,
-            "temperature_schedule": schedule, "temperature_final": final}
+            "temperature_schedule": schedule, "temperature_final": final,
+            "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" else "none")}
 
 
 def check_checkpoint(path: Path, config: dict[str, Any]) -> None:
@@ -234,7 +244,7 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
     steps_per_epoch = math.ceil((args.train_subset or 45_000) / (args.batch_size * max(processes, 1)))
     trainer = L.Trainer(
         max_epochs=args.epochs, accelerator=args.accelerator, devices=devices,
-        precision=args.precision, default_root_dir=out,
+        precision=args.precision, default_root_dir=out, sync_batchnorm=processes > 1,  # --latent-norm batch
         logger=TensorBoardLogger(save_dir=str(out), name="tb", version=""),
         callbacks=[HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out), checkpoint],
         num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,

@@ -23,13 +23,23 @@ from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
 
 QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
+LATENT_NORMS: tuple[str, ...] = ("none", "batch")
+# The collapse-free DDCL recipe (README, "Collapse-free defaults"): with latents standardised by the non-affine
+# BatchNorm (squared distances between two random tokens average 2 * code_dim = 128), T = 4 keeps about
+# e^2.5 ~ 12 prototypes in play per token; a prototype that wins less than one token per batch (running average over
+# ~10 batches) is moved onto a token of the batch. The layer's own defaults supply the free-energy codebook term and
+# no commitment.
+DDCL_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold": 1.0}
 PIXEL_SHIFT = 0.5  # the model sees x - 0.5, so inputs and reconstructions are centred on 0
 
 
 def build_quantizer(name: str, num_codes: int, dim: int, **kwargs: Any) -> nn.Module:
-    """``"ddcl"`` -> :class:`softvq.DDCLQuantizer`, ``"hard"`` -> :class:`softvq.HardVQ`, with ``kwargs``."""
+    """``"ddcl"`` -> :class:`softvq.DDCLQuantizer` (``DDCL_DEFAULTS`` unless overridden), ``"hard"`` ->
+    :class:`softvq.HardVQ`, with ``kwargs``."""
     check_choice("quantizer", name, QUANTIZERS)
     cls = softvq.DDCLQuantizer if name == "ddcl" else softvq.HardVQ
+    if name == "ddcl":
+        kwargs = {**DDCL_DEFAULTS, **kwargs}
     try:
         return cls(num_codes, dim, **kwargs)
     except TypeError as err:  # an option the chosen quantizer does not have
@@ -74,6 +84,9 @@ class VQVAE(L.LightningModule):
         eps: ``encoder lr / prototype lr`` for DDCL prototypes (the paper's timescale ratio).
         temperature_schedule: ``"constant"``, ``"linear"``, ``"cosine"`` or ``"exponential"``.
         temperature_final: the temperature at the last step (required unless the schedule is constant).
+        latent_norm: ``"batch"`` standardises each latent channel over the batch (non-affine BatchNorm, running
+            statistics at evaluation) before the quantizer, so the encoder cannot shrink what the codebook sees;
+            ``"none"``; default ``"batch"`` for ``"ddcl"`` and ``"none"`` otherwise.
     """
 
     def __init__(
@@ -88,9 +101,10 @@ class VQVAE(L.LightningModule):
         res_blocks: int = 2,
         downsamples: int = 2,
         lr: float = 3e-4,
-        eps: float = 0.1,
+        eps: float = 0.01,
         temperature_schedule: str = "constant",
         temperature_final: float | None = None,
+        latent_norm: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
@@ -107,6 +121,11 @@ class VQVAE(L.LightningModule):
         self.downsamples = check_positive_int("downsamples", downsamples)
         self.encoder = Encoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
         self.decoder = Decoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
+        if latent_norm is None:
+            latent_norm = "batch" if quantizer == "ddcl" else "none"
+        self.latent_norm = check_choice("latent_norm", latent_norm, LATENT_NORMS)
+        # Non-affine: the encoder cannot rescale what the quantizer sees (running statistics at eval).
+        self.norm = nn.BatchNorm2d(code_dim, affine=False) if latent_norm == "batch" else nn.Identity()
         self.lr = check_float("lr", lr)
         self.eps = check_float("eps", eps)
         self.temperature_schedule = check_choice("temperature_schedule", temperature_schedule, SCHEDULES)
@@ -135,6 +154,7 @@ class VQVAE(L.LightningModule):
         self._val_summary: dict[str, float | None] = {}
         self._summary_cache: tuple[tuple[int, int], dict[str, Any]] | None = None
         self._epoch_start = time.perf_counter()
+        self._restarts_at_epoch_start = 0
 
     # ---- model API -----------------------------------------------------------------------------------------
     def _check_images(self, x: Tensor) -> None:
@@ -157,7 +177,7 @@ class VQVAE(L.LightningModule):
     def forward(self, x: Tensor) -> VQVAEOutput:
         """Encode, quantize and decode images ``x (B, C, H, W)`` in ``[0, 1]``."""
         self._check_images(x)
-        latents = self.encoder(x - PIXEL_SHIFT)  # (B, D, h, w)
+        latents = self.norm(self.encoder(x - PIXEL_SHIFT))  # (B, D, h, w)
         out = self.quantizer(rearrange(latents, "b d h w -> b h w d"))
         return VQVAEOutput(self._decode(out.quantized), latents, out)
 
@@ -165,7 +185,7 @@ class VQVAE(L.LightningModule):
     def encode(self, x: Tensor) -> Tensor:
         """Images ``(B, C, H, W)`` in ``[0, 1]`` -> code indices ``(B, h, w)`` (argmax of the assignments)."""
         self._check_images(x)
-        return self.quantizer(rearrange(self.encoder(x - PIXEL_SHIFT), "b d h w -> b h w d")).indices
+        return self.quantizer(rearrange(self.norm(self.encoder(x - PIXEL_SHIFT)), "b d h w -> b h w d")).indices
 
     @torch.no_grad()
     def decode_indices(self, indices: Tensor) -> Tensor:
@@ -192,6 +212,7 @@ class VQVAE(L.LightningModule):
                        *self.train_terms.values()):
             metric.reset()
         self._epoch_start = time.perf_counter()
+        self._restarts_at_epoch_start = getattr(self.quantizer, "restarts", 0)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x = batch[0]
@@ -306,6 +327,9 @@ class VQVAE(L.LightningModule):
             separation = softvq.prototype_separation(codebook, distance=distance)
             record["separation"] = float(separation["mean"])
             record["separation_min"] = float(separation["min"])
+        restarts = getattr(self.quantizer, "restarts", None)
+        if restarts is not None:
+            record["restarts"] = restarts - self._restarts_at_epoch_start
         temperature = getattr(self.quantizer, "temperature", None)
         if temperature is not None:
             record["temperature"] = float(temperature)

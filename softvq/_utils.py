@@ -79,6 +79,20 @@ def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
     return d.add_(z.square().sum(1, keepdim=True)).clamp_(min=0.0)
 
 
+@torch.no_grad()
+def restart_dead_codes_(codebook: Tensor, usage: Tensor, z: Tensor, threshold: float) -> Tensor:
+    """Replace the rows of ``codebook (K, D)`` whose running ``usage (K,)`` is below ``threshold`` by random tokens of
+    ``z (N, D)`` (the same tokens on every process) and set their usage to ``threshold``; returns the ``(K,)`` mask of
+    restarted rows."""
+    dead = usage < threshold
+    num_dead = int(dead.sum())
+    if num_dead and z.shape[0]:
+        pick = torch.randint(z.shape[0], (num_dead,), device=z.device)
+        codebook[dead] = broadcast_(z[pick].to(codebook.dtype).contiguous())
+        usage[dead] = threshold
+    return dead
+
+
 def empty_output(z: Tensor, num_codes: int, anchor: Tensor, term_names: tuple[str, ...]) -> QuantizerOutput:
     """What a quantizer returns for zero tokens: empty tensors of the right shapes and a zero loss that is still
     connected to ``anchor`` (a parameter or buffer), so ``loss.backward()`` works."""

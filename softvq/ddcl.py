@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from softvq._utils import (
+    all_reduce_sum_,
     broadcast_,
     check_choice,
     check_float,
@@ -34,12 +35,13 @@ from softvq._utils import (
     compute_dtype,
     empty_output,
     flatten_tokens,
+    restart_dead_codes_,
     squared_distances,
 )
 from softvq.types import QuantizerOutput
 
-Term = Literal["l_q", "l_ols"]
-_TERMS = ("l_q", "l_ols")
+Term = Literal["l_q", "l_ols", "free_energy"]
+_TERMS = ("l_q", "l_ols", "free_energy")
 
 
 def _rows_dot(a: Tensor, b: Tensor) -> Tensor:
@@ -91,6 +93,8 @@ class _SoftCentroid(torch.autograd.Function):
         stats = torch.stack([l_q, l_ols, v])
 
         def term(name: str) -> Tensor:
+            if name == "free_energy":  # F = -T log sum_k exp(-d_k / T) = L_q - T H(q)
+                return torch.logsumexp(logits, dim=1).mean() * -temperature
             return l_q if name == "l_q" else l_ols
 
         loss = (cb_weight * term(cb_term) + cm_weight * term(cm_term)) / dim
@@ -122,12 +126,14 @@ class _SoftCentroid(torch.autograd.Function):
             a_cb = scale * cb_weight if scale is not None and cb_weight > 0 else None
             a_cm = scale * cm_weight if scale is not None and cm_weight > 0 else None
 
-            def scaled_grad_d(g_mu_side: Tensor | None, a_lq: Tensor | None) -> Tensor | None:
-                """``W`` with ``dL/dd = -W / T``, from mu / q (through the softmax) and an ``a_lq * L_q`` term.
+            def scaled_grad_d(g_mu_side: Tensor | None, a_lq: Tensor | None,
+                              a_fe: Tensor | None) -> Tensor | None:
+                """``W`` with ``dL/dd = -W / T``, from mu / q (through the softmax), ``a_lq * L_q`` and ``a_fe * F``.
 
                 Through the softmax (logits = -d/T): dL/dd = -q (g_q - <q, g_q>) / T. From L_q:
                 dL_q/dd = q (1 - (d - L_q,n) / T), attraction of near prototypes and repulsion of far ones.
-                Together: -q (g_q + a d - <q, g_q> - a L_q,n - a T) / T. Rows of W sum to -a T (to 0 without L_q).
+                From the free energy F: dF/dd = q, attraction only (soft k-means).
+                Together: -q (g_q + a d - <q, g_q> - a L_q,n - a T - a_fe T) / T.
                 """
                 w = None
                 row = None  # (N,) per-token constant subtracted inside the bracket
@@ -142,6 +148,11 @@ class _SoftCentroid(torch.autograd.Function):
                     w = logits * (-temperature * a_lq) if w is None else w.add_(logits * (-temperature * a_lq))
                     extra = a_lq * (lq_n + temperature)
                     row = extra if row is None else row.add_(extra)
+                if a_fe is not None:
+                    if w is None:
+                        w = torch.zeros_like(q)
+                    extra = (a_fe * temperature).expand(n)
+                    row = extra if row is None else row.add_(extra)
                 if w is None:
                     return None
                 return w.sub_(row[:, None]).mul_(q)
@@ -155,22 +166,27 @@ class _SoftCentroid(torch.autograd.Function):
                 g_mu_z = r * (-2.0 * a_cm) if g_mu_z is None else g_mu_z - 2.0 * a_cm * r
             lq_cb = a_cb if cb_term == "l_q" else None
             lq_cm = a_cm if cm_term == "l_q" else None
+            fe_cb = a_cb if cb_term == "free_energy" else None
+            fe_cm = a_cm if cm_term == "free_energy" else None
 
             # d_nk = ||z_n - p_k||^2: dd/dp_k = 2 (p_k - z_n), dd/dz_n = 2 (z_n - p_k); with dL/dd = -W / T.
             grad_z = grad_p = w_p = None
             if ctx.needs_input_grad[1]:
-                w_p = scaled_grad_d(g_mu_p, lq_cb)
+                w_p = scaled_grad_d(g_mu_p, lq_cb, fe_cb)
                 grad_p = torch.zeros_like(pc) if g_mu_p is None else q.t() @ g_mu_p  # direct path of mu
                 if w_p is not None:
                     grad_p.add_(w_p.sum(0)[:, None] * pc - w_p.t() @ zc, alpha=-2.0 / temperature)
             if ctx.needs_input_grad[0]:
-                reuse = w_p is not None and g_mu_z is g_mu_p and lq_cb is None and lq_cm is None
-                w_z = w_p if reuse else scaled_grad_d(g_mu_z, lq_cm)
+                reuse = (w_p is not None and g_mu_z is g_mu_p and lq_cb is None and lq_cm is None
+                         and fe_cb is None and fe_cm is None)
+                w_z = w_p if reuse else scaled_grad_d(g_mu_z, lq_cm, fe_cm)
                 grad_z = torch.zeros_like(zc)
                 if w_z is not None:
                     grad_z.add_(w_z @ pc, alpha=2.0 / temperature)  # the row sums of W are known in closed form
                 if lq_cm is not None:
                     grad_z.add_(2.0 * lq_cm * zc)
+                if fe_cm is not None:
+                    grad_z.add_(2.0 * fe_cm * zc)
                 if a_cm is not None and cm_term == "l_ols":
                     grad_z.add_(2.0 * a_cm * r)
         return grad_z, grad_p, None, None, None, None, None
@@ -192,11 +208,24 @@ class DDCLQuantizer(nn.Module):
     3. ``commitment_weight * commitment_term(z, sg[P]) / dim`` reaches **only the encoder** (``z``).
 
     ``loss`` is the sum of 2 and 3 (``sg`` = stop-gradient). Both terms are divided by ``dim`` so that the
-    weights sit on the scale of an element-mean MSE reconstruction loss, like VQ-VAE's ``beta``. With the
-    defaults the prototypes do DDCL competitive learning on ``L_q = L_OLS + V`` (attraction to their tokens
-    plus the separation force of ``V``), and the encoder commits to its soft centroid through ``L_OLS``.
-    Set a weight to 0 to drop a term. The prototypes' learning rate should exceed the encoder's:
-    build the optimizer with :func:`softvq.param_groups` (``eps = encoder lr / prototype lr``, DESIGN §2).
+    weights sit on the scale of an element-mean MSE reconstruction loss, like VQ-VAE's ``beta``. Set a weight to 0
+    to drop a term. The prototypes' learning rate should exceed the encoder's: build the optimizer with
+    :func:`softvq.param_groups` (``eps = encoder lr / prototype lr``, DESIGN §2).
+
+    **Defaults, and why** (measured on CIFAR-10 VQ-VAEs; see the README, "Collapse-free defaults"):
+
+    - ``codebook_term="free_energy"``: the prototypes minimise ``F = -T log sum_k exp(-d_k / T) = L_q - T H(q)``
+      (soft k-means, the paper's Lyapunov function), whose gradient only *attracts* each prototype to the tokens
+      it is assigned to (``dF/dd_k = q_k``). ``L_q`` itself pushes every prototype that is farther than average
+      by more than ``T`` even farther away (``dL_q/dd_k = q_k (1 - (d_k - L_q) / T)``); Adam turns that tiny
+      gradient into a full-size step, and those prototypes leave the data for good (dead codes).
+    - ``commitment_weight=0``: committing the encoder to its *soft* centroid (``z -> mu(z)``) is a mean-shift step
+      over the prototypes' kernel density; it pulls tokens into a few modes, which collapsed the codebook here.
+      The encoder learns from the reconstruction alone, through ``d mu / d z = (2/T) C_n``.
+    - The identity ``L_q = L_OLS + V`` and ``V >= 0`` hold whatever terms train the layer; ``terms`` reports them.
+    - Not set by this layer but needed for collapse-freedom: tokens on a fixed scale (the encoder must not be able
+      to shrink them; :class:`models.VQVAE` standardises them with a non-affine BatchNorm), ``T`` chosen relative to
+      that scale, and ``dead_code_threshold > 0``.
 
     ``terms`` (detached, unweighted means over tokens): ``l_q``, ``l_ols``, ``v`` and ``identity_residual``
     ``= |l_q - l_ols - v| / max(l_q, tiny)``, which stays at float rounding on every batch.
@@ -209,14 +238,20 @@ class DDCLQuantizer(nn.Module):
             saved in the ``state_dict``.
         distance: ``"euclidean"`` (squared Euclidean) or ``"cosine"`` (tokens and prototypes L2-normalised
             first; then ``d = 2 - 2 cos``, the output lies in the unit ball, and a useful ``T`` is ~0.01-0.5).
-        codebook_term: ``"l_q"`` or ``"l_ols"``, the term whose gradient trains the prototypes.
+        codebook_term: ``"free_energy"``, ``"l_q"`` or ``"l_ols"``, the term whose gradient trains the
+            prototypes.
         codebook_weight: its weight (``>= 0``).
-        commitment_term: ``"l_ols"`` or ``"l_q"``, the term whose gradient pulls the encoder to the codebook.
-        commitment_weight: its weight (``>= 0``).
+        commitment_term: ``"l_ols"``, ``"l_q"`` or ``"free_energy"``, the term whose gradient pulls the encoder to
+            the codebook (only used with ``commitment_weight > 0``).
+        commitment_weight: its weight (``>= 0``); 0 by default (see above).
         init: ``"data"`` copies random tokens of the first training batch into the prototypes (or call
             :meth:`init_from_data` yourself); ``"normal"`` draws ``N(0, init_scale^2)``.
         init_scale: standard deviation of the ``"normal"`` initialisation (also the placeholder values that
             ``"data"`` overwrites).
+        dead_code_threshold: before each training step, move every prototype whose running number of tokens per
+            batch (argmax assignments, exponential average with ``dead_code_decay``) is below this onto a random
+            token of the batch; 0 = never. :attr:`restarts` counts the moves.
+        dead_code_decay: decay of that running average, in ``(0, 1)`` (0.9: about the last 10 batches).
         check_finite: raise on NaN/Inf input (one device sync per call; disable in tuned GPU loops).
 
     Raises:
@@ -229,12 +264,14 @@ class DDCLQuantizer(nn.Module):
         dim: int,
         temperature: float = 1.0,
         distance: Literal["euclidean", "cosine"] = "euclidean",
-        codebook_term: Term = "l_q",
+        codebook_term: Term = "free_energy",  # attraction only; l_q strands far prototypes under Adam
         codebook_weight: float = 1.0,
         commitment_term: Term = "l_ols",
-        commitment_weight: float = 0.25,
+        commitment_weight: float = 0.0,  # soft commitment is mean-shift: it collapses the tokens into few modes
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
+        dead_code_threshold: float = 0.0,
+        dead_code_decay: float = 0.9,
         check_finite: bool = True,
     ) -> None:
         super().__init__()
@@ -249,9 +286,16 @@ class DDCLQuantizer(nn.Module):
         init_scale = check_float("init_scale", init_scale)
         self.check_finite = bool(check_finite)
         self._temperature = check_float("temperature", temperature)
+        self.dead_code_threshold = check_float("dead_code_threshold", dead_code_threshold, allow_zero=True)
+        self.dead_code_decay = check_float("dead_code_decay", dead_code_decay)
+        if not self.dead_code_decay < 1.0:
+            raise ValueError(f"dead_code_decay must be in (0, 1), got {dead_code_decay!r}")
         # Python-side state (no device sync to read it); saved through get_extra_state.
         self._initialized = init != "data"
+        self._restarts = 0  # prototypes restarted so far (dead-code restart)
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale)  # (K, D)
+        # Running average of argmax assignments per training batch (for dead-code restart); -1 = no batch seen yet.
+        self.register_buffer("usage", torch.full((num_codes,), -1.0))
 
     # ---- temperature (annealing) and checkpointed state -------------------------------------------------
     @property
@@ -268,8 +312,13 @@ class DDCLQuantizer(nn.Module):
         """False until data initialisation (``init="data"``) has run."""
         return self._initialized
 
+    @property
+    def restarts(self) -> int:
+        """How many prototypes dead-code restart has moved so far (cumulative, saved in the ``state_dict``)."""
+        return self._restarts
+
     def get_extra_state(self) -> dict[str, Any]:
-        return {"temperature": self._temperature, "initialized": self._initialized}
+        return {"temperature": self._temperature, "initialized": self._initialized, "restarts": self._restarts}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
@@ -277,12 +326,19 @@ class DDCLQuantizer(nn.Module):
                              f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
         self.temperature = state["temperature"]
         self._initialized = bool(state["initialized"])
+        self._restarts = int(state.get("restarts", 0))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # State dicts written before dead-code restart existed have no usage buffer: start it afresh.
+        state_dict.setdefault(prefix + "usage", torch.full_like(self.usage, -1.0))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (
             f"num_codes={self.num_codes}, dim={self.dim}, temperature={self._temperature:g}, "
             f"distance={self.distance!r}, codebook={self.codebook_weight:g}*{self.codebook_term}, "
-            f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}"
+            f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
+            f"dead_code_threshold={self.dead_code_threshold:g}"
         )
 
     # ---- codebook ---------------------------------------------------------------------------------------
@@ -339,6 +395,8 @@ class DDCLQuantizer(nn.Module):
             else:
                 warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised its "
                               "prototypes: it is using random placeholder prototypes", stacklevel=2)
+        if self.training and self.dead_code_threshold > 0:
+            self._restart_dead_codes(flat.detach())
         ctype = compute_dtype(z.dtype)
         with torch.autocast(device_type=z.device.type, enabled=False):
             zf = flat.to(ctype)
@@ -351,6 +409,8 @@ class DDCLQuantizer(nn.Module):
                 self.codebook_term, self.codebook_weight,
                 self.commitment_term, self.commitment_weight,
             )
+        if self.training and self.dead_code_threshold > 0:
+            self._update_usage(indices)
         l_q, l_ols, v = stats.unbind()
         residual = (l_q - l_ols - v).abs() / l_q.abs().clamp_min(torch.finfo(stats.dtype).tiny)
         terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual}
@@ -361,3 +421,22 @@ class DDCLQuantizer(nn.Module):
             loss=loss,
             terms=terms,
         )
+
+    # ---- dead-code restart -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _update_usage(self, indices: Tensor) -> None:
+        counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
+        all_reduce_sum_(counts)
+        if bool((self.usage < 0).any()):  # first batch: start from its counts
+            self.usage.copy_(counts)
+        else:
+            self.usage.mul_(self.dead_code_decay).add_(counts, alpha=1.0 - self.dead_code_decay)
+
+    @torch.no_grad()
+    def _restart_dead_codes(self, z: Tensor) -> None:
+        """Before a training step: prototypes whose running argmax count per batch fell below the threshold move
+        onto random tokens of this batch (done before the forward pass, so no tensor saved for backward changes)."""
+        if bool((self.usage < 0).any()):
+            return
+        dead = restart_dead_codes_(self.prototypes.data, self.usage, z, self.dead_code_threshold)
+        self._restarts += int(dead.sum())

@@ -8,13 +8,13 @@ from torch import Tensor, nn
 
 from softvq._utils import (
     all_reduce_sum_,
-    broadcast_,
     check_float,
     check_indices,
     check_positive_int,
     compute_dtype,
     empty_output,
     flatten_tokens,
+    restart_dead_codes_,
     squared_distances,
 )
 from softvq.types import QuantizerOutput
@@ -149,14 +149,7 @@ class HardVQ(nn.Module):
 
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:
-        dead = self.usage < self.dead_code_threshold  # (K,)
-        num_dead = int(dead.sum())
-        if num_dead == 0:
-            return
-        pick = torch.randint(z.shape[0], (num_dead,), device=z.device)
-        fresh = broadcast_(z[pick].to(self.embedding.dtype).contiguous())  # same restart on every rank
-        self.embedding[dead] = fresh
-        self.usage[dead] = self.dead_code_threshold
-        if self.ema_decay is not None:
+        dead = restart_dead_codes_(self.embedding, self.usage, z, self.dead_code_threshold)  # (K,)
+        if self.ema_decay is not None and bool(dead.any()):
             self.ema_cluster_size[dead] = self.dead_code_threshold
-            self.ema_embed_sum[dead] = fresh * self.dead_code_threshold
+            self.ema_embed_sum[dead] = self.embedding[dead] * self.dead_code_threshold

@@ -24,7 +24,8 @@ def brute_force(z: torch.Tensor, p: torch.Tensor, temperature: float, distance: 
     l_q = (q * d).sum(1).mean()
     l_ols = (z - mu).square().sum(1).mean()
     v = (q * (p[None, :, :] - mu[:, None, :]).square().sum(-1)).sum(1).mean()
-    return d, q, mu, {"l_q": l_q, "l_ols": l_ols, "v": v}
+    free_energy = (-temperature * torch.log(torch.exp(-d / temperature).sum(1))).mean()  # no log-sum-exp shift
+    return d, q, mu, {"l_q": l_q, "l_ols": l_ols, "v": v, "free_energy": free_energy}
 
 
 def make(num_codes=12, dim=5, dtype=torch.float64, **kw) -> DDCLQuantizer:
@@ -83,7 +84,7 @@ def reference_objective(z, p, temperature, distance, cb_term, cb_w, cm_term, cm_
 
 
 @pytest.mark.parametrize("distance", ["euclidean", "cosine"])
-@pytest.mark.parametrize("cb_term,cm_term", list(itertools.product(["l_q", "l_ols"], repeat=2)))
+@pytest.mark.parametrize("cb_term,cm_term", list(itertools.product(["l_q", "l_ols", "free_energy"], repeat=2)))
 @pytest.mark.parametrize("cb_w,cm_w", [(1.0, 0.25), (0.0, 0.5), (0.7, 0.0)])
 def test_gradients_match_reference_with_stop_gradients(distance, cb_term, cm_term, cb_w, cm_w):
     torch.manual_seed(2)
@@ -276,6 +277,9 @@ def test_empty_batch_returns_empty_outputs():
         ({"codebook_term": "v"}, "codebook_term"),
         ({"commitment_weight": -0.1}, "commitment_weight"),
         ({"init": "kmeans"}, "init"),
+        ({"dead_code_threshold": -1.0}, "dead_code_threshold"),
+        ({"dead_code_decay": 1.0}, "dead_code_decay"),
+        ({"dead_code_decay": 0.0}, "dead_code_decay"),
     ],
 )
 def test_invalid_hyperparameters_raise(kwargs, match):
@@ -345,3 +349,74 @@ def test_jacobian_of_soft_centroid_is_assignment_covariance():
     cov = ((p - mu).T * q) @ (p - mu)
     torch.testing.assert_close(jac, (2 / 0.6) * cov, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(torch.trace(cov), out.terms["v"], rtol=1e-10, atol=0)
+
+
+def test_free_energy_attracts_a_far_prototype_where_l_q_repels_it():
+    """Why the default codebook term is the free energy: L_q pushes prototypes that are farther than average by more
+    than T even farther away (dL_q/dd < 0 there), which Adam turns into a full-size step, so they die; the free energy
+    F = -T log sum_k exp(-d_k / T) = L_q - T H(q) only attracts (dF/dd_k = q_k), so a far prototype drifts back."""
+    torch.manual_seed(5)
+    z = torch.randn(200, 4, dtype=torch.float64)
+    directions = {}
+    for term in ("l_q", "free_energy"):
+        quantizer = DDCLQuantizer(3, 4, temperature=1.0, codebook_term=term, commitment_weight=0.0,
+                                  init="normal").double()
+        with torch.no_grad():
+            quantizer.prototypes.copy_(torch.tensor([[0.0, 0, 0, 0], [0.5, 0, 0, 0], [6.0, 0, 0, 0]]))
+        quantizer(z).loss.backward()
+        step = -quantizer.prototypes.grad[2]  # gradient-descent direction of the far prototype
+        to_data = z.mean(0) - quantizer.prototypes.detach()[2]
+        directions[term] = float(step @ to_data)
+    assert directions["l_q"] < 0 < directions["free_energy"]
+
+
+def test_free_energy_is_l_q_minus_temperature_times_entropy():
+    torch.manual_seed(6)
+    quantizer = DDCLQuantizer(7, 3, temperature=0.6, codebook_term="free_energy", codebook_weight=1.0,
+                              commitment_weight=0.0, init="normal").double()
+    z = torch.randn(50, 3, dtype=torch.float64)
+    out = quantizer(z)
+    entropy = -(torch.special.xlogy(out.probs, out.probs)).sum(1).mean()
+    torch.testing.assert_close(out.loss * 3, out.terms["l_q"] - 0.6 * entropy, rtol=1e-12, atol=1e-12)
+
+
+def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
+    torch.manual_seed(7)
+    quantizer = DDCLQuantizer(4, 2, temperature=0.5, init="normal", dead_code_threshold=1.0).double()
+    with torch.no_grad():
+        quantizer.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [50.0, 50.0]]))
+    z1 = torch.randn(64, 2, dtype=torch.float64)
+    quantizer(z1)  # first batch: the usage starts at its counts, prototype 3 (far away) has none
+    assert quantizer.usage[3].item() == 0 and quantizer.restarts == 0
+    torch.testing.assert_close(quantizer.usage.sum(), torch.tensor(64.0, dtype=torch.float64))
+    z2 = torch.randn(64, 2, dtype=torch.float64)
+    quantizer(z2)
+    assert quantizer.restarts == 1
+    moved = quantizer.prototypes.detach()[3]
+    assert torch.cdist(moved[None], z2).min().item() == 0.0  # exactly one of this batch's tokens
+    torch.testing.assert_close(quantizer.prototypes.detach()[:3], torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]],
+                                                                               dtype=torch.float64))
+    state = quantizer.state_dict()
+    clone = DDCLQuantizer(4, 2, init="normal", dead_code_threshold=1.0).double()
+    clone.load_state_dict(state)
+    assert clone.restarts == 1 and torch.equal(clone.usage, quantizer.usage)
+
+    quantizer.eval()
+    with torch.no_grad():
+        quantizer.prototypes[3] = 100.0
+        quantizer.usage[3] = 0.0
+    quantizer(z2)  # evaluation never changes the codebook
+    assert quantizer.restarts == 1 and quantizer.prototypes[3, 0].item() == 100.0
+
+
+def test_no_restart_without_threshold_and_legacy_state_dict_loads():
+    quantizer = DDCLQuantizer(4, 2, init="normal")
+    with torch.no_grad():
+        quantizer.prototypes[3] = 50.0
+    for _ in range(3):
+        quantizer(torch.randn(32, 2))
+    assert quantizer.restarts == 0 and quantizer.prototypes[3, 0].item() == 50.0
+    legacy = {k: v for k, v in quantizer.state_dict().items() if not k.endswith("usage")}
+    fresh = DDCLQuantizer(4, 2, init="normal")
+    fresh.load_state_dict(legacy)
+    assert (fresh.usage == -1).all()

@@ -19,7 +19,7 @@ TINY = ["--train-subset", "96", "--val-size", "48", "--batch-size", "32", "--wid
 COMMON_KEYS = {"epoch", "step", "quantizer", "utilization", "dead_codes", "perplexity", "soft_perplexity",
                "train_mse", "val_mse", "val_psnr", "val_ssim", "val_psnr_hard", "val_mse_hard", "val_ssim_hard",
                "l_q", "l_ols", "v", "assignment_entropy", "separation", "separation_min", "time_s"}
-DDCL_KEYS = COMMON_KEYS | {"identity_residual", "temperature"}
+DDCL_KEYS = COMMON_KEYS | {"identity_residual", "temperature", "restarts"}
 
 
 def run(tmp_path: Path, data: Path, *extra: str) -> dict:
@@ -152,8 +152,23 @@ def test_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--quantizer", "--epochs", "--batch-size", "--train-subset", "--data-root", "--out", "--seed",
                  "--num-codes", "--code-dim", "--width", "--lr", "--eps", "--temperature", "--temperature-schedule",
-                 "--temperature-final", "--beta", "--ema-decay", "--dead-code-threshold", "--resume", "--download"):
+                 "--temperature-final", "--beta", "--ema-decay", "--dead-code-threshold", "--resume", "--download",
+                 "--latent-norm", "--codebook-term", "--commitment-weight"):
         assert flag in text, flag
+
+
+def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_for_hard():
+    args = train_vqvae.build_parser().parse_args([])
+    ddcl, hard = train_vqvae.model_config(args, "ddcl"), train_vqvae.model_config(args, "hard")
+    assert ddcl["latent_norm"] == "batch" and ddcl["eps"] == 0.01
+    assert ddcl["quantizer_kwargs"] == {"temperature": 4.0, "distance": "euclidean", "codebook_term": "free_energy",
+                                        "codebook_weight": 1.0, "commitment_term": "l_ols", "commitment_weight": 0.0,
+                                        "init": "data", "dead_code_threshold": 1.0}
+    assert hard["latent_norm"] == "none"
+    assert hard["quantizer_kwargs"] == {"beta": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}
+    model = VQVAE(**ddcl)  # what the library's own defaults build
+    assert model.quantizer.codebook_term == "free_energy" and model.quantizer.commitment_weight == 0.0
+    assert model.quantizer.dead_code_threshold == 1.0 and model.quantizer.temperature == 4.0
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -45,7 +45,7 @@ def test_encode_and_decode_match_the_parts(name):
     model = VQVAE(name, quantizer_kwargs=options, **SMALL).eval()
     x = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
-        tokens = rearrange(model.encoder(x - 0.5), "b d h w -> (b h w) d")
+        tokens = rearrange(model.norm(model.encoder(x - 0.5)), "b d h w -> (b h w) d")
         codebook = model.quantizer.codebook
         expected = exact_cdist(tokens.double(), codebook.double()).argmin(dim=1).reshape(3, 8, 8)
         indices = model.encode(x)
@@ -57,6 +57,27 @@ def test_encode_and_decode_match_the_parts(name):
     assert out.reconstruction.shape == x.shape and out.latents.shape == (3, 8, 8, 8)
     if name == "hard":  # straight-through: the forward value is the hard decode
         assert torch.allclose(out.reconstruction, images, atol=1e-6)
+
+
+def test_batch_latent_norm_standardises_channels_and_undoes_any_encoder_scale():
+    """The DDCL default: the quantizer sees per-channel standardised latents, so the encoder cannot shrink them."""
+    torch.manual_seed(1)
+    model = VQVAE("ddcl", quantizer_kwargs={"init": "normal"}, **SMALL)
+    assert model.latent_norm == "batch" and VQVAE("hard", **SMALL).latent_norm == "none"
+    x = torch.rand(6, 3, 32, 32)
+    last = model.encoder.net[-1]  # the 1x1 convolution that produces the latents
+    with torch.no_grad():
+        last.weight.mul_(100.0)  # raw latent variance ~1 (far above BatchNorm's eps of 1e-5)
+        last.bias.mul_(100.0)
+        out = model(x)
+        flat = rearrange(out.latents, "b d h w -> d (b h w)").double()
+        torch.testing.assert_close(flat.mean(1), torch.zeros(8, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(flat.var(1, unbiased=False), torch.ones(8, dtype=torch.float64), atol=1e-3, rtol=0)
+        last.weight.mul_(0.1)  # the encoder shrinks its outputs tenfold: the quantizer sees the same tokens
+        last.bias.mul_(0.1)
+        shrunk = model(x)
+    torch.testing.assert_close(shrunk.latents, out.latents, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(shrunk.reconstruction, out.reconstruction, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("x, match", [
