@@ -65,10 +65,11 @@ def load_vqvae(path: Path) -> VQVAE:
 
 @torch.no_grad()
 def encode(model: VQVAE, dataset: Dataset, batch_size: int, num_workers: int, device: torch.device) -> Split:
-    """Frozen tokens ``(N, h*w, D)``, hard code indices ``(N, h*w)`` and labels ``(N,)`` of a data set."""
+    """Frozen tokens ``(N, h*w, D)`` (what the quantizer sees: the encoder's output after the VQ-VAE's latent
+    norm), hard code indices ``(N, h*w)`` and labels ``(N,)`` of a data set."""
     tokens, indices, labels = [], [], []
     for x, y in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers):
-        latents = model.encoder(x.to(device) - PIXEL_SHIFT)  # (B, D, h, w)
+        latents = model.norm(model.encoder(x.to(device) - PIXEL_SHIFT))  # (B, D, h, w)
         grid = rearrange(latents, "b d h w -> b h w d")
         indices.append(model.quantizer(grid).indices.flatten(1).cpu())
         tokens.append(rearrange(grid, "b h w d -> b (h w) d").float().cpu())
@@ -85,8 +86,8 @@ def latents(args: argparse.Namespace, model: VQVAE, digest: str, device: torch.d
     if args.test_subset is not None and args.test_subset < len(test_set):
         order = torch.randperm(len(test_set), generator=torch.Generator().manual_seed(0))
         test_set = Subset(test_set, order[: args.test_subset].tolist())
-    key = {"checkpoint_sha256": digest, "data": str(data.source[1]), "train": len(data.train_set),
-           "test": len(test_set)}
+    key = {"tokens": "after the latent norm", "checkpoint_sha256": digest, "data": str(data.source[1]),
+           "train": len(data.train_set), "test": len(test_set)}
     cache = args.cache or default_cache_dir() / "readout" / (f"latents-{digest[:16]}-{key['train']}-"
                                                              f"{key['test']}.pt")
     if cache.is_file():

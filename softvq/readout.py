@@ -61,8 +61,9 @@ class DDCLReadout(nn.Module):
 
     Args:
         num_codes, dim, temperature, distance, codebook_term, codebook_weight, commitment_term,
-        commitment_weight, init, init_scale: as for :class:`~softvq.DDCLQuantizer` (``init="data"`` copies
-            real tokens of the first training batch into the prototypes).
+        commitment_weight, init, init_scale, dead_code_threshold, dead_code_decay: as for
+            :class:`~softvq.DDCLQuantizer`, with the same defaults (``init="data"`` and dead-code restart draw
+            from the real tokens only).
         check_finite: raise on NaN/Inf at real positions (padded positions may hold anything).
 
     Raises:
@@ -84,12 +85,14 @@ class DDCLReadout(nn.Module):
         dim: int,
         temperature: float = 1.0,
         distance: Literal["euclidean", "cosine"] = "euclidean",
-        codebook_term: Term = "l_q",
+        codebook_term: Term = "free_energy",
         codebook_weight: float = 1.0,
         commitment_term: Term = "l_ols",
-        commitment_weight: float = 0.25,
+        commitment_weight: float = 0.0,
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
+        dead_code_threshold: float = 0.0,
+        dead_code_decay: float = 0.9,
         check_finite: bool = True,
     ) -> None:
         super().__init__()
@@ -97,7 +100,8 @@ class DDCLReadout(nn.Module):
         self.quantizer = DDCLQuantizer(num_codes, dim, temperature=temperature, distance=distance,
                                        codebook_term=codebook_term, codebook_weight=codebook_weight,
                                        commitment_term=commitment_term, commitment_weight=commitment_weight,
-                                       init=init, init_scale=init_scale, check_finite=False)
+                                       init=init, init_scale=init_scale, dead_code_threshold=dead_code_threshold,
+                                       dead_code_decay=dead_code_decay, check_finite=False)
         self.check_finite = bool(check_finite)
 
     @classmethod
@@ -105,8 +109,8 @@ class DDCLReadout(nn.Module):
         """A readout over a copy of a trained quantizer's prototypes, temperature and settings.
 
         The copy is independent: training the readout never changes ``quantizer``. With ``freeze=True`` the
-        prototypes do not require gradients (the codebook is a fixed feature map; ``loss`` then only reaches
-        the tokens, through the commitment term).
+        prototypes do not require gradients and dead-code restart is off (the codebook is a fixed feature map;
+        ``loss`` then only reaches the tokens, through the commitment term).
         """
         if not isinstance(quantizer, DDCLQuantizer):
             raise TypeError(f"from_quantizer needs a softvq.DDCLQuantizer, got {type(quantizer).__name__}")
@@ -114,10 +118,11 @@ class DDCLReadout(nn.Module):
                       distance=quantizer.distance, codebook_term=quantizer.codebook_term,
                       codebook_weight=quantizer.codebook_weight, commitment_term=quantizer.commitment_term,
                       commitment_weight=quantizer.commitment_weight, init=quantizer.init,
-                      check_finite=quantizer.check_finite)
+                      dead_code_threshold=0.0 if freeze else quantizer.dead_code_threshold,
+                      dead_code_decay=quantizer.dead_code_decay, check_finite=quantizer.check_finite)
         proto = quantizer.prototypes
         readout.quantizer.to(device=proto.device, dtype=proto.dtype)
-        readout.quantizer.load_state_dict(quantizer.state_dict())  # prototypes, temperature, initialized
+        readout.quantizer.load_state_dict(quantizer.state_dict())  # prototypes, usage, temperature, initialized
         readout.quantizer.prototypes.requires_grad_(not freeze)
         return readout
 

@@ -18,7 +18,7 @@ def loop_reference(z: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, tempera
     codes = F.normalize(p, dim=-1) if distance == "cosine" else p
     slots, pooled, mass = [], [], []
     assignments = [[torch.zeros(K, dtype=z.dtype) for _ in range(length)] for _ in range(batch)]
-    l_q = l_ols = v = 0.0
+    l_q = l_ols = v = free_energy = 0.0
     n = 0
     for b in range(batch):
         weighted, row_mass, centroid_sum, count = [0.0] * K, [0.0] * K, 0.0, 0
@@ -31,6 +31,7 @@ def loop_reference(z: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, tempera
             q = torch.softmax(-d / temperature, dim=0)
             mu = sum(q[k] * codes[k] for k in range(K))
             l_q = l_q + (q * d).sum()
+            free_energy = free_energy - temperature * torch.logsumexp(-d / temperature, dim=0)
             l_ols = l_ols + (zd - mu).square().sum()
             v = v + sum(q[k] * (codes[k] - mu).square().sum() for k in range(K))
             for k in range(K):
@@ -45,7 +46,7 @@ def loop_reference(z: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, tempera
         pooled.append(centroid_sum / count)
     return {"slots": torch.stack(slots), "pooled": torch.stack(pooled), "mass": torch.stack(mass),
             "assignments": torch.stack([torch.stack(row) for row in assignments]),
-            "l_q": l_q / n, "l_ols": l_ols / n, "v": v / n}
+            "l_q": l_q / n, "l_ols": l_ols / n, "v": v / n, "free_energy": free_energy / n}
 
 
 def make(dtype=torch.float64, **kw) -> DDCLReadout:
@@ -63,9 +64,11 @@ def ragged(batch=3, length=7, dtype=torch.float64, seed=1) -> tuple[torch.Tensor
     return z.masked_fill(~mask[..., None], float("nan")), mask
 
 
-@pytest.mark.parametrize("distance,temperature", [("euclidean", 0.9), ("cosine", 0.3)])
-def test_outputs_and_terms_match_a_token_by_token_loop_float64(distance, temperature):
-    readout = make(distance=distance, temperature=temperature, codebook_weight=0.7, commitment_weight=0.3)
+@pytest.mark.parametrize("distance,temperature,codebook_term", [("euclidean", 0.9, "free_energy"),
+                                                                 ("cosine", 0.3, "l_q")])
+def test_outputs_and_terms_match_a_token_by_token_loop_float64(distance, temperature, codebook_term):
+    readout = make(distance=distance, temperature=temperature, codebook_term=codebook_term, codebook_weight=0.7,
+                   commitment_weight=0.3)
     z, mask = ragged()
     out = readout(z, mask)
     assert isinstance(out, ReadoutOutput)
@@ -74,7 +77,7 @@ def test_outputs_and_terms_match_a_token_by_token_loop_float64(distance, tempera
         torch.testing.assert_close(getattr(out, name), ref[name], rtol=1e-12, atol=1e-14, msg=name)
     for name in ("l_q", "l_ols", "v"):
         torch.testing.assert_close(out.terms[name], ref[name], rtol=1e-12, atol=0, msg=name)
-    torch.testing.assert_close(out.loss, (0.7 * ref["l_q"] + 0.3 * ref["l_ols"]) / D, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out.loss, (0.7 * ref[codebook_term] + 0.3 * ref["l_ols"]) / D, rtol=1e-12, atol=0)
     l_q, l_ols, v = (out.terms[k].item() for k in ("l_q", "l_ols", "v"))
     assert abs(l_q - l_ols - v) / l_q < 1e-12 and out.terms["identity_residual"].item() < 1e-12 and v > 0
     assert out.slots.shape == (3, K, D) and out.pooled.shape == (3, D) and out.assignments.shape == (3, 7, K)
@@ -97,8 +100,9 @@ def test_identity_holds_on_every_batch_and_every_row():
     assert far(torch.randn(4, 128, 16) + 100.0).terms["identity_residual"].item() < 1e-5
 
 
-def test_gradients_match_the_loop_reference_with_stop_gradients():
-    readout = make(temperature=0.8, codebook_weight=1.0, commitment_weight=0.25)
+@pytest.mark.parametrize("codebook_term", ["free_energy", "l_q"])
+def test_gradients_match_the_loop_reference_with_stop_gradients(codebook_term):
+    readout = make(temperature=0.8, codebook_term=codebook_term, codebook_weight=1.0, commitment_weight=0.25)
     z, mask = ragged(batch=2, length=5, seed=3)
     z = z.nan_to_num(0.0).requires_grad_(True)
     g = torch.Generator().manual_seed(4)
@@ -112,10 +116,10 @@ def test_gradients_match_the_loop_reference_with_stop_gradients():
     z_ref = z.detach().clone().requires_grad_(True)
     p_ref = readout.prototypes.detach().clone().requires_grad_(True)
     ref = loop_reference(z_ref, mask, p_ref, 0.8)
-    codebook_l_q = loop_reference(z_ref.detach(), mask, p_ref, 0.8)["l_q"]  # reaches the prototypes only
+    codebook = loop_reference(z_ref.detach(), mask, p_ref, 0.8)[codebook_term]  # reaches the prototypes only
     commitment_l_ols = loop_reference(z_ref, mask, p_ref.detach(), 0.8)["l_ols"]  # reaches the tokens only
     ((ref["slots"] * g_slots).sum() + (ref["pooled"] * g_pooled).sum() + (ref["assignments"] * g_assign).sum()
-     + 3.0 * (codebook_l_q + 0.25 * commitment_l_ols) / D).backward()
+     + 3.0 * (codebook + 0.25 * commitment_l_ols) / D).backward()
     torch.testing.assert_close(z.grad, z_ref.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(readout.prototypes.grad, p_ref.grad, rtol=1e-9, atol=1e-12)
     assert torch.equal(z.grad[~mask], torch.zeros(int((~mask).sum()), D, dtype=torch.float64))
@@ -203,11 +207,18 @@ def test_from_quantizer_copies_the_codebook_and_can_freeze_it():
     with torch.no_grad():
         readout.prototypes.add_(1.0)
     assert torch.equal(quantizer.prototypes.detach(), before)  # an independent copy
-    frozen = DDCLReadout.from_quantizer(quantizer, freeze=True)
+    quantizer.dead_code_threshold = 100.0  # every code "dead": a trainable copy restarts them, a frozen one never
+    restarting = DDCLReadout.from_quantizer(quantizer).train()
+    assert restarting.quantizer.dead_code_threshold == 100.0 and restarting.quantizer.dead_code_decay == 0.9
+    frozen = DDCLReadout.from_quantizer(quantizer, freeze=True).train()
     x = tokens.clone().requires_grad_(True)
-    out = frozen(x)
+    for _ in range(2):  # the first training call only records usage; restarts start with the second
+        out = frozen(x)
+        restarting(tokens)
     (out.pooled.sum() + out.slots.sum() + out.loss).backward()
     assert frozen.prototypes.grad is None and x.grad.abs().sum() > 0
+    assert torch.equal(frozen.prototypes.detach(), before) and frozen.quantizer.restarts == 0
+    assert restarting.quantizer.restarts > 0
     with pytest.raises(TypeError, match="DDCLQuantizer"):
         DDCLReadout.from_quantizer(torch.nn.Linear(2, 2))
 
@@ -246,6 +257,7 @@ def test_bad_inputs_raise_clear_errors(tokens, mask, match):
     ({"distance": "manhattan"}, "distance must be one of .* got 'manhattan'"),
     ({"codebook_term": "v"}, "codebook_term must be one of"),
     ({"commitment_weight": float("nan")}, "commitment_weight must be a non-negative finite number"),
+    ({"dead_code_decay": 1.0}, r"dead_code_decay must be in \(0, 1\), got 1.0"),
 ])
 def test_bad_hyperparameters_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
