@@ -5,7 +5,7 @@ every row (``mask == True``) go through one :class:`~softvq.DDCLQuantizer` call,
 ``q_tk``, soft centroids ``mu_t`` and the loss terms; padded tokens are never read. From those, per row ``b``::
 
     mass_bk   = sum_t q_tk                           over the row's real tokens
-    slots_bk  = sum_t q_tk z_t / mass_bk             the tokens pooled per prototype (0 where mass_bk == 0)
+    slots_bk  = sum_t q_tk z_t / mass_bk             the tokens pooled per prototype (0 where mass_bk ~ 0)
     pooled_b  = mean_t mu_t = sum_k (mass_bk / n_b) p_k
 
 ``pooled`` is the mean soft centroid. (The mass-weighted mean of the slots would be the plain mean token again,
@@ -31,7 +31,9 @@ class ReadoutOutput(NamedTuple):
 
     Attributes:
         slots: ``(B, K, D)``, per prototype the assignment-weighted mean of the row's real tokens,
-            ``sum_t q_tk z_t / sum_t q_tk``; exactly 0 for a prototype that receives no mass in that row.
+            ``sum_t q_tk z_t / sum_t q_tk``; exactly 0 for a prototype that receives no mass in that row (a mass
+            below ``sqrt(torch.finfo(dtype).tiny)``, about 1e-19 in float32, where ``1 / mass^2`` in the
+            gradient would overflow, counts as none).
         pooled: ``(B, D)``, one summary vector per row: the mean over real tokens of the soft centroids ``mu_t``.
         assignments: ``(B, T, K)`` float32 (float64 for float64 tokens), ``q_tk``; rows sum to 1 at real
             tokens and are all 0 at padded ones.
@@ -202,8 +204,9 @@ class DDCLReadout(nn.Module):
                 count = mask.sum(1, keepdim=True).to(ctype)  # (B, 1)
             mass = assignments.sum(1)  # (B, K)
             weighted = torch.bmm(assignments.transpose(1, 2), zeros_at_pad)  # (B, K, D) sum_t q_tk z_t
-            has_mass = mass > 0
-            # Epsilon-free safe division: divide by 1 where there is no mass, so no Inf/NaN reaches the gradient.
+            # Safe division without an epsilon: a slot is empty when its mass is below sqrt(smallest normal number),
+            # where the division's gradient (~ 1 / mass^2) would overflow; empty slots are 0 and divide by 1.
+            has_mass = mass > torch.finfo(ctype).tiny ** 0.5
             slots = torch.where(has_mass[..., None], weighted / torch.where(has_mass, mass, 1.0)[..., None], 0.0)
             pooled = centroids.sum(1) / count  # (B, D)
         return ReadoutOutput(

@@ -182,6 +182,23 @@ def test_a_prototype_without_mass_gives_a_zero_slot_and_finite_gradients():
     assert torch.isfinite(z.grad).all() and torch.isfinite(readout.prototypes.grad).all()
 
 
+@pytest.mark.parametrize("far, empty", [(70.0, True), (35.0, False)])
+def test_a_vanishing_mass_never_gives_an_infinite_gradient_in_float32(far, empty):
+    """q ~ e^-70 ~ 4e-31 is a positive float32, but 1 / mass^2 overflows: such a slot counts as empty."""
+    readout = DDCLReadout(3, 2, temperature=1.0, init="normal")
+    with torch.no_grad():
+        readout.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [far**0.5, 0.0]]))
+    z = torch.tensor([[[0.0, 0.1], [0.9, 0.0], [0.1, -0.1]]], requires_grad=True)
+    out = readout(z)
+    assert 0 < out.mass[0, 2].item() < 1e-10
+    assert bool((out.slots[0, 2] == 0).all()) == empty
+    if not empty:  # the weighted mean of the tokens, led by the one nearest to the far prototype
+        q = out.assignments[0, :, 2].double()
+        torch.testing.assert_close(out.slots[0, 2].double(), (q[:, None] * z[0].detach().double()).sum(0) / q.sum())
+    (out.slots.square().sum() + out.pooled.sum()).backward()
+    assert torch.isfinite(z.grad).all() and torch.isfinite(readout.prototypes.grad).all()
+
+
 def test_data_init_uses_real_tokens_only():
     readout = DDCLReadout(4, D).train()
     z = torch.full((2, 6, D), 1e6)
