@@ -26,8 +26,14 @@ LABELS = {
     "ddcl_frozen": "(c) DDCLReadout, reused codebook frozen + linear head",
     "ddcl_finetuned": "(d) DDCLReadout, reused codebook fine-tuned + linear head",
     "transformer_cls": "(e) 2-layer transformer + CLS token",
-    "transformer_ddcl": "(f) 2-layer transformer + DDCLReadout (reused codebook, fine-tuned)",
+    "transformer_ddcl": "(f) 2-layer transformer + DDCLReadout (64 new prototypes)",
 }
+# (f)'s readout: new prototypes on the transformer's output (initialised from its first batch), one per token of
+# the 8x8 grid, at the temperature of the VQ-VAE recipe for unit-variance tokens (models.vqvae.DDCL_DEFAULTS:
+# squared distances between two random tokens average 2 D, T = 4 keeps about a dozen prototypes in play per token).
+# The checkpoint's codebook would not fit: it lives in the input space, and its T in the input's units.
+TRANSFORMER_CODES = 64
+TRANSFORMER_TEMPERATURE = 4.0
 
 
 def linear_probe(features: int, classes: int) -> nn.Sequential:
@@ -66,11 +72,16 @@ class HistogramProbe(nn.Module):
 
 class DDCLProbe(nn.Module):
     """(c, d) A :class:`~softvq.DDCLReadout` over the reused codebook, linear head on its pooled vector, soft
-    code histogram and slots. The readout's DDCL loss is the auxiliary loss (it trains fine-tuned prototypes)."""
+    code histogram and slots. The readout's DDCL loss is the auxiliary loss (it trains fine-tuned prototypes).
+
+    Fine-tuning is by gradient only: dead-code restart is off, because a restart throws away a slot the head has
+    learned to read (on a 1-epoch checkpoint: 526 restarts in 3 epochs, test accuracy 0.25 against 0.30 without).
+    """
 
     def __init__(self, quantizer: DDCLQuantizer, classes: int, freeze: bool) -> None:
         super().__init__()
         self.readout = DDCLReadout.from_quantizer(quantizer, freeze=freeze)
+        self.readout.quantizer.dead_code_threshold = 0.0
         k, d = quantizer.num_codes, quantizer.dim
         self.head = linear_probe(d + k + k * d, classes)
 
@@ -80,29 +91,24 @@ class DDCLProbe(nn.Module):
 
 
 class TransformerReadout(nn.Module):
-    """(e, f) Learned positions + a small pre-norm ``nn.TransformerEncoder`` over the tokens, then either a CLS
-    token (``quantizer=None``) or a :class:`~softvq.DDCLReadout` over a trainable copy of ``quantizer``.
-
-    Pre-norm layers and no final norm keep the output in the residual stream of the input tokens, so the reused
-    prototypes start in the right space.
-    """
+    """(e, f) Learned positions + a small pre-norm ``nn.TransformerEncoder`` over the tokens ``(B, T, D)``, then
+    either a CLS token (``readout=None``; LayerNorm + linear head on its output) or ``readout`` (linear probe on
+    its pooled vector, soft code histogram and slots, its DDCL loss added)."""
 
     def __init__(self, dim: int, length: int, classes: int, heads: int, layers: int,
-                 quantizer: DDCLQuantizer | None) -> None:
+                 readout: DDCLReadout | None) -> None:
         super().__init__()
         self.position = nn.Parameter(torch.randn(1, length, dim) * 0.02)
         layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, dropout=0.1, batch_first=True,
                                            norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        if quantizer is None:
+        self.readout = readout
+        if readout is None:
             self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
-            self.readout = None
             self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, classes))
         else:
             self.cls = None
-            self.readout = DDCLReadout.from_quantizer(quantizer, freeze=False)
-            k = quantizer.num_codes
-            self.head = linear_probe(dim + k + k * dim, classes)
+            self.head = linear_probe(dim + readout.num_codes * (1 + dim), classes)
 
     def forward(self, tokens: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
         x = tokens + self.position
@@ -114,7 +120,7 @@ class TransformerReadout(nn.Module):
 
 
 def build_readout(name: str, quantizer: nn.Module, dim: int, length: int, classes: int, heads: int) -> nn.Module:
-    """One of :data:`READOUTS` for tokens ``(B, length, dim)``; the DDCL ones reuse ``quantizer``'s codebook."""
+    """One of :data:`READOUTS` for tokens ``(B, length, dim)``; (c) and (d) reuse ``quantizer``'s codebook."""
     if name == "mean":
         return MeanProbe(dim, classes)
     if name == "histogram":
@@ -124,13 +130,14 @@ def build_readout(name: str, quantizer: nn.Module, dim: int, length: int, classe
                          f"pass another --heads")
     if name == "transformer_cls":
         return TransformerReadout(dim, length, classes, heads, 2, None)
+    if name == "transformer_ddcl":
+        readout = DDCLReadout(TRANSFORMER_CODES, dim, temperature=TRANSFORMER_TEMPERATURE)
+        return TransformerReadout(dim, length, classes, heads, 2, readout)
     if not isinstance(quantizer, DDCLQuantizer):
         raise ValueError(f"readout {name!r} reuses a DDCL codebook, but the checkpoint's quantizer is "
                          f"{type(quantizer).__name__}; choose other --readouts")
     if name in ("ddcl_frozen", "ddcl_finetuned"):
         return DDCLProbe(quantizer, classes, freeze=name == "ddcl_frozen")
-    if name == "transformer_ddcl":
-        return TransformerReadout(dim, length, classes, heads, 2, quantizer)
     raise ValueError(f"unknown readout {name!r}; choose from {READOUTS}")
 
 
@@ -151,10 +158,11 @@ def fit(model: nn.Module, train: tuple[Tensor, Tensor, Tensor], test: tuple[Tens
         epochs: int, batch_size: int, lr: float, eps: float, seed: int, device: torch.device) -> dict[str, Any]:
     """Train ``model`` with Adam on ``train = (tokens, indices, labels)`` (cross-entropy + its auxiliary loss) and
     return ``train_acc``, ``test_acc`` (after the last epoch; no selection on the test split), ``seconds``,
-    ``params`` and, for DDCL readouts, ``codebook_shift`` (relative change of the prototypes)."""
+    ``params`` and, for readouts over a reused codebook, ``codebook_shift`` (relative change of the prototypes)."""
     model.to(device)
     readout = getattr(model, "readout", None)
-    start_codes = readout.prototypes.detach().clone() if readout is not None else None
+    reused = readout is not None and readout.quantizer.initialized  # (f)'s prototypes start from its first batch
+    start_codes = readout.prototypes.detach().clone() if reused else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = softvq.param_groups(model, lr=lr, eps=eps) if has_trainable_prototypes(model) \
         else [{"params": trainable, "lr": lr}]

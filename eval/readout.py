@@ -17,8 +17,8 @@ selection on the test split):
 (a) mean token + linear probe; (b) normalised histogram of the hard codes + linear probe; (c) a
 :class:`softvq.DDCLReadout` over the checkpoint's codebook, frozen, and a linear head on its pooled vector, soft
 code histogram and slots; (d) the same with the codebook fine-tuned (prototypes at ``lr / eps``, DDCL loss
-added); (e) a 2-layer transformer encoder over the tokens with a CLS token; (f) the same transformer with a
-DDCLReadout (codebook reused and fine-tuned) instead of the CLS token.
+added, no dead-code restart); (e) a 2-layer transformer encoder over the tokens with a CLS token; (f) the same
+transformer with a DDCLReadout (64 new prototypes, T = 4, trained with it) instead of the CLS token.
 
 Writes ``report.md`` (mean +- sample std over ``--seeds``) and ``results.json`` (every run) to ``--out``.
 """
