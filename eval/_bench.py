@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -84,6 +85,28 @@ def peak_memory_mib(step: Callable[[], None], device: torch.device) -> float:
         return float("nan")
     step()
     return (_status_kib("VmHWM") - before) / 1024
+
+
+def sweep(name: str, values: list[int], prepare: Callable[[int], dict[str, Callable[[], None]]], reps: int,
+          device: torch.device, memory: bool = True) -> list[dict]:
+    """Rows ``{name: value, "ms": {method: median ms}, "peak_mib": {method: MiB}}`` for every value swept.
+
+    ``prepare(value)`` returns a warmed-up step per method. All timing comes first, then (unless ``memory`` is off)
+    one step per method and value for its peak memory, with large blocks served by mmap from then on.
+    """
+    rows = []
+    for value in values:
+        rows.append({name: value, "ms": time_interleaved(prepare(value), reps, device)})
+        print(f"  {name}={value}: " + ", ".join(f"{m} {t:.1f} ms" for m, t in rows[-1]["ms"].items()),
+              file=sys.stderr)
+    if memory:
+        if device.type == "cpu":
+            serve_large_blocks_with_mmap()
+        for row in rows:
+            steps = prepare(row[name])
+            row["peak_mib"] = {m: peak_memory_mib(step, device) for m, step in steps.items()}
+            del steps
+    return rows
 
 
 def markdown_table(head: list[str], rows: list[list[str]]) -> str:

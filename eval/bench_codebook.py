@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from eval._bench import markdown_table, peak_memory_mib, serve_large_blocks_with_mmap, sync, time_interleaved
+from eval._bench import markdown_table, sweep, sync
 
 METHODS = ("ddcl", "hard", "vqp")
 LABELS = {"ddcl": "DDCLQuantizer", "hard": "HardVQ (EMA)", "vqp": "vector-quantize-pytorch VectorQuantize"}
@@ -72,11 +71,6 @@ def prepare(num_codes: int, args: argparse.Namespace, device: torch.device) -> d
     return steps
 
 
-def time_methods(num_codes: int, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Median fwd+bwd milliseconds of every method, timed in interleaved rounds."""
-    return time_interleaved(prepare(num_codes, args, device), args.reps, device)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192, help="N, tokens per step (default 8192)")
@@ -121,17 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
           f"N={args.tokens} tokens, D={args.dim}, median of {args.reps} interleaved fwd+bwd steps")
-    rows = []
-    for k in args.codes:
-        rows.append({"K": k, "ms": time_methods(k, args, device)})
-        print(f"  K={k}: " + ", ".join(f"{m} {t:.1f} ms" for m, t in rows[-1]["ms"].items()), file=sys.stderr)
-    if not args.no_memory:
-        if device.type == "cpu":
-            serve_large_blocks_with_mmap()
-        for row in rows:
-            steps = prepare(row["K"], args, device)
-            row["peak_mib"] = {m: peak_memory_mib(step, device) for m, step in steps.items()}
-            del steps
+    rows = sweep("K", args.codes, lambda k: prepare(k, args, device), args.reps, device, not args.no_memory)
     print(format_table(rows, args.methods, not args.no_memory))
     print("methods: " + "; ".join(f"{m} = {LABELS[m]}" for m in args.methods))
     if args.json:

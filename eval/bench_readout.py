@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from eval._bench import markdown_table, peak_memory_mib, serve_large_blocks_with_mmap, sync, time_interleaved
+from eval._bench import markdown_table, sweep, sync
 from softvq import DDCLReadout
 
 METHODS = ("ddcl", "attn", "query")
@@ -167,17 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, B={args.batch_size}, "
               f"D={args.dim}, K={args.codes}, heads={args.heads}; median of {args.reps} interleaved fwd+bwd steps")
     print(header)
-    rows = []
-    for length in args.lengths:
-        rows.append({"T": length, "ms": time_interleaved(prepare(length, args, device), args.reps, device)})
-        print(f"  T={length}: " + ", ".join(f"{m} {t:.1f} ms" for m, t in rows[-1]["ms"].items()), file=sys.stderr)
-    if not args.no_memory:
-        if device.type == "cpu":
-            serve_large_blocks_with_mmap()
-        for row in rows:
-            steps = prepare(row["T"], args, device)
-            row["peak_mib"] = {m: peak_memory_mib(step, device) for m, step in steps.items()}
-            del steps
+    rows = sweep("T", args.lengths, lambda length: prepare(length, args, device), args.reps, device,
+                 not args.no_memory)
     check, passed = growth_check(rows, args.methods)
     report = "\n".join([header, "", format_table(rows, args.methods, not args.no_memory), "",
                         "methods: " + "; ".join(f"{m} = {LABELS[m]}" for m in args.methods), "", check])
