@@ -71,6 +71,10 @@ def _float_check(allow_zero: bool):
 
 
 _positive_int, _non_negative_int = _int_check(1), _int_check(0)
+
+
+def _entropy_target(text: str) -> float | str:
+    return "off" if text == "off" else _non_negative_float(text)
 _positive_float, _non_negative_float = _float_check(False), _float_check(True)
 
 
@@ -120,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="anneal T from --temperature to --temperature-final over the run's steps")
     g.add_argument("--temperature-final", type=_positive_float, default=None,
                    help="T at the last step (needed by every schedule but constant)")
+    g.add_argument("--target-entropy", type=_entropy_target, default=None,
+                   help="entropy-controlled T: after each step T follows the distance scale so that the mean "
+                        "assignment entropy H(Q) stays at this many nats (exp(H) prototypes share a token), or "
+                        "'off'; default 2.5 with a constant --temperature-schedule, off with any other")
     g.add_argument("--distance", choices=("euclidean", "cosine"), default="euclidean",
                    help="squared Euclidean, or cosine (tokens and prototypes L2-normalised)")
     g.add_argument("--codebook-term", choices=("free_energy", "l_q", "l_ols"), default="free_energy",
@@ -153,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.ema_decay is not None and not 0.0 < args.ema_decay < 1.0:
         parser.error(f"argument --ema-decay: expected a number in (0, 1), got {args.ema_decay}")
+    if args.target_entropy not in (None, "off") and args.temperature_schedule != "constant":
+        parser.error("--target-entropy and --temperature-schedule both set the temperature; choose one")
     if args.temperature_schedule != "constant" and args.temperature_final is None:
         parser.error(f"--temperature-schedule {args.temperature_schedule} needs --temperature-final")
     if args.width % 2:
@@ -172,14 +182,16 @@ def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
                   "commitment_weight": args.commitment_weight, "init": args.init,
                   "dead_code_threshold": 1.0 if args.dead_code_threshold is None else args.dead_code_threshold}
         schedule, final = args.temperature_schedule, args.temperature_final
+        target = {None: "auto", "off": None}.get(args.target_entropy, args.target_entropy)
     else:
+        target = None
         kwargs = {"beta": args.beta, "ema_decay": args.ema_decay,
                   "dead_code_threshold": args.dead_code_threshold or 0.0}
         schedule, final = "constant", None
     return {"quantizer": quantizer, "num_codes": args.num_codes, "code_dim": args.code_dim, "quantizer_kwargs": kwargs,
             "width": args.width, "res_hidden": args.res_hidden, "res_blocks": args.res_blocks,
             "downsamples": args.downsamples, "lr": args.lr, "eps": args.eps,
-            "temperature_schedule": schedule, "temperature_final": final,
+            "temperature_schedule": schedule, "temperature_final": final, "target_entropy": target,
             "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" else "none")}
 
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
-from models.vqvae import PIXEL_SHIFT, VQVAE
+from models.vqvae import VQVAE
 from softvq import DDCLQuantizer, assignment_entropy
 from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError, _sha256, default_cache_dir
 
@@ -65,11 +65,11 @@ def load_vqvae(path: Path) -> VQVAE:
 
 @torch.no_grad()
 def encode(model: VQVAE, dataset: Dataset, batch_size: int, num_workers: int, device: torch.device) -> Split:
-    """Frozen tokens ``(N, h*w, D)`` (what the quantizer sees: the encoder's output after the VQ-VAE's latent
+    """Frozen tokens ``(N, h*w, D)`` (what the quantizer sees: :meth:`models.VQVAE.latents`, after the latent
     norm), hard code indices ``(N, h*w)`` and labels ``(N,)`` of a data set."""
     tokens, indices, labels = [], [], []
     for x, y in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers):
-        latents = model.norm(model.encoder(x.to(device) - PIXEL_SHIFT))  # (B, D, h, w)
+        latents = model.latents(x.to(device))  # (B, D, h, w)
         grid = rearrange(latents, "b d h w -> b h w d")
         indices.append(model.quantizer(grid).indices.flatten(1).cpu())
         tokens.append(rearrange(grid, "b h w d -> b (h w) d").float().cpu())

@@ -30,6 +30,10 @@ LATENT_NORMS: tuple[str, ...] = ("none", "batch")
 # ~10 batches) is moved onto a token of the batch. The layer's own defaults supply the free-energy codebook term and
 # no commitment.
 DDCL_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold": 1.0}
+# Entropy-controlled T (softvq.adapt_temperature): hold H(Q) at the 2.5 nats that T = 4 gives in the first epoch,
+# so T follows the distance scale down as the codebook tightens (a fixed T lets H(Q) climb to 4 nats and the
+# soft/hard gap to 4 dB over 10 epochs).
+DDCL_TARGET_ENTROPY = 2.5
 PIXEL_SHIFT = 0.5  # the model sees x - 0.5, so inputs and reconstructions are centred on 0
 
 
@@ -84,6 +88,11 @@ class VQVAE(L.LightningModule):
         eps: ``encoder lr / prototype lr`` for DDCL prototypes (the paper's timescale ratio).
         temperature_schedule: ``"constant"``, ``"linear"``, ``"cosine"`` or ``"exponential"``.
         temperature_final: the temperature at the last step (required unless the schedule is constant).
+        target_entropy: if set, entropy-controlled temperature: after every training step
+            ``T <- T exp(temperature_rate (target_entropy - H(Q)))`` (:func:`softvq.adapt_temperature`), so T follows
+            the distance scale and about ``exp(target_entropy)`` prototypes share each token. ``"auto"``:
+            ``DDCL_TARGET_ENTROPY`` (2.5 nats) for ``"ddcl"`` with a constant schedule, else off; ``None``: off.
+        temperature_rate: the gain of that control, per step.
         latent_norm: ``"batch"`` standardises each latent channel over the batch (non-affine BatchNorm, running
             statistics at evaluation) before the quantizer, so the encoder cannot shrink what the codebook sees;
             ``"none"``; default ``"batch"`` for ``"ddcl"`` and ``"none"`` otherwise.
@@ -105,6 +114,8 @@ class VQVAE(L.LightningModule):
         temperature_schedule: str = "constant",
         temperature_final: float | None = None,
         latent_norm: str | None = None,
+        target_entropy: float | str | None = "auto",
+        temperature_rate: float = 0.01,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
@@ -138,6 +149,17 @@ class VQVAE(L.LightningModule):
         self.temperature_final = None if temperature_final is None else check_float("temperature_final",
                                                                                       temperature_final)
         self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
+        if target_entropy == "auto":
+            auto = quantizer == "ddcl" and self.temperature_schedule == "constant"
+            target_entropy = DDCL_TARGET_ENTROPY if auto else None
+        self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
+        self.temperature_rate = check_float("temperature_rate", temperature_rate)
+        if self.target_entropy is not None:
+            if self.temperature_start is None:
+                raise ValueError("target_entropy needs a quantizer with a temperature")
+            if self.temperature_schedule != "constant":
+                raise ValueError(f"target_entropy (entropy-controlled T) and temperature_schedule="
+                                 f"{temperature_schedule!r} both set the temperature; choose one")
 
         # Per-epoch state (torchmetrics: reduced across processes, not saved in checkpoints).
         self.train_usage = softvq.CodebookUsage(self.num_codes)
@@ -174,18 +196,22 @@ class VQVAE(L.LightningModule):
         # which DDP's gradient buckets flag as a stride mismatch.
         return self.decoder(rearrange(z_q, "b h w d -> b d h w").contiguous()) + PIXEL_SHIFT
 
+    def latents(self, x: Tensor) -> Tensor:
+        """Images ``(B, C, H, W)`` in ``[0, 1]`` -> the latents the quantizer sees, ``(B, D, h, w)`` (after
+        ``latent_norm``); what downstream readouts of a trained codebook should consume."""
+        self._check_images(x)
+        return self.norm(self.encoder(x - PIXEL_SHIFT))
+
     def forward(self, x: Tensor) -> VQVAEOutput:
         """Encode, quantize and decode images ``x (B, C, H, W)`` in ``[0, 1]``."""
-        self._check_images(x)
-        latents = self.norm(self.encoder(x - PIXEL_SHIFT))  # (B, D, h, w)
+        latents = self.latents(x)  # (B, D, h, w)
         out = self.quantizer(rearrange(latents, "b d h w -> b h w d"))
         return VQVAEOutput(self._decode(out.quantized), latents, out)
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> Tensor:
         """Images ``(B, C, H, W)`` in ``[0, 1]`` -> code indices ``(B, h, w)`` (argmax of the assignments)."""
-        self._check_images(x)
-        return self.quantizer(rearrange(self.norm(self.encoder(x - PIXEL_SHIFT)), "b d h w -> b h w d")).indices
+        return self.quantizer(rearrange(self.latents(x), "b d h w -> b h w d")).indices
 
     @torch.no_grad()
     def decode_indices(self, indices: Tensor) -> Tensor:
@@ -226,7 +252,14 @@ class VQVAE(L.LightningModule):
         n = x.shape[0]
         self.train_usage.update(q.indices, q.probs)
         self.train_mse.update(rec.detach(), weight=n)
-        self.train_entropy.update(softvq.assignment_entropy(q.probs), weight=n)
+        entropy = softvq.assignment_entropy(q.probs)
+        self.train_entropy.update(entropy, weight=n)
+        if self.target_entropy is not None:  # T for the next step, the same on every process
+            trainer = self._trainer  # None when the step is called by hand
+            mean_entropy = self.all_gather(entropy).mean() if trainer is not None and trainer.world_size > 1 \
+                else entropy
+            self.quantizer.temperature = softvq.adapt_temperature(
+                self.quantizer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
         for name, value in q.terms.items():
             if name == "identity_residual":
                 self.train_identity.update(value)

@@ -10,6 +10,7 @@ Public API:
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
 - :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
+- :func:`adapt_temperature` — entropy control: T follows the distance scale so that H(Q) stays at a target.
 - :mod:`softvq.datasets` — ``CIFAR10DataModule`` (offline-capable CIFAR-10) and the synthetic orbital-debris
   catalogue (``make_orbital_debris``); imported on demand.
 - :mod:`softvq.clustering` — Hungarian clustering accuracy and contingency tables.
@@ -23,7 +24,7 @@ from softvq.hard_vq import HardVQ
 from softvq.metrics import CodebookUsage
 from softvq.optim import param_groups
 from softvq.readout import DDCLReadout, ReadoutOutput
-from softvq.schedule import anneal_temperature
+from softvq.schedule import adapt_temperature, anneal_temperature
 from softvq.types import QuantizerOutput
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "HardVQ",
     "QuantizerOutput",
     "ReadoutOutput",
+    "adapt_temperature",
     "anneal_temperature",
     "assignment_entropy",
     "codebook_usage",

@@ -1,4 +1,8 @@
-"""Temperature annealing for DDCL (DESIGN §2: cooling T keeps prototypes separated; T -> 0 is hard VQ)."""
+"""Temperature control for DDCL (DESIGN §2: cooling T keeps prototypes separated; T -> 0 is hard VQ).
+
+Two ways: :func:`anneal_temperature`, a schedule over the run's progress, and :func:`adapt_temperature`, a feedback
+rule that keeps the assignments' entropy H(Q) at a target, i.e. ties T to the current distance scale.
+"""
 
 from __future__ import annotations
 
@@ -42,3 +46,25 @@ def anneal_temperature(start: float, end: float, progress: float, schedule: Sche
     if schedule == "cosine":
         return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * t))
     return start * (end / start) ** t
+
+
+def adapt_temperature(temperature: float, entropy: float, target_entropy: float, rate: float = 0.01) -> float:
+    """One step of entropy control: ``temperature * exp(rate * (target_entropy - entropy))``.
+
+    ``entropy`` is the measured mean assignment entropy H(Q) in nats (:func:`softvq.assignment_entropy`). Above the
+    target (assignments too soft for the current distance scale) T falls, below it T rises, by at most a factor
+    ``exp(rate * |error|)`` per step. H(Q) depends on the distances only through ``d / T``, so this holds the
+    number of prototypes that share a token (about ``exp(target_entropy)``) fixed while the codebook tightens.
+
+    Example:
+        >>> round(adapt_temperature(4.0, entropy=3.0, target_entropy=2.5, rate=0.1), 4)
+        3.8049
+
+    Raises:
+        ValueError: a non-positive or non-finite temperature or rate, or a non-finite or negative entropy/target.
+    """
+    temperature = check_float("temperature", temperature)
+    rate = check_float("rate", rate)
+    entropy = check_float("entropy", entropy, allow_zero=True)
+    target_entropy = check_float("target_entropy", target_entropy, allow_zero=True)
+    return temperature * math.exp(rate * (target_entropy - entropy))

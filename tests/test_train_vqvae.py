@@ -133,7 +133,7 @@ def test_overwrite_starts_afresh_without_stale_artefacts(tmp_path, tiny_cifar):
 def test_checkpoint_loads_back_into_a_model(tmp_path, tiny_cifar):
     out = tmp_path / "run"
     run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(out),
-        "--temperature", "0.02")
+        "--temperature", "0.02", "--target-entropy", "off")
     model = VQVAE.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu").eval()
     assert model.quantizer.temperature == 0.02 and model.quantizer.initialized
     images = model.decode_indices(model.encode(torch.rand(2, 3, 32, 32)))
@@ -153,7 +153,7 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--quantizer", "--epochs", "--batch-size", "--train-subset", "--data-root", "--out", "--seed",
                  "--num-codes", "--code-dim", "--width", "--lr", "--eps", "--temperature", "--temperature-schedule",
                  "--temperature-final", "--beta", "--ema-decay", "--dead-code-threshold", "--resume", "--download",
-                 "--latent-norm", "--codebook-term", "--commitment-weight"):
+                 "--latent-norm", "--codebook-term", "--commitment-weight", "--target-entropy"):
         assert flag in text, flag
 
 
@@ -169,6 +169,12 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     model = VQVAE(**ddcl)  # what the library's own defaults build
     assert model.quantizer.codebook_term == "free_energy" and model.quantizer.commitment_weight == 0.0
     assert model.quantizer.dead_code_threshold == 1.0 and model.quantizer.temperature == 4.0
+    assert model.target_entropy == 2.5 and VQVAE(**hard).target_entropy is None
+    parse = train_vqvae.build_parser().parse_args
+    assert VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "off"]), "ddcl")).target_entropy is None
+    assert VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "1.5"]), "ddcl")).target_entropy == 1.5
+    annealed = parse(["--temperature-schedule", "cosine", "--temperature-final", "1"])
+    assert VQVAE(**train_vqvae.model_config(annealed, "ddcl")).target_entropy is None  # the schedule sets T
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -179,6 +185,8 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     (["--temperature", "-0.5"], "--temperature: expected a positive"),
     (["--ema-decay", "1.5"], "--ema-decay: expected a number in"),
     (["--temperature-schedule", "cosine"], "needs --temperature-final"),
+    (["--target-entropy", "2", "--temperature-schedule", "linear", "--temperature-final", "1"], "choose one"),
+    (["--target-entropy", "-1"], "--target-entropy: expected a non-negative"),
     (["--width", "15"], "--width: must be even"),
 ])
 def test_bad_flags_exit_with_a_message(argv, match, capsys):

@@ -46,6 +46,7 @@ def test_encode_and_decode_match_the_parts(name):
     x = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
         tokens = rearrange(model.norm(model.encoder(x - 0.5)), "b d h w -> (b h w) d")
+        assert torch.equal(rearrange(model.latents(x), "b d h w -> (b h w) d"), tokens)
         codebook = model.quantizer.codebook
         expected = exact_cdist(tokens.double(), codebook.double()).argmin(dim=1).reshape(3, 8, 8)
         indices = model.encode(x)
@@ -124,7 +125,7 @@ def test_optimizer_gives_prototypes_lr_over_eps():
 
 def test_epoch_summary_counts_the_whole_epoch(recwarn):
     torch.manual_seed(0)
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05}, **SMALL)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05}, target_entropy=None, **SMALL)
     model.on_train_epoch_start()
     batches = [torch.rand(5, 3, 32, 32), torch.rand(3, 3, 32, 32), torch.rand(4, 3, 32, 32)]
     indices, sq_errors, terms = [], [], []
@@ -186,6 +187,34 @@ def test_temperature_follows_the_schedule():
         FakeTrainer.global_step = step
         model.on_train_batch_start(None, 0)
         assert model.quantizer.temperature == pytest.approx(10 ** (-2 * step / 10))
+
+
+def test_entropy_controlled_temperature_follows_the_measured_entropy(recwarn):
+    torch.manual_seed(2)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "init": "normal", "dead_code_threshold": 0.0},
+                  target_entropy=0.5, temperature_rate=0.2, **SMALL)
+    for _ in range(3):
+        x = torch.rand(4, 3, 32, 32)
+        before = model.quantizer.temperature
+        with torch.no_grad():
+            entropy = float(softvq.assignment_entropy(model(x).quantizer.probs))  # same weights, same batch
+        model.training_step((x, torch.zeros(4)), 0)
+        assert model.quantizer.temperature == pytest.approx(before * math.exp(0.2 * (0.5 - entropy)), rel=1e-5)
+    with pytest.raises(ValueError, match="choose one"):
+        VQVAE("ddcl", target_entropy=1.0, temperature_schedule="linear", temperature_final=0.1, **SMALL)
+    with pytest.raises(ValueError, match="target_entropy"):
+        VQVAE("hard", target_entropy=1.0, **SMALL)
+
+
+def test_adapt_temperature_known_values_and_errors():
+    assert softvq.adapt_temperature(4.0, 3.0, 2.5, rate=0.1) == pytest.approx(4.0 * math.exp(-0.05))
+    assert softvq.adapt_temperature(4.0, 2.0, 2.5, rate=0.1) == pytest.approx(4.0 * math.exp(0.05))
+    assert softvq.adapt_temperature(4.0, 2.5, 2.5) == 4.0
+    for kwargs, match in (({"temperature": 0.0}, "temperature"), ({"entropy": float("nan")}, "entropy"),
+                          ({"rate": -1.0}, "rate"), ({"target_entropy": -0.1}, "target_entropy")):
+        args = {"temperature": 1.0, "entropy": 1.0, "target_entropy": 1.0, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            softvq.adapt_temperature(**args)
 
 
 @pytest.mark.parametrize("schedule, expected", [
