@@ -4,26 +4,20 @@
     python -m eval.bench_codebook --codes 512 --reps 20 --json bench.json
 
 Every configuration times the three quantizers in interleaved rounds in one process (so machine noise hits all
-of them alike) and reports the median. Peak memory is the extra memory of one step: on CUDA from
-``torch.cuda.max_memory_allocated``; on CPU the rise of the resident set's high-water mark (``VmHWM``, reset
-through ``/proc/self/clear_refs``) over its size just before the step, with glibc's free heap pages handed back
-first (``malloc_trim``) and every large block served with mmap so that freed tensors leave the resident set
-at once (measured after all timing, since that setting slows allocation down).
+of them alike) and reports the median; peak memory is the extra memory of one step (see ``eval/_bench.py``).
 vector-quantize-pytorch is a benchmark-only dependency: ``pip install -e .[bench]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
-import sys
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from eval._bench import markdown_table, sweep, sync
 
 METHODS = ("ddcl", "hard", "vqp")
 LABELS = {"ddcl": "DDCLQuantizer", "hard": "HardVQ (EMA)", "vqp": "vector-quantize-pytorch VectorQuantize"}
@@ -63,11 +57,6 @@ def make_step(module: nn.Module, z: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prepare(num_codes: int, args: argparse.Namespace, device: torch.device) -> dict[str, Callable[[], None]]:
     """A warmed-up training step of every method, all on the same input ``(N / 1024, 1024, D)``."""
     torch.manual_seed(0)
@@ -80,70 +69,6 @@ def prepare(num_codes: int, args: argparse.Namespace, device: torch.device) -> d
             steps[method]()
     sync(device)
     return steps
-
-
-def time_methods(num_codes: int, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Median fwd+bwd milliseconds of every method, timed in interleaved rounds."""
-    steps = prepare(num_codes, args, device)
-    times: dict[str, list[float]] = {m: [] for m in args.methods}
-    for _ in range(args.reps):
-        for method, step in steps.items():
-            start = time.perf_counter()
-            step()
-            sync(device)
-            times[method].append((time.perf_counter() - start) * 1e3)
-    return {m: statistics.median(t) for m, t in times.items()}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _libc():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def serve_large_blocks_with_mmap() -> bool:
-    """Ask glibc to mmap every block >= 64 KiB, so a freed tensor leaves the resident set at once."""
-    libc = _libc()
-    return bool(libc is not None and libc.mallopt(-3, 65536))  # -3 = M_MMAP_THRESHOLD
-
-
-def release_free_heap() -> None:
-    """Hand glibc's free heap pages back to the system, so reusing them shows as a rise of the resident set."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def peak_memory_mib(step: Callable[[], None], device: torch.device) -> float:
-    """Peak extra memory (MiB) of one step, measured as the module docstring says; NaN where unsupported."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    release_free_heap()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the high-water mark to the current resident set
-        before = _status_kib("VmRSS")
-    except (OSError, RuntimeError):
-        return float("nan")
-    step()
-    return (_status_kib("VmHWM") - before) / 1024
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,15 +99,15 @@ def format_table(rows: list[dict], methods: list[str], with_memory: bool) -> str
     head = ["K"] + [f"{m} ms" for m in methods] + [f"{m}/{base}" for m in methods if m != base]
     head += ["ddcl/vqp"] if both else []
     head += [f"{m} MiB" for m in methods] if with_memory else []
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = []
     for row in rows:
         ms = row["ms"]
-        cells = [str(row["K"])] + [f"{ms[m]:.1f}" for m in methods]
-        cells += [f"{ms[m] / ms[base]:.2f}x" for m in methods if m != base]
-        cells += [f"{ms['ddcl'] / ms['vqp']:.2f}x"] if both else []
-        cells += [f"{row['peak_mib'][m]:.0f}" for m in methods] if with_memory else []
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        line = [str(row["K"])] + [f"{ms[m]:.1f}" for m in methods]
+        line += [f"{ms[m] / ms[base]:.2f}x" for m in methods if m != base]
+        line += [f"{ms['ddcl'] / ms['vqp']:.2f}x"] if both else []
+        line += [f"{row['peak_mib'][m]:.0f}" for m in methods] if with_memory else []
+        cells.append(line)
+    return markdown_table(head, cells)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,17 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
           f"N={args.tokens} tokens, D={args.dim}, median of {args.reps} interleaved fwd+bwd steps")
-    rows = []
-    for k in args.codes:
-        rows.append({"K": k, "ms": time_methods(k, args, device)})
-        print(f"  K={k}: " + ", ".join(f"{m} {t:.1f} ms" for m, t in rows[-1]["ms"].items()), file=sys.stderr)
-    if not args.no_memory:
-        if device.type == "cpu":
-            serve_large_blocks_with_mmap()
-        for row in rows:
-            steps = prepare(row["K"], args, device)
-            row["peak_mib"] = {m: peak_memory_mib(step, device) for m, step in steps.items()}
-            del steps
+    rows = sweep("K", args.codes, lambda k: prepare(k, args, device), args.reps, device, not args.no_memory)
     print(format_table(rows, args.methods, not args.no_memory))
     print("methods: " + "; ".join(f"{m} = {LABELS[m]}" for m in args.methods))
     if args.json:

@@ -5,6 +5,8 @@ Public API:
 - :class:`DDCLQuantizer` — the DDCL soft codebook (soft-centroid output, ``L_q = L_OLS + V``).
 - :class:`HardVQ` — the straight-through VQ-VAE baseline (optionally EMA, dead-code restart).
 - :class:`QuantizerOutput` — the NamedTuple both return.
+- :class:`DDCLReadout` — the DDCL prototypes as a readout for padded token sequences ``(B, T, D)`` (slots, one
+  pooled vector, assignments) at O(T·K), replacing mean pooling or a CLS token; returns a :class:`ReadoutOutput`.
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
 - :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
@@ -21,6 +23,7 @@ from softvq.functional import assignment_entropy, codebook_usage, prototype_sepa
 from softvq.hard_vq import HardVQ
 from softvq.metrics import CodebookUsage
 from softvq.optim import param_groups
+from softvq.readout import DDCLReadout, ReadoutOutput
 from softvq.schedule import adapt_temperature, anneal_temperature
 from softvq.types import QuantizerOutput
 
@@ -29,8 +32,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CodebookUsage",
     "DDCLQuantizer",
+    "DDCLReadout",
     "HardVQ",
     "QuantizerOutput",
+    "ReadoutOutput",
     "adapt_temperature",
     "anneal_temperature",
     "assignment_entropy",
