@@ -71,11 +71,11 @@ def _float_check(allow_zero: bool):
 
 
 _positive_int, _non_negative_int = _int_check(1), _int_check(0)
+_positive_float, _non_negative_float = _float_check(False), _float_check(True)
 
 
 def _entropy_target(text: str) -> float | str:
     return "off" if text == "off" else _non_negative_float(text)
-_positive_float, _non_negative_float = _float_check(False), _float_check(True)
 
 
 def build_parser() -> argparse.ArgumentParser:
