@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from models import QUANTIZERS, VQVAE
 from models.callbacks import HistoryWriter, ReconstructionGrid, read_history, write_atomic
+from models.vqvae import DDCL_DEFAULTS
 from softvq.datasets.cifar10 import CIFAR10DataModule
 from softvq.schedule import SCHEDULES
 
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eps", type=_positive_float, default=0.01,
                    help="DDCL timescale ratio: encoder lr / prototype lr (prototypes use lr / eps)")
     g = p.add_argument_group("DDCL codebook (--quantizer ddcl)")
-    g.add_argument("--temperature", type=_positive_float, default=4.0,
+    g.add_argument("--temperature", type=_positive_float, default=DDCL_DEFAULTS["temperature"],
                    help="Boltzmann temperature T (in squared-distance units; with --latent-norm batch two random "
                         "tokens are 2 * code-dim apart on average) at the first step")
     g.add_argument("--temperature-schedule", choices=SCHEDULES, default="constant",
@@ -180,7 +181,8 @@ def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
         kwargs = {"temperature": args.temperature, "distance": args.distance, "codebook_term": args.codebook_term,
                   "codebook_weight": args.codebook_weight, "commitment_term": args.commitment_term,
                   "commitment_weight": args.commitment_weight, "init": args.init,
-                  "dead_code_threshold": 1.0 if args.dead_code_threshold is None else args.dead_code_threshold}
+                  "dead_code_threshold": DDCL_DEFAULTS["dead_code_threshold"] if args.dead_code_threshold is None
+                  else args.dead_code_threshold}
         schedule, final = args.temperature_schedule, args.temperature_final
         target = {None: "auto", "off": None}.get(args.target_entropy, args.target_entropy)
     else:
