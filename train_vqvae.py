@@ -234,6 +234,21 @@ def prepare_out(args: argparse.Namespace, quantizer: str, out: Path) -> None:
             png.unlink()
 
 
+def checkpoint_callbacks(dirpath: Path, validation: bool) -> list[ModelCheckpoint]:
+    """``last.ckpt`` after every training epoch and, with validation, ``best-epochNN.ckpt`` (lowest val MSE).
+
+    Two callbacks, because Lightning's ``save_last=True`` rewrites ``last.ckpt`` only in an epoch whose top-k
+    checkpoint was saved too: after an epoch that did not improve the validation MSE it kept the previous epoch.
+    """
+    last = ModelCheckpoint(dirpath=dirpath, filename="last", monitor=None, save_top_k=1, save_on_train_epoch_end=True,
+                           enable_version_counter=False)
+    if not validation:
+        return [last]
+    best = ModelCheckpoint(dirpath=dirpath, filename="best-epoch{epoch:02d}", auto_insert_metric_name=False,
+                           monitor="val/mse", mode="min", save_top_k=1, save_on_train_epoch_end=True)
+    return [best, last]
+
+
 def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[str, Any]]:
     """Train (or resume) one VQ-VAE into ``out``; returns its history records."""
     config = model_config(args, quantizer)
@@ -249,10 +264,6 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
                              train_subset=args.train_subset, num_workers=args.num_workers, download=args.download)
     model = VQVAE(**config)
     has_val = args.val_size > 0
-    checkpoint = ModelCheckpoint(
-        dirpath=out / "checkpoints", filename="best-epoch{epoch:02d}", auto_insert_metric_name=False,
-        monitor="val/mse" if has_val else None, mode="min", save_top_k=1 if has_val else 0, save_last=True,
-        save_on_train_epoch_end=True)
     devices = _devices(args.devices)
     processes = devices if isinstance(devices, int) else len(devices) if isinstance(devices, list) else 1
     steps_per_epoch = math.ceil((args.train_subset or 45_000) / (args.batch_size * max(processes, 1)))
@@ -260,7 +271,8 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
         max_epochs=args.epochs, accelerator=args.accelerator, devices=devices,
         precision=args.precision, default_root_dir=out, sync_batchnorm=processes > 1,  # --latent-norm batch
         logger=TensorBoardLogger(save_dir=str(out), name="tb", version=""),
-        callbacks=[HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out), checkpoint],
+        callbacks=[HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out),
+                   *checkpoint_callbacks(out / "checkpoints", validation=has_val)],
         num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
         log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_progress_bar=not args.no_progress_bar)
     with warnings.catch_warnings():

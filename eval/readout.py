@@ -42,25 +42,13 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
-from models.vqvae import VQVAE
+from models.vqvae import VQVAE, load_vqvae
 from softvq import DDCLQuantizer, assignment_entropy
 from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError, _sha256, default_cache_dir
 
 log = logging.getLogger("eval.readout")
 CLASSES = 10
 Split = tuple[Tensor, Tensor, Tensor]  # tokens (N, T, D) float32, indices (N, T) int64, labels (N,) int64
-
-
-def load_vqvae(path: Path) -> VQVAE:
-    """A trained VQ-VAE from a Lightning checkpoint, on CPU, in eval mode, every parameter frozen."""
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        model = VQVAE.load_from_checkpoint(path, map_location="cpu")
-    except Exception as err:  # truncated zip, pickle error, missing keys, ...
-        raise ValueError(f"checkpoint {path} is truncated, corrupt or not a models.VQVAE checkpoint "
-                         f"({type(err).__name__}: {err})") from err
-    return model.eval().requires_grad_(False)
 
 
 @torch.no_grad()

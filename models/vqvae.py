@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning as L
@@ -378,3 +380,27 @@ class VQVAE(L.LightningModule):
         # "train_epoch/" beside the per-step "train/" curves; validation figures are logged as "val/" already.
         self.log_dict({f"train_epoch/{k.removeprefix('train_')}": float(v) for k, v in record.items()
                        if k not in skip and not k.startswith("val_") and v is not None}, sync_dist=True)
+
+
+def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu", freeze: bool = True) -> VQVAE:
+    """A trained :class:`VQVAE` from a Lightning checkpoint of ``train_vqvae.py``, in eval mode.
+
+    Args:
+        path: the ``.ckpt`` file.
+        map_location: where to load the tensors.
+        freeze: also set ``requires_grad=False`` on every parameter.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file (naming it).
+        ValueError: the file is truncated, corrupt or not a VQVAE checkpoint (naming it and the cause).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        model = VQVAE.load_from_checkpoint(path, map_location=map_location)
+    except Exception as err:  # truncated zip, pickle error, missing keys, ...
+        raise ValueError(f"checkpoint {path} is truncated, corrupt or not a models.VQVAE checkpoint "
+                         f"({type(err).__name__}: {err})") from err
+    model.eval()
+    return model.requires_grad_(False) if freeze else model
