@@ -176,6 +176,8 @@ class VQVAE(L.LightningModule):
             self.val_metrics["psnr" + suffix] = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))  # per image
             self.val_metrics["ssim" + suffix] = StructuralSimilarityIndexMeasure(data_range=1.0)
         self._val_summary: dict[str, float | None] = {}
+        self.test_summary: dict[str, float | None] = {}  # filled by Trainer.test (on_test_epoch_end)
+        self.test_code_counts: Tensor | None = None
         self._summary_cache: tuple[tuple[int, int], dict[str, Any]] | None = None
         self._epoch_start = time.perf_counter()
         self._restarts_at_epoch_start = 0
@@ -273,8 +275,11 @@ class VQVAE(L.LightningModule):
         self.log("train/mse", rec.detach(), batch_size=n)
         return loss
 
-    # ---- validation ------------------------------------------------------------------------------------------
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
+    # ---- validation and test -----------------------------------------------------------------------------------
+    # One shared step: the soft reconstruction and (soft quantizers) the reconstruction decoded from hard indices,
+    # scored by MSE, per-image PSNR and SSIM, and the code usage. Validation and test never run at the same time, so
+    # they share the metric objects.
+    def _eval_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
         x = batch[0]
         out = self(x)
         hard = self._decode(self.quantizer.decode_indices(out.quantizer.indices)) if self.is_soft \
@@ -290,27 +295,52 @@ class VQVAE(L.LightningModule):
             return {"images": x[:8], "reconstruction": out.reconstruction[:8], "reconstruction_hard": hard[:8]}
         return None
 
-    def on_validation_epoch_start(self) -> None:
+    def _eval_reset(self) -> None:
         self.val_usage.reset()
         for metric in self.val_metrics.values():
             metric.reset()
 
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
+    def _eval_summary(self, stage: str) -> dict[str, float | None]:
+        """``{stage}_mse``, ``_psnr``, ``_ssim`` (and ``_hard`` twins), ``_utilization``, ``_dead_codes``,
+        ``_perplexity`` over the stage's epoch, logged as ``{stage}/...``; {} if it saw no image."""
         summary: dict[str, float | None] = {}
         if int(self.val_usage.hard_counts.sum()) > 0 or self.trainer.world_size > 1:
             for name, metric in self.val_metrics.items():
                 if self.is_soft or not name.endswith("_hard"):
-                    summary[f"val_{name}"] = float(metric.compute())
+                    summary[f"{stage}_{name}"] = float(metric.compute())
             if not self.is_soft:  # straight-through: the reconstruction is the hard decode
-                summary.update({f"val_{name}_hard": summary[f"val_{name}"] for name in ("mse", "psnr", "ssim")})
+                summary.update({f"{stage}_{name}_hard": summary[f"{stage}_{name}"] for name in ("mse", "psnr", "ssim")})
             usage = self.val_usage.compute()
-            summary.update(val_utilization=float(usage["utilization"]), val_dead_codes=int(usage["dead_codes"]),
-                           val_perplexity=float(usage["perplexity"]))
+            summary.update({f"{stage}_utilization": float(usage["utilization"]),
+                            f"{stage}_dead_codes": int(usage["dead_codes"]),
+                            f"{stage}_perplexity": float(usage["perplexity"])})
             # sync_dist: the values are equal on every process already (torchmetrics); this only silences the hint.
-            self.log_dict({k.replace("val_", "val/"): v for k, v in summary.items()}, sync_dist=True)
-        self._val_summary = summary
+            self.log_dict({k.replace(f"{stage}_", f"{stage}/", 1): v for k, v in summary.items()}, sync_dist=True)
+        return summary
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
+        return self._eval_step(batch, batch_idx)
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval_reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        self._val_summary = self._eval_summary("val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, batch_idx)
+
+    def on_test_epoch_start(self) -> None:
+        self._eval_reset()
+
+    def on_test_epoch_end(self) -> None:
+        """Fills :attr:`test_summary` (the ``test_*`` keys) and :attr:`test_code_counts` (tokens per code, ``(K,)``,
+        summed over processes)."""
+        self.test_summary = self._eval_summary("test")
+        with self.val_usage.sync_context():
+            self.test_code_counts = self.val_usage.hard_counts.detach().cpu().clone()
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,142 @@
+"""Evaluate a trained VQ-VAE checkpoint on the CIFAR-10 test split: reconstruction quality and codebook health.
+
+Usage:
+    python -m eval.evaluate runs/cifar10/ddcl/checkpoints/last.ckpt --data-root ../shared/data/cifar10-jpeg.tar.gz
+    python -m eval.evaluate CKPT --data-root data --download --out test_metrics.json
+
+Prints one JSON object: ``mse``, ``psnr``, ``ssim`` of the soft reconstruction, the same of the reconstruction
+decoded from hard indices (``*_hard``; equal to the soft ones for a hard quantizer), and ``utilization``,
+``dead_codes``, ``perplexity`` of the hard codes over the split, plus what was evaluated (checkpoint, its sha256,
+epochs trained, images). PSNR is per image, then averaged; reconstructions are clamped to ``[0, 1]`` before PSNR and
+SSIM, as in training's validation. ``--out`` also saves ``code_counts`` (tokens per code, for usage histograms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import Subset
+
+from models.callbacks import write_atomic
+from models.vqvae import load_vqvae
+from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError, _sha256
+
+log = logging.getLogger("eval.evaluate")
+METRICS = ("mse", "psnr", "ssim", "mse_hard", "psnr_hard", "ssim_hard", "utilization", "dead_codes", "perplexity")
+
+
+def checkpoint_epochs(path: Path) -> tuple[int, int]:
+    """(training epochs completed, optimizer steps) recorded in a Lightning checkpoint saved at an epoch's end."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    return int(ckpt.get("epoch", -1)) + 1, int(ckpt.get("global_step", 0))
+
+
+def evaluate(
+    checkpoint: str | Path,
+    data_root: str | Path,
+    *,
+    batch_size: int = 256,
+    limit: int | None = None,
+    num_workers: int = 2,
+    download: bool = False,
+    accelerator: str = "auto",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Test-split metrics of a ``train_vqvae.py`` checkpoint.
+
+    Args:
+        checkpoint: a Lightning checkpoint of :class:`models.VQVAE`.
+        data_root: CIFAR-10 directory or archive (see :class:`softvq.datasets.CIFAR10DataModule`).
+        batch_size: test images per forward pass.
+        limit: evaluate only the first ``limit`` test images (quick runs); ``None`` = all 10,000.
+        num_workers: DataLoader worker processes.
+        download: allow torchvision to download the official release when nothing is found locally.
+        accelerator: Lightning accelerator (``"auto"``, ``"cpu"``, ``"gpu"``, ...).
+        progress: show Lightning's progress bar.
+
+    Returns:
+        ``METRICS`` plus ``checkpoint``, ``checkpoint_sha256``, ``quantizer``, ``num_codes``, ``epochs``,
+        ``global_step``, ``split``, ``images``, ``seconds`` and ``code_counts`` (a list of ``num_codes`` ints).
+
+    Raises:
+        FileNotFoundError: the checkpoint or the data is missing (naming it).
+        ValueError: the checkpoint is truncated or not a VQVAE checkpoint (naming it); ``limit`` < 1.
+    """
+    checkpoint = Path(checkpoint)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive number of images, got {limit}")
+    start = time.perf_counter()
+    model = load_vqvae(checkpoint)  # clear errors for a missing or truncated file
+    epochs, step = checkpoint_epochs(checkpoint)
+    data = CIFAR10DataModule(data_root, batch_size=batch_size, val_size=0, num_workers=num_workers,
+                             download=download)
+    data.prepare_data()
+    data.setup("test")
+    if limit is not None:
+        data.test_set = Subset(data.test_set, range(min(limit, len(data.test_set))))
+    images = len(data.test_set)
+    trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, enable_progress_bar=progress)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        trainer.test(model, datamodule=data, verbose=False)
+    summary = model.test_summary
+    result: dict[str, Any] = {
+        "checkpoint": str(checkpoint), "checkpoint_sha256": _sha256(checkpoint), "quantizer": model.quantizer_name,
+        "num_codes": model.num_codes, "epochs": epochs, "global_step": step, "split": "test", "images": images}
+    result.update({name: summary[f"test_{name}"] for name in METRICS})
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    result["code_counts"] = [int(c) for c in model.test_code_counts]
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="a train_vqvae.py checkpoint (e.g. <run>/checkpoints/last.ckpt)")
+    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    p.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
+    p.add_argument("--batch-size", type=int, default=256, help="test images per batch")
+    p.add_argument("--limit", type=int, default=None, help="only the first N test images (default: all 10,000)")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
+    p.add_argument("--accelerator", default="auto", help="Lightning accelerator")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON (with code_counts) to this file")
+    p.add_argument("--no-progress-bar", action="store_true", help="disable the progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    for name in ("batch_size", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    result = evaluate(args.checkpoint, args.data_root, batch_size=args.batch_size, limit=args.limit,
+                      num_workers=args.num_workers, download=args.download, accelerator=args.accelerator,
+                      progress=not args.no_progress_bar)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out, json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "code_counts"}, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        main()
+    except (FileNotFoundError, ValueError, OSError, CorruptArchiveError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
