@@ -14,11 +14,13 @@ SSIM, as in training's validation. ``--out`` also saves ``code_counts`` (tokens 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,18 @@ from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError, _sha
 
 log = logging.getLogger("eval.evaluate")
 METRICS = ("mse", "psnr", "ssim", "mse_hard", "psnr_hard", "ssim_hard", "utilization", "dead_codes", "perplexity")
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Silence Lightning's informational lines (accelerator, tips) for the duration; warnings still show."""
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def checkpoint_epochs(path: Path) -> tuple[int, int]:
@@ -61,7 +75,7 @@ def evaluate(
         num_workers: DataLoader worker processes.
         download: allow torchvision to download the official release when nothing is found locally.
         accelerator: Lightning accelerator (``"auto"``, ``"cpu"``, ``"gpu"``, ...).
-        progress: show Lightning's progress bar.
+        progress: show Lightning's progress bar and its informational lines.
 
     Returns:
         ``METRICS`` plus ``checkpoint``, ``checkpoint_sha256``, ``quantizer``, ``num_codes``, ``epochs``,
@@ -84,11 +98,11 @@ def evaluate(
     if limit is not None:
         data.test_set = Subset(data.test_set, range(min(limit, len(data.test_set))))
     images = len(data.test_set)
-    trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, enable_progress_bar=progress)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.nullcontext() if progress else quiet_lightning():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+                            enable_model_summary=False, enable_progress_bar=progress)
         trainer.test(model, datamodule=data, verbose=False)
     summary = model.test_summary
     result: dict[str, Any] = {

@@ -12,6 +12,7 @@ from helpers import exact_cdist
 
 import softvq
 from models import VQVAE, Decoder, Encoder, build_quantizer
+from models.vqvae import LatentNorm
 from softvq.schedule import anneal_temperature
 
 SMALL = {"num_codes": 16, "code_dim": 8, "width": 16, "res_hidden": 8, "res_blocks": 1}
@@ -79,6 +80,35 @@ def test_batch_latent_norm_standardises_channels_and_undoes_any_encoder_scale():
         shrunk = model(x)
     torch.testing.assert_close(shrunk.latents, out.latents, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(shrunk.reconstruction, out.reconstruction, atol=1e-3, rtol=1e-3)
+
+
+def test_latent_norm_running_statistics_start_from_the_first_batch():
+    """Evaluation right after a short run must standardise like training did, not divide by BatchNorm's initial 1."""
+    torch.manual_seed(0)
+    norm = LatentNorm(4).double()
+    batches = [1e-2 * torch.randn(8, 4, 3, 3, dtype=torch.float64) + 0.5 for _ in range(3)]
+
+    def stats(x):  # the running statistics BatchNorm keeps: mean and unbiased variance per channel
+        flat = rearrange(x, "b d h w -> d (b h w)")
+        return flat.mean(1), flat.var(1, unbiased=True)
+
+    norm(batches[0])
+    mean, var = stats(batches[0])
+    torch.testing.assert_close(norm.running_mean, mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(norm.running_var, var, rtol=1e-12, atol=0)
+    for x in batches[1:]:  # afterwards the usual 10% exponential average
+        norm(x)
+        new_mean, new_var = stats(x)
+        mean, var = 0.9 * mean + 0.1 * new_mean, 0.9 * var + 0.1 * new_var
+    torch.testing.assert_close(norm.running_mean, mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(norm.running_var, var, rtol=1e-12, atol=0)
+    assert norm.momentum == 0.1 and int(norm.num_batches_tracked) == 3
+    norm.eval()
+    x = batches[0]
+    expected = (x - mean[None, :, None, None]) / torch.sqrt(var[None, :, None, None] + norm.eps)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-12, atol=1e-12)
+    state = norm.state_dict()  # the same buffers as nn.BatchNorm2d: old checkpoints load
+    assert set(state) == set(torch.nn.BatchNorm2d(4, affine=False).state_dict())
 
 
 @pytest.mark.parametrize("x, match", [

@@ -1,0 +1,288 @@
+"""Head-to-head on CIFAR-10: DDCL vs hard VQ-VAE (plain and EMA + dead-code restart), an eps ablation and a
+temperature study, over several seeds at equal epochs, written up as ``report.md`` with plots.
+
+Usage (the full setting, ~40 minutes on 2 CPU cores; see README "Head-to-head report"):
+    python -m eval.compare --data-root ../shared/data/cifar10-jpeg.tar.gz
+    python -m eval.compare --quick --data-root ../shared/data/cifar10-jpeg.tar.gz    # a few minutes
+
+Every training run is ``train_vqvae.py`` in its own process (``--jobs`` at a time, the cores split between them),
+into ``--runs/<run>/seed<S>``. A run that already has every epoch is read, not retrained; an unfinished one is
+resumed from its ``last.ckpt``, so an interrupted comparison continues where it stopped. Each run's final checkpoint
+is then evaluated on the test split (:mod:`eval.evaluate`, cached in the run's ``test_metrics.json``), and
+``--out`` receives ``report.md``, ``results.json`` and the PNG plots.
+
+Runs:
+    methods      ``ddcl`` (the collapse-free defaults), ``hard`` (straight-through, beta = 0.25) and ``hard_ema``
+                 (EMA codebook, decay 0.99, and dead-code restart below 1 token per batch: the recipe
+                 vector-quantize-pytorch recommends against collapse), every seed
+    eps          DDCL with eps = 0.1 and 1.0 beside the default 0.01 (``--ablation-seeds``)
+    temperature  DDCL with T fixed at 4 and annealed exponentially 4 -> 0.5, beside the entropy-controlled
+                 default (``--ablation-seeds``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import train_vqvae
+from eval import evaluate
+from eval._compare_report import write_report
+from models.callbacks import read_history, write_atomic
+from softvq.datasets.cifar10 import CorruptArchiveError, _sha256
+
+log = logging.getLogger("eval.compare")
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = ROOT / "train_vqvae.py"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of the comparison."""
+
+    group: str  # "methods", "eps" or "temperature": the section of the report it belongs to
+    key: str  # directory name under --runs, e.g. "ddcl" or "ddcl_eps1.0"
+    label: str  # legend text
+    seed: int
+    flags: tuple[str, ...]  # train_vqvae.py flags beyond the shared ones
+
+    def directory(self, runs: Path) -> Path:
+        return runs / self.key / f"seed{self.seed}"
+
+
+METHODS = (("ddcl", "DDCL", ("--quantizer", "ddcl")),
+           ("hard", "hard VQ", ("--quantizer", "hard")),
+           ("hard_ema", "hard VQ, EMA + restart", ("--quantizer", "hard", "--ema-decay", "0.99",
+                                                  "--dead-code-threshold", "1")))
+# The default eps (0.01) and entropy-controlled T are the "ddcl" runs themselves.
+EPS = (("ddcl_eps0.1", "eps = 0.1", ("--quantizer", "ddcl", "--eps", "0.1")),
+       ("ddcl_eps1.0", "eps = 1.0", ("--quantizer", "ddcl", "--eps", "1.0")))
+TEMPERATURE = (("ddcl_fixedT", "T fixed at 4", ("--quantizer", "ddcl", "--target-entropy", "off")),
+               ("ddcl_annealT", "T annealed 4 -> 0.5", ("--quantizer", "ddcl", "--temperature-schedule",
+                                                        "exponential", "--temperature-final", "0.5")))
+
+# --quick: small model, 1,000 images, 2 epochs (a few minutes on 2 cores).
+QUICK = {"epochs": 2, "train_subset": 1000, "val_size": 500, "test_limit": 1000,
+         "train_args": "--width 32 --res-hidden 16 --res-blocks 1 --num-codes 128 --code-dim 32"}
+FULL = {"epochs": 5, "train_subset": 10000, "val_size": 5000, "test_limit": None, "train_args": ""}
+# config.json keys that may differ between an existing run and this comparison without making it another run.
+NOT_MODEL = {"out", "resume", "overwrite", "no_progress_bar", "num_workers", "data_root", "download", "epochs",
+             "accelerator", "devices"}
+
+
+def plan(seeds: list[int], ablation_seeds: list[int]) -> list[RunSpec]:
+    runs = [RunSpec("methods", key, label, seed, flags) for key, label, flags in METHODS for seed in seeds]
+    for group, table in (("eps", EPS), ("temperature", TEMPERATURE)):
+        runs += [RunSpec(group, key, label, seed, flags) for key, label, flags in table for seed in ablation_seeds]
+    return runs
+
+
+def train_argv(spec: RunSpec, args: argparse.Namespace) -> list[str]:
+    argv = [*spec.flags, "--seed", str(spec.seed), "--epochs", str(args.epochs), "--val-size", str(args.val_size),
+            "--data-root", str(args.data_root), "--num-workers", str(args.num_workers), "--no-progress-bar",
+            "--out", str(spec.directory(args.runs)), *shlex.split(args.train_args)]
+    if args.train_subset is not None:
+        argv += ["--train-subset", str(args.train_subset)]
+    if args.download:
+        argv.append("--download")
+    return argv
+
+
+def run_state(spec: RunSpec, args: argparse.Namespace) -> str:
+    """``"done"`` (every epoch and its checkpoint are there), ``"resume"`` (started, unfinished) or ``"new"``.
+
+    Raises:
+        ValueError: the directory holds a run with other settings, or with more epochs than asked for.
+    """
+    out = spec.directory(args.runs)
+    if not (out / "config.json").exists():
+        return "new"
+    saved = json.loads((out / "config.json").read_text())
+    wanted = vars(train_vqvae.build_parser().parse_args(train_argv(spec, args)))
+    wanted = json.loads(json.dumps(wanted, default=str))  # the types config.json holds
+    diff = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in wanted.items()
+            if k not in NOT_MODEL and saved.get(k) != v]
+    if diff:
+        raise ValueError(f"{out} holds a run with other settings ({'; '.join(diff)}); use another --runs directory "
+                         f"or remove it")
+    rows = read_history(out / "history.jsonl")
+    epochs = max((row["epoch"] for row in rows), default=0)
+    if epochs > args.epochs:
+        raise ValueError(f"{out} was trained for {epochs} epochs, more than --epochs {args.epochs}: its checkpoint "
+                         f"is not at equal epochs; use another --runs directory")
+    last = out / "checkpoints" / "last.ckpt"
+    if epochs == args.epochs and last.is_file() and evaluate.checkpoint_epochs(last)[0] == args.epochs:
+        return "done"
+    return "resume" if last.is_file() else "new"
+
+
+def train(spec: RunSpec, args: argparse.Namespace, threads: int) -> float:
+    """Train (or resume) one run in its own process; its output goes to ``<run>/train.log``. Returns seconds."""
+    state = run_state(spec, args)
+    if state == "done":
+        return 0.0
+    out = spec.directory(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    argv = train_argv(spec, args) + (["--resume"] if state == "resume" else ["--overwrite"])
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    start = time.perf_counter()
+    with open(out / "train.log", "a") as logfile:
+        logfile.write(f"$ {shlex.join([sys.executable, str(TRAIN_SCRIPT), *argv])}\n")
+        logfile.flush()
+        proc = subprocess.run([sys.executable, str(TRAIN_SCRIPT), *argv], cwd=ROOT, env=env, stdout=logfile,
+                              stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = "\n".join((out / "train.log").read_text().splitlines()[-15:])
+        raise RuntimeError(f"training {out} failed (exit {proc.returncode}); end of {out / 'train.log'}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def train_all(specs: list[RunSpec], args: argparse.Namespace) -> None:
+    todo = [s for s in specs if run_state(s, args) != "done"]
+    log.info("%d runs: %d to train, %d already done", len(specs), len(todo), len(specs) - len(todo))
+    if args.no_train and todo:
+        raise FileNotFoundError("--no-train, but these runs are missing or unfinished: "
+                                + ", ".join(str(s.directory(args.runs)) for s in todo))
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    failures = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(train, spec, args, threads): spec for spec in todo}
+        for done, future in enumerate(as_completed(futures), start=1):
+            spec = futures[future]
+            try:
+                seconds = future.result()
+            except Exception as err:  # keep the other runs going; report every failure at the end
+                failures.append(str(err))
+                log.error("[%d/%d] %s seed %d failed", done, len(todo), spec.key, spec.seed)
+                continue
+            log.info("[%d/%d] trained %s seed %d in %.0f s", done, len(todo), spec.key, spec.seed, seconds)
+    if failures:
+        raise RuntimeError("\n\n".join(failures))
+
+
+def test_metrics(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """The run's final checkpoint on the test split, cached in ``<run>/test_metrics.json`` (keyed by sha256)."""
+    out = spec.directory(args.runs)
+    checkpoint = out / "checkpoints" / "last.ckpt"
+    cache = out / "test_metrics.json"
+    digest = _sha256(checkpoint)
+    if cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved.get("checkpoint_sha256") == digest and saved.get("limit") == args.test_limit:
+            return saved
+    result = evaluate.evaluate(checkpoint, args.data_root, limit=args.test_limit, num_workers=args.num_workers,
+                               download=args.download, accelerator="cpu", progress=False)
+    result["limit"] = args.test_limit
+    write_atomic(cache, json.dumps(result) + "\n")
+    return result
+
+
+def collect(specs: list[RunSpec], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per run: its spec, its history (first ``--epochs`` rows) and its test metrics."""
+    runs = []
+    for i, spec in enumerate(specs, start=1):
+        start = time.perf_counter()
+        test = test_metrics(spec, args)
+        log.info("[%d/%d] test split: %s seed %d (%.0f s)", i, len(specs), spec.key, spec.seed,
+                 time.perf_counter() - start)
+        history = [row for row in read_history(spec.directory(args.runs) / "history.jsonl")
+                   if row["epoch"] <= args.epochs]
+        runs.append({"group": spec.group, "key": spec.key, "label": spec.label, "seed": spec.seed,
+                     "flags": list(spec.flags), "history": history, "test": test})
+    return runs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    p.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a few minutes on 2 cores: {QUICK} (flags given explicitly still win)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the method runs")
+    p.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
+                   help="seeds of the eps and temperature runs (default: the first of --seeds)")
+    p.add_argument("--epochs", type=int, default=None, help=f"training epochs of every run (default {FULL['epochs']})")
+    p.add_argument("--train-subset", type=int, default=None,
+                   help=f"training images per run (default {FULL['train_subset']}; 0 = all 45,000)")
+    p.add_argument("--val-size", type=int, default=None, help=f"held-out validation images (default "
+                                                              f"{FULL['val_size']})")
+    p.add_argument("--test-limit", type=int, default=None,
+                   help="evaluate on the first N test images (default: all 10,000; --quick: 1,000)")
+    p.add_argument("--train-args", default=None,
+                   help="extra train_vqvae.py flags for every run, e.g. '--num-codes 1024' (quoted)")
+    p.add_argument("--runs", type=Path, default=None,
+                   help="where the training runs live (default runs/compare, runs/compare-quick with --quick)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="report directory (default reports/compare, reports/compare-quick with --quick)")
+    p.add_argument("--jobs", type=int, default=2, help="training runs at a time (the CPU cores are split)")
+    p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per run")
+    p.add_argument("--no-train", action="store_true", help="only read existing runs; fail if one is missing")
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.train_subset == 0:
+        args.train_subset = None
+    suffix = "-quick" if args.quick else ""
+    args.runs = args.runs or Path(f"runs/compare{suffix}")
+    args.out = args.out or Path(f"reports/compare{suffix}")
+    args.ablation_seeds = args.ablation_seeds or args.seeds[:1]
+    for name in ("epochs", "jobs", "val_size"):
+        if getattr(args, name) < (0 if name == "val_size" else 1):
+            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if name == 'val_size' else '>= 1'}, "
+                    f"got {getattr(args, name)}")
+    if args.val_size == 0:
+        p.error("argument --val-size: the report plots validation PSNR per epoch; it needs a validation set")
+    if args.train_subset is not None and args.train_subset < 0:
+        p.error(f"argument --train-subset: must be >= 0, got {args.train_subset}")
+    if args.test_limit is not None and args.test_limit < 1:
+        p.error(f"argument --test-limit: must be >= 1, got {args.test_limit}")
+    if args.num_workers < 0:
+        p.error(f"argument --num-workers: must be >= 0, got {args.num_workers}")
+    for name in ("seeds", "ablation_seeds"):
+        if len(set(getattr(args, name))) != len(getattr(args, name)):
+            p.error(f"argument --{name.replace('_', '-')}: repeated seeds {getattr(args, name)}")
+    try:  # every run's flags must parse before hours of training start
+        train_vqvae.build_parser().parse_args(shlex.split(args.train_args))
+    except SystemExit:
+        p.error(f"argument --train-args: train_vqvae.py rejects {args.train_args!r}")
+    args.command = "python -m eval.compare " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    specs = plan(args.seeds, args.ablation_seeds)
+    train_all(specs, args)
+    trained = time.perf_counter() - start
+    torch.set_num_threads(os.cpu_count() or 1)
+    runs = collect(specs, args)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    results = write_report(runs, settings, args.out, seconds={"train": trained,
+                                                              "total": time.perf_counter() - start})
+    log.info("report: %s", args.out / "report.md")
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        main()
+    except (FileNotFoundError, ValueError, OSError, RuntimeError, CorruptArchiveError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
