@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np  # noqa: E402
 
 from models.callbacks import write_atomic  # noqa: E402
 
-PLOTS = ("health.png", "ddcl_terms.png", "usage.png", "eps.png", "temperature.png")
+PLOTS = ("health.png", "ddcl_terms.png", "usage.png", "eps.png", "temperature.png")  # the last two with their runs
 TEST_COLUMNS = (("mse", "test MSE", "{:.5f}"), ("psnr", "PSNR soft", "{:.2f}"), ("psnr_hard", "PSNR hard", "{:.2f}"),
                 ("ssim", "SSIM soft", "{:.3f}"), ("ssim_hard", "SSIM hard", "{:.3f}"),
                 ("utilization", "util %", "{:.1f}"), ("dead_codes", "dead", "{:.1f}"),
@@ -43,7 +44,8 @@ def series(runs: list[dict[str, Any]], metric: str, epochs: int) -> np.ndarray:
 def mean_std(values: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Mean and sample standard deviation (ddof 1; 0 for a single run) over ``axis``, ignoring NaN."""
     values = np.asarray(values, dtype=float)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column, or one value (no spread)
         mean = np.nanmean(values, axis=axis)
         count = np.sum(~np.isnan(values), axis=axis)
         std = np.where(count > 1, np.nanstd(values, axis=axis, ddof=1) if values.shape[axis] > 1 else 0.0, 0.0)
@@ -253,14 +255,6 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     plot_health(groups, labels, epochs, out / "health.png")
     plot_terms(groups.get("ddcl", []), epochs, out / "ddcl_terms.png")
     plot_usage(groups, labels, out / "usage.png")
-    plot_study(eps_all, labels_eps, (("separation", "S(P), mean prototype separation", 1.0),
-                                     ("utilization", "utilization %", 100.0),
-                                     ("perplexity", "perplexity of hard codes", 1.0)), epochs, out / "eps.png")
-    plot_study(temp_all, labels_temp, (("temperature", "T at the epoch's last step", 1.0),
-                                       ("gap", "val PSNR gap, soft - hard (dB)", 1.0),
-                                       ("val_psnr_hard", "val PSNR from hard indices (dB)", 1.0)), epochs,
-               out / "temperature.png")
-
     train_minutes = {r["key"] + f"/seed{r['seed']}": round(sum(row.get("time_s", 0) for row in r["history"]) / 60, 2)
                      for r in runs}
     subset = settings["train_subset"] or 45000
@@ -294,19 +288,30 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
                      (("l_q", "L_q", "{:.3f}", 1.0), ("l_ols", "L_OLS", "{:.3f}", 1.0), ("v", "V", "{:.3f}", 1.0),
                       ("identity_residual", "max residual", "{:.1e}", 1.0)), epochs), "",
         "## Prototype usage at the last epoch (test split)", "", "![usage](usage.png)", "",
-        "## eps ablation (DDCL, eps = encoder lr / prototype lr)", "", "![eps](eps.png)", "",
-        *epoch_table(eps_all, labels_eps, (("separation", "S(P)", "{:.2f}", 1.0),
-                                           ("utilization", "util %", "{:.1f}", 100.0),
-                                           ("perplexity", "ppl", "{:.0f}", 1.0),
-                                           ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0)), epochs), "",
-        *test_table(eps_all, labels_eps), "",
-        "## Temperature: entropy-controlled, fixed, annealed", "", "![temperature](temperature.png)", "",
-        *epoch_table(temp_all, labels_temp, (("temperature", "T", "{:.2f}", 1.0),
-                                             ("val_psnr", "PSNR soft", "{:.2f}", 1.0),
-                                             ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0),
-                                             ("gap", "gap dB", "{:.2f}", 1.0)), epochs), "",
-        *test_table(temp_all, labels_temp), "",
     ]
+    if eps:
+        plot_study(eps_all, labels_eps, (("separation", "S(P), mean prototype separation", 1.0),
+                                         ("utilization", "utilization %", 100.0),
+                                         ("perplexity", "perplexity of hard codes", 1.0)), epochs, out / "eps.png")
+        lines += [
+            "## eps ablation (DDCL, eps = encoder lr / prototype lr)", "", "![eps](eps.png)", "",
+            *epoch_table(eps_all, labels_eps, (("separation", "S(P)", "{:.2f}", 1.0),
+                                               ("utilization", "util %", "{:.1f}", 100.0),
+                                               ("perplexity", "ppl", "{:.0f}", 1.0),
+                                               ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0)), epochs), "",
+            *test_table(eps_all, labels_eps), ""]
+    if temp:
+        plot_study(temp_all, labels_temp, (("temperature", "T at the epoch's last step", 1.0),
+                                           ("gap", "val PSNR gap, soft - hard (dB)", 1.0),
+                                           ("val_psnr_hard", "val PSNR from hard indices (dB)", 1.0)), epochs,
+                   out / "temperature.png")
+        lines += [
+            "## Temperature: entropy-controlled, fixed, annealed", "", "![temperature](temperature.png)", "",
+            *epoch_table(temp_all, labels_temp, (("temperature", "T", "{:.2f}", 1.0),
+                                                 ("val_psnr", "PSNR soft", "{:.2f}", 1.0),
+                                                 ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0),
+                                                 ("gap", "gap dB", "{:.2f}", 1.0)), epochs), "",
+            *test_table(temp_all, labels_temp), ""]
     write_atomic(out / "report.md", "\n".join(lines))
     results = {"settings": settings, "seconds": seconds,
                "runs": [{k: v for k, v in r.items() if k != "test"}

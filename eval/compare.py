@@ -82,10 +82,16 @@ NOT_MODEL = {"out", "resume", "overwrite", "no_progress_bar", "num_workers", "da
              "accelerator", "devices"}
 
 
-def plan(seeds: list[int], ablation_seeds: list[int]) -> list[RunSpec]:
+GROUPS = ("methods", "eps", "temperature")
+
+
+def plan(seeds: list[int], ablation_seeds: list[int], groups: tuple[str, ...] = GROUPS) -> list[RunSpec]:
+    """The runs of the comparison: the methods on every seed, each study in ``groups`` on the ablation seeds."""
     runs = [RunSpec("methods", key, label, seed, flags) for key, label, flags in METHODS for seed in seeds]
     for group, table in (("eps", EPS), ("temperature", TEMPERATURE)):
-        runs += [RunSpec(group, key, label, seed, flags) for key, label, flags in table for seed in ablation_seeds]
+        if group in groups:
+            runs += [RunSpec(group, key, label, seed, flags) for key, label, flags in table
+                     for seed in ablation_seeds]
     return runs
 
 
@@ -111,7 +117,7 @@ def run_state(spec: RunSpec, args: argparse.Namespace) -> str:
         return "new"
     saved = json.loads((out / "config.json").read_text())
     wanted = vars(train_vqvae.build_parser().parse_args(train_argv(spec, args)))
-    wanted = json.loads(json.dumps(wanted, default=str))  # the types config.json holds
+    wanted = json.loads(json.dumps({**wanted, "quantizer": wanted["quantizer"][0]}, default=str))  # as saved
     diff = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in wanted.items()
             if k not in NOT_MODEL and saved.get(k) != v]
     if diff:
@@ -214,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the method runs")
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
                    help="seeds of the eps and temperature runs (default: the first of --seeds)")
+    p.add_argument("--studies", nargs="*", choices=GROUPS[1:], default=list(GROUPS[1:]),
+                   help="the DDCL studies to run beside the methods (none: the head-to-head alone)")
     p.add_argument("--epochs", type=int, default=None, help=f"training epochs of every run (default {FULL['epochs']})")
     p.add_argument("--train-subset", type=int, default=None,
                    help=f"training images per run (default {FULL['train_subset']}; 0 = all 45,000)")
@@ -267,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     start = time.perf_counter()
-    specs = plan(args.seeds, args.ablation_seeds)
+    specs = plan(args.seeds, args.ablation_seeds, ("methods", *args.studies))
     train_all(specs, args)
     trained = time.perf_counter() - start
     torch.set_num_threads(os.cpu_count() or 1)
