@@ -1,7 +1,7 @@
 """Head-to-head on CIFAR-10: DDCL vs hard VQ-VAE (plain and EMA + dead-code restart), an eps ablation and a
 temperature study, over several seeds at equal epochs, written up as ``report.md`` with plots.
 
-Usage (the full setting: 13 runs of 10 epochs, about an hour on 2 CPU cores; README "Head-to-head report"):
+Usage (the full setting: 13 runs of 5 epochs; its run time is in README "Head-to-head report"):
     python -m eval.compare --data-root ../shared/data/cifar10-jpeg.tar.gz
     python -m eval.compare --quick --data-root ../shared/data/cifar10-jpeg.tar.gz    # a few minutes
 
@@ -76,7 +76,7 @@ TEMPERATURE = (("ddcl_fixedT", "T fixed at 4", ("--quantizer", "ddcl", "--target
 # --quick: small model, 1,000 images, 2 epochs (a few minutes on 2 cores).
 QUICK = {"epochs": 2, "train_subset": 1000, "val_size": 500, "test_limit": 1000,
          "train_args": "--width 32 --res-hidden 16 --res-blocks 1 --num-codes 128 --code-dim 32"}
-FULL = {"epochs": 10, "train_subset": 10000, "val_size": 5000, "test_limit": None, "train_args": ""}
+FULL = {"epochs": 5, "train_subset": 10000, "val_size": 5000, "test_limit": None, "train_args": ""}
 # config.json keys that may differ between an existing run and this comparison without making it another run.
 NOT_MODEL = {"out", "resume", "overwrite", "no_progress_bar", "num_workers", "data_root", "download", "epochs",
              "accelerator", "devices"}
