@@ -76,6 +76,11 @@ def test_finished_runs_are_read_not_retrained_and_other_settings_are_refused(qui
     with pytest.raises(ValueError, match=r"seed0 holds a run with other settings \(num_codes: 8 there, 16 here"):
         compare.main(tiny_args(tiny_cifar, tmp, "--train-args", TINY_MODEL.replace("codes 8", "codes 16"),
                                "--no-train"))
+    config = tmp / "runs" / "hard" / "seed0" / "config.json"  # a run from before a flag existed still matches
+    saved = json.loads(config.read_text())
+    config.write_text(json.dumps({k: v for k, v in saved.items() if k != "target_entropy"}))
+    assert compare.run_state(compare.plan([0], [0])[1], compare.parse_args(tiny_args(tiny_cifar, tmp))) == "done"
+    config.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="more than --epochs 1"):
         compare.main(tiny_args(tiny_cifar, tmp, "--epochs", "1", "--no-train"))
     missing = tmp / "runs-partial"
