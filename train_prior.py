@@ -221,11 +221,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                            auto_insert_metric_name=False, monitor="val/bits_per_position",
                                            mode="min", save_top_k=1, save_on_train_epoch_end=True))
     steps_per_epoch = math.ceil(len(splits["train"].labels) / args.batch_size)
+    # Each epoch's line goes to the "softvq" logger (the script logs at INFO), not print: it would show twice.
     trainer = L.Trainer(
         max_epochs=args.epochs, accelerator=args.accelerator, devices=_devices(args.devices),
         precision=args.precision, default_root_dir=args.out,
         logger=TensorBoardLogger(save_dir=str(args.out), name="tb", version=""),
-        callbacks=[HistoryWriter(args.out / "history.jsonl", formatter=format_prior_record), *checkpoints],
+        callbacks=[HistoryWriter(args.out / "history.jsonl", echo=False, formatter=format_prior_record),
+                   *checkpoints],
         num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
         log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_progress_bar=not args.no_progress_bar)
     fit_begin = time.perf_counter()
@@ -248,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "val_bits_per_position": history[-1]["val_bits"] if history else None,
                **test_report(prior, splits)}
     write_atomic(args.out / "test.json", json.dumps(results, indent=2) + "\n")
-    print(f"test NLL {results['test_bits_per_position']:.4f} bits per code position "
+    print(f"{args.out}: test NLL {results['test_bits_per_position']:.4f} bits per code position "
           f"({results['test_bits_per_image']:.1f} bits per image); the test codes' unigram entropy "
           f"log2(perplexity) is {results['test_unigram_entropy_bits']:.4f} bits ({results['test_codes_used']} of "
           f"{config.num_codes} codes used); log2 K = {results['log2_num_codes']:.4f}")

@@ -15,6 +15,7 @@ from torchvision.transforms.functional import to_tensor
 import sample
 import train_prior
 import train_vqvae
+from eval import prior_report
 from models import load_prior, load_vqvae
 from models.codes import extract_codes
 
@@ -182,3 +183,23 @@ def test_sample_refuses_a_class_for_an_unconditional_prior(vqvaes, tiny_cifar, t
         sample.main(["--prior", ckpt, "--class", "cat", "--out", str(tmp_path / "g.png")])
     result = sample.main(["--prior", ckpt, "--n", "2", "--out", str(tmp_path / "g.png")])
     assert result["labels"] is None and result["images"].shape == (2, 3, 32, 32)
+
+
+def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tmp_path):
+    out = tmp_path / "report"
+    result = prior_report.main(["--run", f"tiny={trained['out']}", "--run", f"again={trained['out']}",
+                                "--out", str(out)])
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in saved["runs"]] == ["tiny", "again"]
+    run = saved["runs"][0]
+    assert run["test_bits_per_position"] == trained["results"]["test_bits_per_position"]
+    assert [h["epoch"] for h in run["history"]] == [1, 2] and run["vqvae_last_epoch"]["epoch"] == 1
+    rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| tiny")]
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    gain = run["test_unigram_entropy_bits"] - run["test_bits_per_position"]
+    assert cells[1] == "16" and cells[6] == f"{run['test_bits_per_position']:.3f}" and cells[7] == f"{gain:.3f}"
+    assert (out / "position_bits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["table"].count("\n") == 4
+    with pytest.raises(FileNotFoundError, match="test.json not found"):
+        prior_report.main(["--run", f"x={tmp_path}", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        prior_report.main(["--run", "no-equals-sign"])
