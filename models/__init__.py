@@ -1,7 +1,11 @@
-"""VQ-VAE models for softvq: convolutional encoder/decoder and a LightningModule around any softvq quantizer."""
+"""VQ-VAE models for softvq: convolutional encoder/decoder and a LightningModule around any softvq quantizer, and an
+autoregressive transformer prior over the VQ-VAE's code grids."""
 
 from models.autoencoder import Decoder, Encoder, ResidualBlock, ResidualStack
+from models.prior import CodePrior, VQVAERecord, check_pairing, evaluate_prior, load_prior
+from models.transformer import CodeTransformer, PriorConfig
 from models.vqvae import QUANTIZERS, VQVAE, VQVAEOutput, build_quantizer, load_vqvae
 
-__all__ = ["QUANTIZERS", "VQVAE", "Decoder", "Encoder", "ResidualBlock", "ResidualStack", "VQVAEOutput",
-           "build_quantizer", "load_vqvae"]
+__all__ = ["QUANTIZERS", "VQVAE", "CodePrior", "CodeTransformer", "Decoder", "Encoder", "PriorConfig",
+           "ResidualBlock", "ResidualStack", "VQVAEOutput", "VQVAERecord", "build_quantizer", "check_pairing",
+           "evaluate_prior", "load_prior", "load_vqvae"]

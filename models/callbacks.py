@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,15 @@ class HistoryWriter(L.Callback):
 
     The file is rewritten atomically each time. When a run resumes, records of epochs at or after the resumed
     epoch (written after the checkpoint it resumes from) are dropped, so the file never holds an epoch twice.
-    Each record is also logged (``logging`` logger ``"softvq"``) and printed above the progress bar.
+    Each record is also logged (``logging`` logger ``"softvq"``) and printed above the progress bar, as one line
+    made by ``formatter`` (default :func:`format_record`, the VQ-VAE's figures).
     """
 
-    def __init__(self, path: str | os.PathLike, echo: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, echo: bool = True,
+                 formatter: Callable[[dict[str, Any]], str] | None = None) -> None:
         self.path = Path(path)
         self.echo = echo
+        self.formatter = formatter or format_record
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -106,7 +110,7 @@ class HistoryWriter(L.Callback):
         rows = read_history(self.path)
         rows.append({k: _json_value(v) for k, v in record.items()})
         write_atomic(self.path, "".join(json.dumps(row) + "\n" for row in rows))
-        line = format_record(record)
+        line = self.formatter(record)
         log.info(line)
         if self.echo:
             pl_module.print(line)

@@ -1,0 +1,354 @@
+"""CodePrior: an autoregressive prior over a VQ-VAE's code grids (a LightningModule), sampling and evaluation.
+
+A VQ-VAE becomes a generative model once a prior over its discrete codes can be sampled: draw a code grid from
+the prior, decode it with the VQ-VAE's decoder. The prior records which VQ-VAE its codes came from (path, SHA-256,
+``K``, latent grid), and :func:`check_pairing` refuses a VQ-VAE of another ``K`` or grid.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from models.transformer import CodeTransformer, PriorConfig
+from models.vqvae import VQVAE
+from softvq._utils import check_choice, check_float, check_non_negative_int, check_positive_int
+
+log = logging.getLogger("softvq")
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class VQVAERecord:
+    """Which VQ-VAE a prior's codes come from; saved in the prior's hyperparameters."""
+
+    path: str  # the VQ-VAE checkpoint the training codes were extracted from, as it was given
+    sha256: str  # that file's SHA-256: the identity sample.py checks (paths move, contents do not)
+    num_codes: int  # K, the codebook size
+    height: int  # rows of the latent grid
+    width: int  # columns of the latent grid
+    quantizer: str  # the VQ-VAE's quantizer ("ddcl", "hard", or a class name)
+    image_size: int = 32  # side of the square images the codes were extracted from
+
+
+def latent_grid(model: VQVAE, image_size: int = 32) -> tuple[int, int]:
+    """``(h, w)`` of the code grid ``model.encode`` gives for square images of side ``image_size``."""
+    factor = 2 ** model.downsamples
+    return image_size // factor, image_size // factor
+
+
+def vqvae_record(model: VQVAE, path: str | os.PathLike, sha256: str, image_size: int = 32) -> VQVAERecord:
+    """The :class:`VQVAERecord` of a loaded VQ-VAE checkpoint."""
+    h, w = latent_grid(model, image_size)
+    return VQVAERecord(str(path), sha256, int(model.num_codes), h, w, str(model.quantizer_name), image_size)
+
+
+class CodePrior(L.LightningModule):
+    """A GPT-style autoregressive prior over code grids ``(B, h, w)``, raster order, optionally class-conditional.
+
+    Batches are ``(codes (B, h, w) int64, labels (B,) int64)``; the loss is the mean cross-entropy (nats) of every
+    code given the codes before it. Logged and reported in bits per code position (nats / ln 2). AdamW (weight decay
+    on matrices only), linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at the last
+    step of the run.
+
+    Args:
+        config: the network's :class:`~models.transformer.PriorConfig` (or its ``dict``).
+        vqvae: the :class:`VQVAERecord` (or its ``dict``) of the VQ-VAE whose codes it models; ``None`` for tests.
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay of the weight matrices and embeddings.
+        warmup_steps: optimizer steps of linear warmup.
+        min_lr_ratio: the learning rate at the last step, as a share of ``lr``.
+    """
+
+    def __init__(
+        self,
+        config: PriorConfig | dict[str, Any],
+        vqvae: VQVAERecord | dict[str, Any] | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.config = PriorConfig(**config) if isinstance(config, dict) else config
+        self.vqvae = VQVAERecord(**vqvae) if isinstance(vqvae, dict) else vqvae
+        if self.vqvae is not None and self.vqvae.num_codes != self.config.num_codes:
+            raise ValueError(f"config.num_codes ({self.config.num_codes}) differs from the VQ-VAE's K "
+                             f"({self.vqvae.num_codes})")
+        self.lr = check_float("lr", lr)
+        self.weight_decay = check_float("weight_decay", weight_decay, allow_zero=True)
+        self.warmup_steps = check_non_negative_int("warmup_steps", warmup_steps)
+        self.min_lr_ratio = check_float("min_lr_ratio", min_lr_ratio, allow_zero=True)
+        # Plain types only: Lightning's weights_only checkpoint loading accepts them.
+        self.save_hyperparameters({"config": self.config.to_dict(),
+                                   "vqvae": None if self.vqvae is None else asdict(self.vqvae),
+                                   "lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+                                   "min_lr_ratio": min_lr_ratio})
+        self.net = CodeTransformer(self.config)
+        self.train_nll = MeanMetric()
+        self.val_nll = MeanMetric()
+        self._val_bits: float | None = None
+        self._epoch_start = time.perf_counter()
+
+    @property
+    def num_codes(self) -> int:
+        return self.config.num_codes
+
+    @property
+    def conditional(self) -> bool:
+        return self.config.num_classes > 0
+
+    # ---- model API -----------------------------------------------------------------------------------------
+    def forward(self, codes: Tensor, labels: Tensor | None = None) -> Tensor:
+        """Next-code logits; see :meth:`models.transformer.CodeTransformer.forward`."""
+        return self.net(codes, labels)
+
+    def nll(self, codes: Tensor, labels: Tensor | None = None) -> Tensor:
+        """Per-position negative log-likelihood in nats of whole code grids ``(B, h, w)``: ``(B, h * w)``."""
+        c = self.config
+        if codes.shape[1:] != (c.height, c.width):
+            raise ValueError(f"expected code grids of shape (B, {c.height}, {c.width}), got {tuple(codes.shape)}")
+        logits = self(codes, labels)  # (B, L, K)
+        targets = rearrange(codes, "b h w -> b (h w)").to(logits.device, torch.long)
+        return F.cross_entropy(rearrange(logits, "b l k -> b k l").float(), targets, reduction="none")
+
+    @torch.no_grad()
+    def sample(self, n: int, labels: Tensor | None = None, temperature: float = 1.0, top_k: int | None = None,
+               generator: torch.Generator | None = None) -> Tensor:
+        """Draw ``n`` code grids, one code at a time in raster order.
+
+        There is no key/value cache: each of the ``L = h * w`` steps runs the transformer over the prefix drawn so
+        far, which is cheap at ``L = 64`` (64 images take about 10 s on one CPU thread at width 128).
+
+        Args:
+            n: number of grids.
+            labels: ``(n,)`` class labels for a class-conditional prior; ``None`` for an unconditional one.
+            temperature: the logits are divided by it (``< 1`` sharper, ``> 1`` flatter); ``> 0``.
+            top_k: sample among the ``top_k`` most likely codes only; ``None`` = all ``K``. ``top_k=1`` is greedy
+                (argmax) decoding.
+            generator: a ``torch.Generator`` on the model's device, for reproducible draws.
+
+        Returns:
+            ``(n, h, w)`` int64 codes in ``[0, K)``.
+        """
+        check_positive_int("n", n)
+        temperature, top_k = check_temperature_top_k(temperature, top_k, self.num_codes)
+        c = self.config
+        was_training = self.training
+        self.eval()
+        codes = torch.zeros(n, 0, dtype=torch.long, device=self.device)
+        try:
+            for _ in range(c.length):
+                logits = self(codes, labels)[:, -1].float() / temperature  # (n, K): the next code
+                if top_k is not None and top_k < c.num_codes:
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = logits.softmax(-1)
+                codes = torch.cat([codes, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        finally:
+            self.train(was_training)
+        return rearrange(codes, "b (h w) -> b h w", h=c.height)
+
+    # ---- training --------------------------------------------------------------------------------------------
+    def _common_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
+        codes, labels = batch
+        loss = self.nll(codes, labels if self.conditional else None).mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite {stage} loss ({float(loss)}) at global step {self.global_step}")
+        metric = self.train_nll if stage == "train" else self.val_nll
+        metric.update(loss.detach(), weight=codes.shape[0])
+        self.log(f"{stage}/bits_per_position", loss.detach() / LN2, prog_bar=True, batch_size=codes.shape[0],
+                 on_step=stage == "train", on_epoch=stage != "train")
+        return loss
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._common_step(batch, "train")
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._common_step(batch, "val")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95))
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup, floor = self.warmup_steps, self.min_lr_ratio
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_epoch_start(self) -> None:
+        self.train_nll.reset()
+        self._epoch_start = time.perf_counter()
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_nll.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking and self.val_nll.update_count > 0:
+            self._val_bits = float(self.val_nll.compute()) / LN2
+
+    def epoch_summary(self) -> dict[str, Any]:
+        """This training epoch's ``history.jsonl`` record: ``train_bits`` (with dropout on, the epoch's running
+        mean) and ``val_bits`` (eval mode; ``None`` without validation) in bits per code position."""
+        return {"epoch": self.current_epoch + 1, "step": self.global_step,
+                "train_bits": float(self.train_nll.compute()) / LN2, "val_bits": self._val_bits,
+                "lr": float(self.trainer.optimizers[0].param_groups[0]["lr"]) if self._trainer else self.lr,
+                "time_s": round(time.perf_counter() - self._epoch_start, 2)}
+
+
+def format_prior_record(record: dict[str, Any]) -> str:
+    """One human-readable line for a prior's epoch record."""
+    val = "n/a" if record.get("val_bits") is None else f"{record['val_bits']:.4f}"
+    return (f"epoch {record['epoch']:>3} | train {record['train_bits']:.4f} bits/position | val {val} | "
+            f"lr {record['lr']:.2e} | {record['time_s']:.0f}s")
+
+
+def check_temperature_top_k(temperature: float, top_k: int | None, num_codes: int) -> tuple[float, int | None]:
+    """Validated sampling options: ``temperature > 0`` and ``top_k`` ``None`` or an integer in ``[1, num_codes]``."""
+    temperature = check_float("temperature", temperature)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_codes):
+        raise ValueError(f"top_k must be an integer in [1, {num_codes}] (K of this prior), got {top_k!r}")
+    return temperature, top_k
+
+
+def class_index(value: str | int, classes: tuple[str, ...]) -> int:
+    """A class given by name (one of ``classes``) or by index (an ``int`` or its text) -> its index."""
+    if isinstance(value, str) and value in classes:
+        return classes.index(value)
+    try:
+        index = int(value)
+    except (TypeError, ValueError):
+        check_choice("class", value, classes)  # raises, listing the names
+        raise
+    if not 0 <= index < len(classes):
+        raise ValueError(f"class must be one of {classes} or an index in [0, {len(classes)}), got {value!r}")
+    return index
+
+
+class PriorEvaluation(NamedTuple):
+    """What :func:`evaluate_prior` returns.
+
+    Attributes:
+        bits_per_position: mean NLL over every code position of every sequence, in bits.
+        position_bits: ``(h, w)`` mean NLL in bits at each grid position.
+        sequences: number of code grids evaluated.
+    """
+
+    bits_per_position: float
+    position_bits: Tensor
+    sequences: int
+
+
+@torch.no_grad()
+def evaluate_prior(prior: CodePrior, codes: Tensor, labels: Tensor | None = None,
+                   batch_size: int = 500) -> PriorEvaluation:
+    """The prior's NLL on code grids ``codes (N, h, w)`` (with ``labels (N,)`` if it is class-conditional), in eval
+    mode, in bits per code position."""
+    check_positive_int("batch_size", batch_size)
+    if codes.shape[0] == 0:
+        raise ValueError("no code grids to evaluate")
+    was_training = prior.training
+    prior.eval()
+    total = torch.zeros(prior.config.length, dtype=torch.float64)
+    try:
+        for start in range(0, codes.shape[0], batch_size):
+            chunk = codes[start:start + batch_size].to(prior.device)
+            y = None if not prior.conditional else labels[start:start + batch_size].to(prior.device)
+            total += prior.nll(chunk, y).double().sum(0).cpu()
+    finally:
+        prior.train(was_training)
+    per_position = total / codes.shape[0] / LN2
+    grid = per_position.reshape(prior.config.height, prior.config.width).float()
+    return PriorEvaluation(float(per_position.mean()), grid, int(codes.shape[0]))
+
+
+def unigram_bits(codes: Tensor, num_codes: int) -> float:
+    """Entropy in bits of the empirical code distribution of ``codes`` (any shape): ``log2(perplexity)``. The NLL of
+    a prior that knew these very frequencies and ignored context; what a context model must beat."""
+    counts = torch.bincount(codes.reshape(-1).long(), minlength=num_codes).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log2()).sum())
+
+
+def unigram_cross_entropy_bits(train: Tensor, test: Tensor, num_codes: int, pseudo_count: float = 0.5) -> float:
+    """Bits per code of ``test`` under the code frequencies of ``train`` (add-``pseudo_count`` smoothing): the NLL of
+    a context-free prior fitted on the training codes, a fair baseline for a prior's test NLL."""
+    check_float("pseudo_count", pseudo_count)
+    counts = torch.bincount(train.reshape(-1).long(), minlength=num_codes).double() + pseudo_count
+    log_p = (counts / counts.sum()).log2()
+    return float(-log_p[test.reshape(-1).long()].mean())
+
+
+def load_prior(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> CodePrior:
+    """A trained :class:`CodePrior` from a checkpoint of ``train_prior.py``, in eval mode with frozen weights.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file (naming it).
+        ValueError: the file is truncated, corrupt or not a CodePrior checkpoint (naming it and the cause).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prior checkpoint not found: {path}")
+    try:
+        prior = CodePrior.load_from_checkpoint(path, map_location=map_location)
+    except Exception as err:  # truncated zip, pickle error, missing keys, a VQ-VAE checkpoint, ...
+        raise ValueError(f"prior checkpoint {path} is truncated, corrupt or not a models.CodePrior checkpoint "
+                         f"({type(err).__name__}: {err})") from err
+    prior.eval()
+    return prior.requires_grad_(False)
+
+
+def check_pairing(prior: CodePrior, vqvae: VQVAE, sha256: str, vqvae_path: str | os.PathLike = "the VQ-VAE",
+                  allow_other_vqvae: bool = False) -> None:
+    """Refuse to pair a prior with a VQ-VAE whose codes it does not model.
+
+    Args:
+        prior: a trained prior (its :attr:`CodePrior.vqvae` record is compared).
+        vqvae: the VQ-VAE that will decode the samples.
+        sha256: SHA-256 of that VQ-VAE's checkpoint file.
+        vqvae_path: its path, for the messages.
+        allow_other_vqvae: accept a VQ-VAE of the same ``K`` and grid but another checkpoint (a warning only).
+
+    Raises:
+        ValueError: no record in the prior; another ``K``; another latent grid; another checkpoint (unless
+            ``allow_other_vqvae``). Each message names both sides.
+    """
+    rec = prior.vqvae
+    if rec is None:
+        raise ValueError("this prior holds no record of the VQ-VAE its codes came from (it was not trained by "
+                         "train_prior.py), so no VQ-VAE can be checked against it")
+    origin = f"the VQ-VAE it was trained on ({rec.path}, sha256 {rec.sha256[:16]}...)"
+    if vqvae.num_codes != rec.num_codes:
+        raise ValueError(f"the prior models codes of a VQ-VAE with K={rec.num_codes} codes, but {vqvae_path} has "
+                         f"K={vqvae.num_codes}; decode its samples with {origin}")
+    grid = latent_grid(vqvae, rec.image_size)
+    if grid != (rec.height, rec.width):
+        raise ValueError(f"the prior models {rec.height}x{rec.width} code grids, but {vqvae_path} encodes "
+                         f"{rec.image_size}x{rec.image_size} images into {grid[0]}x{grid[1]} grids; decode its "
+                         f"samples with {origin}")
+    if sha256 != rec.sha256:
+        message = (f"{vqvae_path} (sha256 {sha256[:16]}...) is not {origin}: same K={rec.num_codes} and grid, but "
+                   f"other codes, so the samples would be meaningless")
+        if not allow_other_vqvae:
+            raise ValueError(message + "; pass the original checkpoint (or --allow-other-vqvae to decode anyway)")
+        log.warning(message)

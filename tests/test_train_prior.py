@@ -1,0 +1,205 @@
+"""train_prior.py and sample.py end to end on tiny VQ-VAEs: cached codes, history, checkpoints, pairing, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from conftest import CLASSES
+from PIL import Image
+from torchvision.transforms.functional import to_tensor
+
+import sample
+import train_prior
+import train_vqvae
+from eval import prior_report
+from models import load_prior, load_vqvae
+from models.codes import extract_codes
+
+VQVAE_TINY = ["--train-subset", "96", "--val-size", "0", "--batch-size", "32", "--width", "16", "--res-hidden", "8",
+              "--res-blocks", "1", "--code-dim", "8", "--num-workers", "0", "--no-progress-bar", "--epochs", "1"]
+PRIOR_TINY = ["--layers", "1", "--heads", "2", "--dim", "32", "--batch-size", "64", "--val-size", "50",
+              "--warmup-steps", "2", "--no-progress-bar"]
+
+
+@pytest.fixture(scope="module")
+def vqvaes(tmp_path_factory, tiny_cifar):
+    """Tiny VQ-VAE checkpoints: DDCL with K = 16, hard VQ with K = 16 and hard VQ with K = 32."""
+    paths = {}
+    for name, quantizer, codes in (("ddcl", "ddcl", "16"), ("hard", "hard", "16"), ("hard32", "hard", "32")):
+        out = tmp_path_factory.mktemp(name)
+        train_vqvae.main([*VQVAE_TINY, "--quantizer", quantizer, "--num-codes", codes, "--data-root",
+                          str(tiny_cifar["folder"]), "--out", str(out)])
+        paths[name] = out / "checkpoints" / "last.ckpt"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def trained(vqvaes, tiny_cifar, tmp_path_factory):
+    """A class-conditional prior over the DDCL VQ-VAE's codes, 2 epochs (codes cached in the run's cache)."""
+    out = tmp_path_factory.mktemp("prior")
+    cache = out / "cache"
+    results = train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),
+                                "--out", str(out / "run"), "--epochs", "2", "--class-conditional",
+                                "--cache-dir", str(cache)])
+    return {"out": out / "run", "cache": cache, "results": results}
+
+
+def test_train_prior_writes_history_checkpoints_and_test_nll(trained, vqvaes):
+    out, results = trained["out"], trained["results"]
+    rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2] and [r["step"] for r in rows] == [4, 8]  # 250 grids in batches of 64
+    for row in rows:
+        assert {"train_bits", "val_bits", "lr", "time_s"} <= set(row)
+        assert 0 < row["val_bits"] < 2 * math.log2(16) and 0 < row["train_bits"]
+    best = min(rows, key=lambda r: r["val_bits"])["epoch"] - 1  # Lightning numbers the checkpoint's epoch from 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"best-epoch{best:02d}.ckpt", "last.ckpt"]
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    saved = json.loads((out / "test.json").read_text())
+    assert saved["test_sequences"] == 50 and saved["train_sequences"] == 250 and saved["val_sequences"] == 50
+    assert saved["test_bits_per_position"] == pytest.approx(results["test_bits_per_position"])
+    assert saved["test_bits_per_image"] == pytest.approx(64 * saved["test_bits_per_position"])
+    assert len(saved["test_position_bits"]) == 8 and len(saved["test_position_bits"][0]) == 8
+    assert saved["test_code_perplexity"] == pytest.approx(2 ** saved["test_unigram_entropy_bits"])
+    assert 1 <= saved["test_codes_used"] <= 16 and saved["log2_num_codes"] == 4.0
+    assert saved["vqvae"]["num_codes"] == 16 and saved["vqvae"]["quantizer"] == "ddcl"
+    prior = load_prior(out / "checkpoints" / "last.ckpt")  # the checkpoint knows its VQ-VAE and its classes
+    assert prior.vqvae.path == str(vqvaes["ddcl"]) and prior.config.num_classes == 10
+    assert not prior.training and not any(p.requires_grad for p in prior.parameters())
+
+
+@pytest.mark.parametrize("name", ["ddcl", "hard"])
+def test_cached_codes_equal_the_vqvae_encoding_of_the_same_images(trained, vqvaes, tiny_cifar, tmp_path, name,
+                                                                  monkeypatch):
+    cache = trained["cache"] if name == "ddcl" else tmp_path / "cache"
+    if name == "hard":  # extraction from a hard-VQ checkpoint, into its own cache
+        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes[name]), "--data-root", str(tiny_cifar["folder"]),
+                          "--out", str(tmp_path / "run"), "--epochs", "1", "--cache-dir", str(cache)])
+    files = list(cache.glob("codes-*.pt"))
+    assert len(files) == 1
+    saved = torch.load(files[0], weights_only=True)
+    model = load_vqvae(vqvaes[name])
+    # The official test split in ImageFolder order (class folders, then file names), encoded here image by image.
+    images = [to_tensor(Image.open(tiny_cifar["folder"] / "test" / c / f"{j:04d}.jpg").convert("RGB"))
+              for c in CLASSES for j in range(5)]
+    expected = torch.cat([model.encode(x[None]) for x in images])
+    assert torch.equal(saved["test"]["codes"].long(), expected)
+    assert saved["test"]["labels"].long().tolist() == [c for c in range(10) for _ in range(5)]
+    assert saved["train"]["codes"].shape == (250, 8, 8) and saved["val"]["codes"].shape == (50, 8, 8)
+    # A second run over the same checkpoint and selection reads the cache instead of encoding.
+    monkeypatch.setattr("models.codes.extract_codes", None)  # would raise if called
+    train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes[name]), "--data-root", str(tiny_cifar["folder"]),
+                      "--out", str(tmp_path / "again"), "--epochs", "1", "--cache-dir", str(cache)])
+
+
+def test_extract_codes_refuses_a_model_in_training_mode(vqvaes):
+    model = load_vqvae(vqvaes["ddcl"]).train()
+    with pytest.raises(ValueError, match="eval mode"):
+        extract_codes(model, [(torch.zeros(3, 32, 32), 0)])
+
+
+def test_resume_continues_the_history_and_refuses_another_configuration(trained, vqvaes, tiny_cifar, tmp_path):
+    out = tmp_path / "run"
+    base = [*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]), "--out", str(out),
+            "--cache-dir", str(trained["cache"])]
+    train_prior.main([*base, "--epochs", "1"])
+    train_prior.main([*base, "--epochs", "2", "--resume"])
+    rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["step"] == 8
+    with pytest.raises(ValueError, match="dim: checkpoint 32 vs now 64"):
+        train_prior.main([*base, "--epochs", "3", "--resume", "--dim", "64"])
+    with pytest.raises(ValueError, match="models the codes of another VQ-VAE"):
+        train_prior.main([*base, "--epochs", "3", "--resume", "--vqvae", str(vqvaes["hard"])])
+    with pytest.raises(FileExistsError, match="--resume .* --overwrite"):
+        train_prior.main([*base, "--epochs", "1"])
+
+
+def test_train_prior_errors_are_clear(vqvaes, tiny_cifar, tmp_path, capsys):
+    base = ["--data-root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "run")]
+    with pytest.raises(FileNotFoundError, match="checkpoint not found: .*missing.ckpt"):
+        train_prior.main(["--vqvae", str(tmp_path / "missing.ckpt"), *base])
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes(vqvaes["ddcl"].read_bytes()[:2000])
+    with pytest.raises(ValueError, match="broken.ckpt is truncated, corrupt"):
+        train_prior.main(["--vqvae", str(broken), *base])
+    for flags, message in ((["--epochs", "-1"], "--epochs: expected a positive integer, got '-1'"),
+                           (["--epochs", "0"], "--epochs: expected a positive integer, got '0'"),
+                           (["--dropout", "1"], r"--dropout: expected a number in \[0, 1\), got '1'"),
+                           (["--heads", "3"], "--heads: must divide --dim 256, got 3")):
+        with pytest.raises(SystemExit):
+            train_prior.main(["--vqvae", str(vqvaes["ddcl"]), *base, *flags])
+        assert re.search(message, capsys.readouterr().err), message
+    assert not (tmp_path / "run").exists()
+
+
+def test_sample_writes_a_png_grid_of_decoded_samples(trained, tmp_path):
+    ckpt = trained["out"] / "checkpoints" / "last.ckpt"
+    out = tmp_path / "grid.png"
+    result = sample.main(["--prior", str(ckpt), "--n", "6", "--class", "horse", "--top-k", "4", "--temperature",
+                          "0.8", "--out", str(out), "--nrow", "3"])
+    assert result["codes"].shape == (6, 8, 8) and 0 <= int(result["codes"].min()) and int(result["codes"].max()) < 16
+    assert result["images"].shape == (6, 3, 32, 32) and result["labels"].tolist() == [7] * 6
+    with Image.open(out) as png:  # 3 x 2 tiles of 32 px with 2 px padding
+        assert png.size == (3 * 34 + 2, 2 * 34 + 2)
+    every = sample.main(["--prior", str(ckpt), "--n", "20", "--out", str(tmp_path / "all.png"), "--seed", "1"])
+    assert every["labels"].tolist() == [c for c in range(10) for _ in range(2)]  # every class, in blocks
+    again = sample.main(["--prior", str(ckpt), "--n", "20", "--out", str(tmp_path / "all.png"), "--seed", "1"])
+    assert torch.equal(again["codes"], every["codes"])
+
+
+def test_sample_refuses_a_vqvae_of_another_k_and_bad_options(trained, vqvaes, tmp_path, capsys):
+    ckpt = str(trained["out"] / "checkpoints" / "last.ckpt")
+    out = ["--out", str(tmp_path / "g.png")]
+    with pytest.raises(ValueError, match=r"K=16 codes, but .*hard32.*last.ckpt has K=32"):
+        sample.main(["--prior", ckpt, "--vqvae", str(vqvaes["hard32"]), *out])
+    with pytest.raises(ValueError, match="is not the VQ-VAE it was trained on"):
+        sample.main(["--prior", ckpt, "--vqvae", str(vqvaes["hard"]), *out])
+    assert sample.main(["--prior", ckpt, "--vqvae", str(vqvaes["hard"]), "--allow-other-vqvae", "--n", "1",
+                        "--class", "0", *out])["images"].shape == (1, 3, 32, 32)
+    with pytest.raises(ValueError, match="class must be one of .*got 'zebra'"):
+        sample.main(["--prior", ckpt, "--class", "zebra", *out])
+    with pytest.raises(ValueError, match="--top-k must be at most K = 16"):
+        sample.main(["--prior", ckpt, "--top-k", "17", *out])
+    with pytest.raises(SystemExit):
+        sample.main(["--prior", ckpt, "--temperature", "0", *out])
+    assert "--temperature: expected a positive finite number, got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sample.main(["--prior", ckpt, "--top-k", "0", *out])
+    assert "--top-k: expected a positive integer, got '0'" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="prior checkpoint not found"):
+        sample.main(["--prior", str(tmp_path / "none.ckpt"), *out])
+
+
+def test_sample_refuses_a_class_for_an_unconditional_prior(vqvaes, tiny_cifar, trained, tmp_path):
+    out = tmp_path / "uncond"
+    train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),
+                      "--out", str(out), "--epochs", "1", "--val-size", "0", "--cache-dir", str(trained["cache"])])
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["last.ckpt"]  # no validation: no best checkpoint
+    ckpt = str(out / "checkpoints" / "last.ckpt")
+    with pytest.raises(ValueError, match="--class 'cat' given, but this prior is unconditional"):
+        sample.main(["--prior", ckpt, "--class", "cat", "--out", str(tmp_path / "g.png")])
+    result = sample.main(["--prior", ckpt, "--n", "2", "--out", str(tmp_path / "g.png")])
+    assert result["labels"] is None and result["images"].shape == (2, 3, 32, 32)
+
+
+def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tmp_path):
+    out = tmp_path / "report"
+    result = prior_report.main(["--run", f"tiny={trained['out']}", "--run", f"again={trained['out']}",
+                                "--out", str(out)])
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in saved["runs"]] == ["tiny", "again"]
+    run = saved["runs"][0]
+    assert run["test_bits_per_position"] == trained["results"]["test_bits_per_position"]
+    assert [h["epoch"] for h in run["history"]] == [1, 2] and run["vqvae_last_epoch"]["epoch"] == 1
+    rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| tiny")]
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    gain = run["test_unigram_entropy_bits"] - run["test_bits_per_position"]
+    assert cells[1] == "16" and cells[6] == f"{run['test_bits_per_position']:.3f}" and cells[7] == f"{gain:.3f}"
+    assert (out / "position_bits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["table"].count("\n") == 4
+    with pytest.raises(FileNotFoundError, match="test.json not found"):
+        prior_report.main(["--run", f"x={tmp_path}", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        prior_report.main(["--run", "no-equals-sign"])
