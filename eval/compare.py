@@ -271,7 +271,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         train_vqvae.build_parser().parse_args(shlex.split(args.train_args))
     except SystemExit:
         p.error(f"argument --train-args: train_vqvae.py rejects {args.train_args!r}")
-    args.command = "python -m eval.compare " + shlex.join(sys.argv[1:] if argv is None else argv)
+    # The command that regenerates the report from scratch (--no-train only says the runs existed already).
+    args.command = "python -m eval.compare " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                          if a != "--no-train")
     return args
 
 

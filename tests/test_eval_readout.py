@@ -63,7 +63,9 @@ def test_quick_run_writes_a_report_with_every_readout_and_seed(checkpoint, tiny_
     with torch.no_grad():
         latents = model(image[None]).latents[0]  # (D, 8, 8): what the VQ-VAE's quantizer sees
         first = torch.nonzero(labels == 0)[0, 0]  # the test subset keeps the whole (tiny) test split, in order
-        torch.testing.assert_close(tokens[first], latents.permute(1, 2, 0).reshape(64, 8))
+        # Batch of 1 vs the cache's batches: float32 convolution rounding, divided by the latents' small running
+        # standard deviation (unit-scale tokens after the norm), differs by up to ~1e-5.
+        torch.testing.assert_close(tokens[first], latents.permute(1, 2, 0).reshape(64, 8), atol=1e-4, rtol=1e-4)
         assert torch.equal(indices[first], model.encode(image[None]).reshape(64))
 
     # A second run reuses the cache instead of encoding again.
