@@ -54,7 +54,14 @@ from models.prior import (
 from models.transformer import PriorConfig
 from models.vqvae import load_vqvae
 from softvq.datasets.cifar10 import CLASSES, CIFAR10DataModule, _sha256
-from train_vqvae import _devices, _non_negative_float, _non_negative_int, _positive_float, _positive_int
+from train_vqvae import (
+    _devices,
+    _non_negative_float,
+    _non_negative_int,
+    _positive_float,
+    _positive_int,
+    add_hardware_args,
+)
 
 log = logging.getLogger("softvq")
 
@@ -106,11 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=_non_negative_int, default=100, help="linear warmup steps")
     g.add_argument("--min-lr-ratio", type=_non_negative_float, default=0.1,
                    help="cosine decay to this share of --lr at the last step")
-    g = p.add_argument_group("hardware")
-    g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
-    g.add_argument("--devices", default="1", help="Lightning devices (a count, a list, or 'auto')")
-    g.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true, bf16-mixed")
-    g.add_argument("--no-progress-bar", action="store_true", help="disable progress bars (e.g. in CI logs)")
+    add_hardware_args(p)
     return p
 
 

@@ -151,12 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--beta", type=_non_negative_float, default=0.25, help="commitment weight")
     g.add_argument("--ema-decay", type=float, default=None,
                    help="EMA codebook updates with this decay in (0, 1) instead of gradient updates")
+    add_hardware_args(p)
+    return p
+
+
+def add_hardware_args(p: argparse.ArgumentParser) -> None:
+    """The Lightning hardware flags every trainer script shares."""
     g = p.add_argument_group("hardware")
     g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
     g.add_argument("--devices", default="1", help="Lightning devices (a count, a list, or 'auto')")
     g.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true, bf16-mixed")
     g.add_argument("--no-progress-bar", action="store_true", help="disable the progress bar (e.g. in CI logs)")
-    return p
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

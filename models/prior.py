@@ -12,7 +12,6 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning as L
@@ -23,7 +22,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from models.transformer import CodeTransformer, PriorConfig
-from models.vqvae import VQVAE
+from models.vqvae import VQVAE, load_module
 from softvq._utils import check_choice, check_float, check_non_negative_int, check_positive_int
 
 log = logging.getLogger("softvq")
@@ -306,16 +305,7 @@ def load_prior(path: str | os.PathLike, map_location: str | torch.device = "cpu"
         FileNotFoundError: ``path`` is not a file (naming it).
         ValueError: the file is truncated, corrupt or not a CodePrior checkpoint (naming it and the cause).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prior checkpoint not found: {path}")
-    try:
-        prior = CodePrior.load_from_checkpoint(path, map_location=map_location)
-    except Exception as err:  # truncated zip, pickle error, missing keys, a VQ-VAE checkpoint, ...
-        raise ValueError(f"prior checkpoint {path} is truncated, corrupt or not a models.CodePrior checkpoint "
-                         f"({type(err).__name__}: {err})") from err
-    prior.eval()
-    return prior.requires_grad_(False)
+    return load_module(CodePrior, path, "prior", map_location).requires_grad_(False)
 
 
 def check_pairing(prior: CodePrior, vqvae: VQVAE, sha256: str, vqvae_path: str | os.PathLike = "the VQ-VAE",

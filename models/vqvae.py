@@ -436,6 +436,25 @@ class VQVAE(L.LightningModule):
                        if k not in skip and not k.startswith("val_") and v is not None}, sync_dist=True)
 
 
+def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str,
+                map_location: str | torch.device = "cpu") -> L.LightningModule:
+    """``cls.load_from_checkpoint(path)`` in eval mode, with errors that name the file.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the file is truncated, corrupt or not a checkpoint of ``cls`` (``what`` names it in the message).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} checkpoint not found: {path}")
+    try:
+        module = cls.load_from_checkpoint(path, map_location=map_location)
+    except Exception as err:  # truncated zip, pickle error, missing keys, another model's checkpoint, ...
+        raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
+                         f"checkpoint ({type(err).__name__}: {err})") from err
+    return module.eval()
+
+
 def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu", freeze: bool = True) -> VQVAE:
     """A trained :class:`VQVAE` from a Lightning checkpoint of ``train_vqvae.py``, in eval mode.
 
@@ -448,13 +467,5 @@ def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu"
         FileNotFoundError: ``path`` is not a file (naming it).
         ValueError: the file is truncated, corrupt or not a VQVAE checkpoint (naming it and the cause).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        model = VQVAE.load_from_checkpoint(path, map_location=map_location)
-    except Exception as err:  # truncated zip, pickle error, missing keys, ...
-        raise ValueError(f"checkpoint {path} is truncated, corrupt or not a models.VQVAE checkpoint "
-                         f"({type(err).__name__}: {err})") from err
-    model.eval()
+    model = load_module(VQVAE, path, "VQ-VAE", map_location)
     return model.requires_grad_(False) if freeze else model

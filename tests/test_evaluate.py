@@ -98,5 +98,6 @@ def test_missing_or_truncated_checkpoint_is_a_clear_error_naming_the_file(checkp
     # As a script: a one-line error and exit status 2, no traceback.
     proc = subprocess.run([sys.executable, "-m", "eval.evaluate", str(truncated), "--data-root",
                            str(tiny_cifar["folder"])], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: checkpoint") and "truncated.ckpt" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: VQ-VAE checkpoint")
+    assert "truncated.ckpt" in proc.stderr
     assert "Traceback" not in proc.stderr
