@@ -116,10 +116,13 @@ def run_state(spec: RunSpec, args: argparse.Namespace) -> str:
     if not (out / "config.json").exists():
         return "new"
     saved = json.loads((out / "config.json").read_text())
-    wanted = vars(train_vqvae.build_parser().parse_args(train_argv(spec, args)))
+    parser = train_vqvae.build_parser()
+    wanted = vars(parser.parse_args(train_argv(spec, args)))
     wanted = json.loads(json.dumps({**wanted, "quantizer": wanted["quantizer"][0]}, default=str))  # as saved
-    diff = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in wanted.items()
-            if k not in NOT_MODEL and saved.get(k) != v]
+    # A flag added after the run was trained is absent from its config.json: it ran with that flag's default.
+    defaults = json.loads(json.dumps(vars(parser.parse_args([])), default=str))
+    diff = [f"{k}: {saved.get(k, defaults.get(k))!r} there, {v!r} here" for k, v in wanted.items()
+            if k not in NOT_MODEL and saved.get(k, defaults.get(k)) != v]
     if diff:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diff)}); use another --runs directory "
                          f"or remove it")
