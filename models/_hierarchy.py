@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
@@ -136,6 +137,24 @@ def codebook_record(layer: nn.Module, suffix: str, restarts_at_epoch_start: int)
     record[f"restarts{suffix}"] = layer.restarts - restarts_at_epoch_start
     record[f"temperature{suffix}"] = float(layer.temperature)
     return record
+
+
+@torch.no_grad()
+def match_temperatures_(layers: Sequence[nn.Module], inputs: Sequence[Tensor], fresh: Sequence[bool]) -> None:
+    """Put every level above 0 that was just initialised from data on level 0's temperature *scale*:
+    ``T_l = T_0 * s_l / s_0`` with ``s_l`` the total variance of the tokens level ``l`` quantized in this batch.
+
+    Pooled soft centroids spread far less than the standardised latents of level 0 (a window average of soft
+    averages), so one ``T`` for all levels leaves the upper levels' assignments near uniform; entropy control would
+    need hundreds of steps (``rate`` 0.01) to close a gap of that size. Squared distances scale with the variance, so
+    this gives every level about the same ``d / T`` at the start; entropy control (or a constant ``T``) goes on from
+    there per level.
+    """
+    scale0 = inputs[0].reshape(-1, inputs[0].shape[-1]).double().var(0, unbiased=False).sum()
+    for layer, z, new in zip(layers[1:], inputs[1:], fresh[1:], strict=True):
+        scale = z.reshape(-1, z.shape[-1]).double().var(0, unbiased=False).sum()
+        if new and float(scale0) > 0 and float(scale) > 0:
+            layer.temperature = float(layers[0].temperature * scale / scale0)
 
 
 def check_level_indices(indices: Sequence[Tensor], levels: int) -> None:

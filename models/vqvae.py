@@ -19,6 +19,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 import softvq
+from models import _hierarchy as hierarchy
 from models._hierarchy import LevelMetrics, build_hierarchy, check_level_indices, hierarchy_record, level_views
 from models.autoencoder import Decoder, Encoder
 from softvq._utils import check_choice, check_float, check_positive_int
@@ -131,8 +132,10 @@ class VQVAE(L.LightningModule):
             ``l`` (``level_codes`` codes) the ``level_pool`` x ``level_pool`` averages of level ``l - 1``'s soft
             centroids (8x8 -> 4x4 with the defaults); the decoder sees every level, nearest-upsampled to the latent
             grid and concatenated (``L * code_dim`` input channels). Every level has its own entropy-controlled
-            temperature and dead-code restart, and ``history.jsonl`` gains ``<key>_l<level>`` keys for every level
-            (the plain keys are level 0's). ``encode`` then returns one index grid per level.
+            temperature (levels above 0 start at level 0's ``T`` scaled by their tokens' variance, measured on the
+            first training batch; with an annealing schedule all levels share ``T``) and dead-code restart, and
+            ``history.jsonl`` gains ``<key>_l<level>`` keys for every level (the plain keys are level 0's).
+            ``encode`` then returns one index grid per level.
         level_codes: the codebook size of every level above 0 (an int), or one per level above 0.
         level_pool: the pooling window between consecutive levels, on both grid axes.
     """
@@ -320,6 +323,7 @@ class VQVAE(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x = batch[0]
+        fresh = [not getattr(layer, "initialized", True) for layer in self._codebooks()]
         out = self(x)
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
@@ -327,6 +331,8 @@ class VQVAE(L.LightningModule):
             raise FloatingPointError(f"non-finite training loss ({float(loss)}) at global step {self.global_step} "
                                      f"(reconstruction {float(rec)}, quantizer {float(out.quantizer.loss)})")
         views = level_views(out.quantizer)  # one QuantizerOutput per level
+        if any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
+            hierarchy.match_temperatures_(self._codebooks(), out.quantizer.inputs, fresh)
         q = views[0]
         n = x.shape[0]
         self.train_usage.update(q.indices, q.probs)

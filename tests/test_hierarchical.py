@@ -198,6 +198,23 @@ def test_two_level_vqvae_layout_and_errors():
     assert not any("level" in key for key in single.state_dict())
 
 
+def test_upper_levels_start_on_level_0s_temperature_scale():
+    torch.manual_seed(0)
+    model = VQVAE(levels=3, num_codes=32, level_codes=16, code_dim=8, width=8, res_hidden=4, res_blocks=1,
+                  target_entropy=None)
+    seen = []
+    model.quantizer.register_forward_hook(lambda module, args, out: seen.append(out))
+    x = torch.rand(8, 3, 32, 32)
+    model.training_step((x, None), 0)
+    variance = [z.reshape(-1, 8).double().var(0, unbiased=False).sum().item() for z in seen[0].inputs]
+    temperatures = [layer.temperature for layer in model.quantizer.levels]
+    assert temperatures[0] == 4.0
+    assert temperatures[1:] == pytest.approx([4.0 * v / variance[0] for v in variance[1:]], rel=1e-9)
+    assert variance[1] < variance[0]  # pooled soft centroids spread less than the standardised latents
+    model.training_step((x, None), 1)  # only the first batch sets them; later T is the level's own business
+    assert [layer.temperature for layer in model.quantizer.levels] == temperatures
+
+
 TINY = ["--train-subset", "64", "--val-size", "32", "--batch-size", "32", "--width", "8", "--res-hidden", "4",
         "--res-blocks", "1", "--num-codes", "16", "--code-dim", "4", "--num-workers", "0", "--no-progress-bar"]
 
