@@ -49,7 +49,7 @@ def plot_levels(groups: dict[str, list], labels: dict[str, str], epochs: int, pa
     for level in range(levels):
         suffix, ls = f"_l{level}", styles[level % len(styles)]
         for i, (metric, name) in enumerate((("l_q", "L_q"), ("l_ols", "L_OLS"), ("v", "V"))):
-            rep._band(axes[0, 0], two, metric + suffix, epochs, f"{name}, level {level}", ls=ls, color=f"C{i}")
+            rep._band(axes[0, 0], two, metric + suffix, epochs, f"{name}, level {level}", ls=ls, color=f"C{i + 1}")
         rep._band(axes[0, 1], two, "identity_residual" + suffix, epochs, f"2 levels, level {level}", ls=ls,
                   color="C0")
         rep._band(axes[1, 0], two, "utilization" + suffix, epochs, f"2 levels, level {level}", 100.0, ls=ls,
@@ -60,7 +60,10 @@ def plot_levels(groups: dict[str, list], labels: dict[str, str], epochs: int, pa
         rep._band(axes[0, 1], one, "identity_residual", epochs, "1 level", color="grey")
         rep._band(axes[1, 0], one, "utilization", epochs, "1 level", 100.0, color="grey")
         rep._band(axes[1, 1], one, "perplexity", epochs, "1 level", color="grey")
-    axes[0, 0].set_title("DDCL terms per token, train-epoch mean", fontsize=10)
+    axes[0, 0].set_title("DDCL terms per token, train-epoch mean (log scale)", fontsize=10)
+    axes[0, 0].set_yscale("log")
+    for ax in np.ravel(axes)[1:]:
+        ax.legend(fontsize=7)
     axes[0, 1].set_title("identity residual |L_q - L_OLS - V| / L_q, largest batch", fontsize=10)
     axes[0, 1].set_yscale("log")
     axes[1, 0].set_title("utilization % (train epoch)", fontsize=10)
