@@ -134,6 +134,7 @@ def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], setti
     subset = settings["train_subset"] or 45000
     limit = settings["test_limit"]
     missing = settings.get("missing_references") or []
+    ref_seeds = settings.get("reference_seeds") or settings["seeds"]
     columns = (("utilization", "util %", "{:.1f}", 100.0), ("perplexity", "ppl", "{:.0f}", 1.0),
                ("val_psnr_hard", "val PSNR hard", "{:.2f}", 1.0))
     lines = [
@@ -141,7 +142,8 @@ def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], setti
         f"Regenerate: `{settings['command']}`", "",
         f"Every run: {epochs} epochs on {subset:,} training images, {settings['val_size']:,} validation images, test "
         f"metrics on {'all 10,000' if limit is None else f'the first {limit:,}'} test images from the last epoch's "
-        f"checkpoint; seeds {settings['seeds']}; extra trainer flags `{settings['train_args'] or 'none'}`. The 2-level "
+        f"checkpoint; 2-level seeds {settings['seeds']}, reference seeds {ref_seeds}; extra trainer flags "
+        f"`{settings['train_args'] or 'none'}`. The 2-level "
         f"model: {_codes(two, 0)} codes on the 8x8 latent grid (level 0, the same codebook as 1-level DDCL) and "
         f"{_codes(two, 1)} codes on the 2x2 averages of level 0's soft centroids (level 1, a 4x4 grid); the "
         f"decoder sees both levels (level 1 upsampled, concatenated). ± is the sample standard deviation over seeds; "

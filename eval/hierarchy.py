@@ -29,7 +29,7 @@ import torch
 
 from eval import compare, evaluate
 from eval._hierarchy_report import write_report
-from models.callbacks import read_history
+from models.callbacks import read_history, write_atomic
 from softvq.datasets.cifar10 import CorruptArchiveError, _sha256
 
 log = logging.getLogger("eval.hierarchy")
@@ -43,27 +43,34 @@ FULL = {**compare.FULL, "epochs": 5}  # the head-to-head's setting
 QUICK = dict(compare.QUICK)
 
 
-def plan(seeds: list[int], references: list[str]) -> tuple[list[compare.RunSpec], list[compare.RunSpec]]:
-    """(the 2-level runs to train, the reference runs to read), every seed."""
+def plan(seeds: list[int], references: list[str], reference_seeds: list[int] | None = None
+         ) -> tuple[list[compare.RunSpec], list[compare.RunSpec]]:
+    """(the 2-level runs to train on ``seeds``, the reference runs to read on ``reference_seeds``, default the same)."""
     new = [compare.RunSpec("hierarchy", TWO_LEVEL[0], TWO_LEVEL[1], s, TWO_LEVEL[2]) for s in seeds]
-    refs = [compare.RunSpec("methods", key, label, s, flags) for key, label, flags in REFERENCES for s in seeds
-            if key in references]
+    refs = [compare.RunSpec("methods", key, label, s, flags) for key, label, flags in REFERENCES
+            for s in (seeds if reference_seeds is None else reference_seeds) if key in references]
     return new, refs
 
 
 def reference_test_metrics(spec: compare.RunSpec, args: argparse.Namespace) -> dict[str, Any]:
-    """A reference run's test metrics: its cached ``test_metrics.json`` if it matches the checkpoint and the test
-    limit, else evaluated here (nothing is written into the reference run's directory)."""
+    """A reference run's test metrics: its own cached ``test_metrics.json`` (eval.compare's) if it matches the
+    checkpoint and the test limit, else this script's cache under ``--new-runs/ddcl_2level/reference_tests/``, else
+    evaluated here and cached there. Nothing is written into the reference run's directory."""
     out = spec.directory(args.runs)
     checkpoint = out / "checkpoints" / "last.ckpt"
-    cache = out / "test_metrics.json"
-    if cache.exists():
-        saved = json.loads(cache.read_text())
-        if saved.get("checkpoint_sha256") == _sha256(checkpoint) and saved.get("limit") == args.test_limit:
-            return saved
+    digest = _sha256(checkpoint)
+    ours = args.new_runs / TWO_LEVEL[0] / "reference_tests" / f"{spec.key}-seed{spec.seed}.json"
+    for cache in (out / "test_metrics.json", ours):
+        if cache.exists():
+            saved = json.loads(cache.read_text())
+            if saved.get("checkpoint_sha256") == digest and saved.get("limit") == args.test_limit:
+                return saved
     result = evaluate.evaluate(checkpoint, args.data_root, limit=args.test_limit, num_workers=args.num_workers,
                                download=args.download, accelerator="cpu", progress=False)
-    return {**result, "limit": args.test_limit}
+    result["limit"] = args.test_limit
+    ours.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(ours, json.dumps(result) + "\n")
+    return result
 
 
 def collect(specs: list[compare.RunSpec], args: argparse.Namespace, trained_here: bool) -> list[dict[str, Any]]:
@@ -114,7 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes on 2 cores: {QUICK}, references trained if missing (explicit flags win)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every method")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the 2-level runs")
+    p.add_argument("--reference-seeds", type=int, nargs="+", default=None,
+                   help="seeds of the 1-level reference runs (default: --seeds)")
     p.add_argument("--epochs", type=int, default=None, help=f"training epochs of every run (default {FULL['epochs']})")
     p.add_argument("--train-subset", type=int, default=None,
                    help=f"training images per run (default {FULL['train_subset']}; 0 = all 45,000)")
@@ -125,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=None,
                    help="the head-to-head's runs directory, where ddcl_2level/ is added (default runs/compare, "
                         "runs/compare-quick with --quick)")
+    p.add_argument("--new-runs", type=Path, default=None,
+                   help="where the 2-level runs (ddcl_2level/seed<S>) are trained (default: --runs)")
     p.add_argument("--out", type=Path, default=None,
                    help="report directory (default reports/hierarchy, reports/hierarchy-quick with --quick)")
     p.add_argument("--references", nargs="+", choices=[r[0] for r in REFERENCES], default=[r[0] for r in REFERENCES],
@@ -147,6 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     suffix = "-quick" if args.quick else ""
     args.runs = args.runs or Path(f"runs/compare{suffix}")
     args.out = args.out or Path(f"reports/hierarchy{suffix}")
+    args.new_runs = args.new_runs or args.runs
     if args.train_references is None:
         args.train_references = args.quick
     for name, minimum in (("epochs", 1), ("jobs", 1), ("val_size", 1), ("num_workers", 0)):
@@ -154,8 +166,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"argument --{name.replace('_', '-')}: must be >= {minimum}, got {getattr(args, name)}")
     if args.test_limit is not None and args.test_limit < 1:
         p.error(f"argument --test-limit: must be >= 1, got {args.test_limit}")
-    if len(set(args.seeds)) != len(args.seeds):
-        p.error(f"argument --seeds: repeated seeds {args.seeds}")
+    for name in ("seeds", "reference_seeds"):
+        seeds = getattr(args, name) or []
+        if len(set(seeds)) != len(seeds):
+            p.error(f"argument --{name.replace('_', '-')}: repeated seeds {seeds}")
     if not args.identity_tolerance > 0:
         p.error(f"argument --identity-tolerance: must be > 0, got {args.identity_tolerance}")
     args.command = "python -m eval.hierarchy " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -165,7 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     start = time.perf_counter()
-    new, refs = plan(args.seeds, args.references)
+    new, refs = plan(args.seeds, args.references, args.reference_seeds)
+    new_args = argparse.Namespace(**{**vars(args), "runs": args.new_runs})  # where the 2-level runs live
     ready = [s for s in refs if compare.run_state(s, args) == "done"]
     if args.train_references:
         compare.train_all(refs, args)
@@ -174,10 +189,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for spec in missing:
         log.warning("reference run %s is missing or unfinished: left out", spec.directory(args.runs))
     train_start = time.perf_counter()
-    compare.train_all(new, args)
+    compare.train_all(new, new_args)
     trained = time.perf_counter() - train_start
     torch.set_num_threads(os.cpu_count() or 1)
-    runs = collect(ready, args, trained_here=False) + collect(new, args, trained_here=True)
+    runs = collect(ready, args, trained_here=False) + collect(new, new_args, trained_here=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings["missing_references"] = [str(s.directory(args.runs)) for s in missing]
     checks = claim_check(runs, args.identity_tolerance)

@@ -97,9 +97,16 @@ def test_existing_runs_are_read_and_missing_references_are_left_out(quick, tiny_
     assert not list((runs / "ddcl").rglob("test_metrics.json"))  # nothing written into reference runs
 
 
+def test_plan_trains_two_level_runs_beside_the_reference_seeds():
+    new, refs = hierarchy.plan([0], ["ddcl", "hard"], reference_seeds=[0, 1, 2])
+    assert [(s.key, s.seed) for s in new] == [("ddcl_2level", 0)] and "--levels" in new[0].flags
+    assert [(s.key, s.seed) for s in refs] == [(k, s) for k in ("ddcl", "hard") for s in (0, 1, 2)]
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--epochs", "0"], "--epochs: must be >= 1"),
     (["--seeds", "1", "1"], "repeated seeds"),
+    (["--reference-seeds", "0", "0"], "--reference-seeds: repeated seeds"),
     (["--references", "ddcl_eps0.1"], "invalid choice"),
     (["--identity-tolerance", "0"], "--identity-tolerance: must be > 0"),
 ])
