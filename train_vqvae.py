@@ -41,7 +41,7 @@ from softvq.schedule import SCHEDULES
 
 # Hyperparameters that define the model: a checkpoint must match them to be resumed.
 MODEL_KEYS = ("quantizer", "num_codes", "code_dim", "in_channels", "width", "res_hidden", "res_blocks", "downsamples",
-              "latent_norm")
+              "latent_norm", "levels", "level_codes", "level_pool")
 
 
 def _int_check(minimum: int):
@@ -140,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loss term that pulls the encoder to the codebook (stop-gradient on the prototypes)")
     g.add_argument("--init", choices=("data", "normal"), default="data",
                    help="prototype initialisation: tokens of the first batch, or N(0, 1)")
+    g.add_argument("--levels", type=_positive_int, default=1,
+                   help="hierarchical DDCL: number of stacked codebooks; level l quantizes the pooled soft centroids "
+                        "of level l-1, and the decoder sees every level (2: an 8x8 bottom and a 4x4 top grid)")
+    g.add_argument("--level-codes", type=_positive_int, nargs="+", default=[128],
+                   help="codes of every level above 0 (one value for all, or one per level above 0); level 0 has "
+                        "--num-codes")
+    g.add_argument("--level-pool", type=_positive_int, default=2,
+                   help="pooling window between consecutive levels, on both latent axes (2: 2x2)")
     g = p.add_argument_group("both quantizers")
     g.add_argument("--latent-norm", choices=("none", "batch"), default=None,
                    help="normalise the latents before the quantizer (batch: per-channel standardisation, "
@@ -178,6 +186,18 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                      "every run from its own last checkpoint)")
     if len(set(args.quantizer)) != len(args.quantizer):
         parser.error(f"argument --quantizer: repeated names {args.quantizer}")
+    if args.levels > 1 and args.quantizer != ["ddcl"]:
+        parser.error(f"--levels {args.levels} stacks DDCL codebooks: it needs --quantizer ddcl alone, got "
+                     f"{' '.join(args.quantizer)}")
+    if len(args.level_codes) not in (1, args.levels - 1) and args.levels > 1:
+        parser.error(f"argument --level-codes: give one value or one per level above 0 ({args.levels - 1}), got "
+                     f"{len(args.level_codes)}")
+    if args.levels > 1:  # the grid of every level must be divisible by the windows above it
+        grid = 32 // 2 ** args.downsamples
+        if grid % args.level_pool ** (args.levels - 1):
+            parser.error(f"--levels {args.levels} with --level-pool {args.level_pool} needs a latent grid divisible "
+                         f"by {args.level_pool ** (args.levels - 1)}; 32x32 images with --downsamples "
+                         f"{args.downsamples} give {grid}x{grid}")
 
 
 def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
@@ -199,7 +219,9 @@ def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
             "width": args.width, "res_hidden": args.res_hidden, "res_blocks": args.res_blocks,
             "downsamples": args.downsamples, "lr": args.lr, "eps": args.eps,
             "temperature_schedule": schedule, "temperature_final": final, "target_entropy": target,
-            "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" else "none")}
+            "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" else "none"),
+            "levels": args.levels, "level_pool": args.level_pool,
+            "level_codes": args.level_codes[0] if len(args.level_codes) == 1 else args.level_codes}
 
 
 def check_checkpoint(path: Path, config: dict[str, Any]) -> None:

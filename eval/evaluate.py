@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import logging
+import re
 import sys
 import time
 import warnings
@@ -79,7 +80,9 @@ def evaluate(
 
     Returns:
         ``METRICS`` plus ``checkpoint``, ``checkpoint_sha256``, ``quantizer``, ``num_codes``, ``epochs``,
-        ``global_step``, ``split``, ``images``, ``seconds`` and ``code_counts`` (a list of ``num_codes`` ints).
+        ``global_step``, ``split``, ``images``, ``seconds``, ``code_counts`` (a list of ``num_codes`` ints) and
+        ``levels``; a hierarchical model (``levels > 1``) adds ``utilization_l<l>``, ``dead_codes_l<l>`` and
+        ``perplexity_l<l>`` for every level (the plain keys and ``code_counts`` are level 0's).
 
     Raises:
         FileNotFoundError: the checkpoint or the data is missing (naming it).
@@ -109,6 +112,10 @@ def evaluate(
         "checkpoint": str(checkpoint), "checkpoint_sha256": _sha256(checkpoint), "quantizer": model.quantizer_name,
         "num_codes": model.num_codes, "epochs": epochs, "global_step": step, "split": "test", "images": images}
     result.update({name: summary[f"test_{name}"] for name in METRICS})
+    result["levels"] = model.levels
+    if model.levels > 1:  # every level's usage: utilization_l0, dead_codes_l1, perplexity_l1, ...
+        result.update({key.removeprefix("test_"): value for key, value in summary.items()
+                       if re.fullmatch(r"test_\w+_l\d+", key)})
     result["seconds"] = round(time.perf_counter() - start, 2)
     result["code_counts"] = [int(c) for c in model.test_code_counts]
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,8 +19,11 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 import softvq
+from models import _hierarchy as hierarchy
+from models._hierarchy import LevelMetrics, build_hierarchy, check_level_indices, hierarchy_record, level_views
 from models.autoencoder import Decoder, Encoder
 from softvq._utils import check_choice, check_float, check_positive_int
+from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
 from softvq.optim import has_trainable_prototypes
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
@@ -82,12 +86,13 @@ class VQVAEOutput(NamedTuple):
     Attributes:
         reconstruction: ``(B, C, H, W)`` in image units (``[0, 1]`` for a perfect model; not clamped).
         latents: ``(B, D, h, w)``, the encoder's output before quantization.
-        quantizer: the quantizer's :class:`~softvq.QuantizerOutput` (tokens channel-last, ``(B, h, w, ...)``).
+        quantizer: the quantizer's :class:`~softvq.QuantizerOutput` (tokens channel-last, ``(B, h, w, ...)``), or
+            for ``levels > 1`` the :class:`~softvq.HierarchicalOutput` (one ``(B, h_l, w_l, ...)`` entry per level).
     """
 
     reconstruction: Tensor
     latents: Tensor
-    quantizer: QuantizerOutput
+    quantizer: QuantizerOutput | HierarchicalOutput
 
 
 class VQVAE(L.LightningModule):
@@ -122,6 +127,17 @@ class VQVAE(L.LightningModule):
         latent_norm: ``"batch"`` standardises each latent channel over the batch (non-affine BatchNorm, running
             statistics at evaluation) before the quantizer, so the encoder cannot shrink what the codebook sees;
             ``"none"``; default ``"batch"`` for ``"ddcl"`` and ``"none"`` otherwise.
+        levels: ``L``, DDCL levels (hierarchical mode, ``"ddcl"`` only; DESIGN §3.3). With ``L > 1`` the quantizer is a
+            :class:`softvq.HierarchicalDDCL` whose level 0 (``num_codes`` codes) quantizes the latent grid and level
+            ``l`` (``level_codes`` codes) the ``level_pool`` x ``level_pool`` averages of level ``l - 1``'s soft
+            centroids (8x8 -> 4x4 with the defaults); the decoder sees every level, nearest-upsampled to the latent
+            grid and concatenated (``L * code_dim`` input channels). Every level has its own entropy-controlled
+            temperature (levels above 0 start at level 0's ``T`` scaled by their tokens' variance, measured on the
+            first training batch; with an annealing schedule all levels share ``T``) and dead-code restart, and
+            ``history.jsonl`` gains ``<key>_l<level>`` keys for every level (the plain keys are level 0's).
+            ``encode`` then returns one index grid per level.
+        level_codes: the codebook size of every level above 0 (an int), or one per level above 0.
+        level_pool: the pooling window between consecutive levels, on both grid axes.
     """
 
     def __init__(
@@ -142,22 +158,37 @@ class VQVAE(L.LightningModule):
         latent_norm: str | None = None,
         target_entropy: float | str | None = "auto",
         temperature_rate: float = 0.01,
+        levels: int = 1,
+        level_codes: int | Sequence[int] = 128,
+        level_pool: int = 2,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
+        self.levels = check_positive_int("levels", levels)
+        if isinstance(quantizer, HierarchicalDDCL):
+            self.levels = quantizer.num_levels
+        elif levels > 1 and quantizer != "ddcl":
+            name = type(quantizer).__name__ if isinstance(quantizer, nn.Module) else repr(quantizer)
+            raise ValueError(f"levels={levels} stacks DDCL codebooks: it needs quantizer='ddcl', got {name}")
         if isinstance(quantizer, nn.Module):
             self.quantizer_name = type(quantizer).__name__
             self.quantizer = quantizer
+        elif self.levels > 1:
+            self.quantizer_name = quantizer
+            self.quantizer = build_hierarchy(num_codes, code_dim, self.levels, level_codes, level_pool,
+                                             {**DDCL_DEFAULTS, **(quantizer_kwargs or {})})
         else:
             self.quantizer_name = quantizer
             self.quantizer = build_quantizer(quantizer, num_codes, code_dim, **(quantizer_kwargs or {}))
-        self.num_codes = int(getattr(self.quantizer, "num_codes", num_codes))
+        self.level_num_codes = tuple(layer.num_codes for layer in self._codebooks()) if self.levels > 1 else None
+        self.num_codes = self.level_num_codes[0] if self.level_num_codes else \
+            int(getattr(self.quantizer, "num_codes", num_codes))
         if getattr(self.quantizer, "dim", code_dim) != code_dim:
             raise ValueError(f"the quantizer's dim ({self.quantizer.dim}) differs from code_dim ({code_dim})")
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.downsamples = check_positive_int("downsamples", downsamples)
         self.encoder = Encoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
-        self.decoder = Decoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
+        self.decoder = Decoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim * self.levels)
         if latent_norm is None:
             latent_norm = "batch" if quantizer == "ddcl" else "none"
         self.latent_norm = check_choice("latent_norm", latent_norm, LATENT_NORMS)
@@ -166,7 +197,7 @@ class VQVAE(L.LightningModule):
         self.lr = check_float("lr", lr)
         self.eps = check_float("eps", eps)
         self.temperature_schedule = check_choice("temperature_schedule", temperature_schedule, SCHEDULES)
-        self.temperature_start = getattr(self.quantizer, "temperature", None)
+        self.temperature_start = getattr(self._codebooks()[0], "temperature", None)
         if self.temperature_schedule != "constant":
             if self.temperature_start is None:
                 raise ValueError(f"temperature_schedule={temperature_schedule!r} needs a quantizer with a temperature")
@@ -205,6 +236,15 @@ class VQVAE(L.LightningModule):
         self._summary_cache: tuple[tuple[int, int], dict[str, Any]] | None = None
         self._epoch_start = time.perf_counter()
         self._restarts_at_epoch_start = 0
+        # levels > 1: every level's health (keys "<key>_l<level>"); level 0 also feeds the plain keys above.
+        self.level_metrics = nn.ModuleList([LevelMetrics(k) for k in self.level_num_codes or ()])
+        self._level_restarts_at_epoch_start = [0] * self.levels
+
+    def _codebooks(self) -> list[nn.Module]:
+        """The codebook layers, level 0 first (the quantizer itself for a single level)."""
+        if isinstance(self.quantizer, HierarchicalDDCL):
+            return list(self.quantizer.levels)
+        return [self.quantizer]
 
     # ---- model API -----------------------------------------------------------------------------------------
     def _check_images(self, x: Tensor) -> None:
@@ -218,8 +258,11 @@ class VQVAE(L.LightningModule):
         if not x.is_floating_point():
             raise ValueError(f"expected float images in [0, 1], got dtype {x.dtype}")
 
-    def _decode(self, z_q: Tensor) -> Tensor:
-        """Channel-last quantized tokens ``(B, h, w, D)`` -> images in ``[0, 1]`` units ``(B, C, H, W)``."""
+    def _decode(self, z_q: Tensor | Sequence[Tensor]) -> Tensor:
+        """Channel-last quantized tokens ``(B, h, w, D)`` -> images in ``[0, 1]`` units ``(B, C, H, W)``; with
+        ``levels > 1`` one ``(B, h_l, w_l, D)`` tensor per level, upsampled to level 0's grid and concatenated."""
+        if not isinstance(z_q, Tensor):
+            z_q = combine_levels(z_q, self.quantizer.upsample_factors(2))  # (B, h, w, L * D)
         # contiguous: a channels-last view would make the decoder's 1x1-conv weight gradients channels-last too,
         # which DDP's gradient buckets flag as a stride mismatch.
         return self.decoder(rearrange(z_q, "b h w d -> b d h w").contiguous()) + PIXEL_SHIFT
@@ -237,14 +280,19 @@ class VQVAE(L.LightningModule):
         return VQVAEOutput(self._decode(out.quantized), latents, out)
 
     @torch.no_grad()
-    def encode(self, x: Tensor) -> Tensor:
-        """Images ``(B, C, H, W)`` in ``[0, 1]`` -> code indices ``(B, h, w)`` (argmax of the assignments)."""
+    def encode(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        """Images ``(B, C, H, W)`` in ``[0, 1]`` -> code indices ``(B, h, w)`` (argmax of the assignments); with
+        ``levels > 1`` a tuple of per-level grids ``(B, h_l, w_l)``, level 0 first."""
         return self.quantizer(rearrange(self.latents(x), "b d h w -> b h w d")).indices
 
     @torch.no_grad()
-    def decode_indices(self, indices: Tensor) -> Tensor:
-        """Code indices ``(B, h, w)`` -> images ``(B, C, H, W)`` in ``[0, 1]`` units (not clamped)."""
-        if indices.ndim != 3:
+    def decode_indices(self, indices: Tensor | Sequence[Tensor]) -> Tensor:
+        """Code indices ``(B, h, w)`` (``levels > 1``: one grid per level, as :meth:`encode` returns them) -> images
+        ``(B, C, H, W)`` in ``[0, 1]`` units (not clamped)."""
+        if self.levels > 1:
+            check_level_indices(indices, self.levels)
+            return self._decode(self.quantizer.decode_indices([idx.to(self.device) for idx in indices]))
+        if not isinstance(indices, Tensor) or indices.ndim != 3:
             raise ValueError(f"expected indices of shape (B, h, w), got {tuple(indices.shape)}")
         return self._decode(self.quantizer.decode_indices(indices.to(self.device)))
 
@@ -258,36 +306,50 @@ class VQVAE(L.LightningModule):
         if self.temperature_schedule == "constant":
             return
         total = max(int(self.trainer.estimated_stepping_batches) - 1, 1)
-        self.quantizer.temperature = anneal_temperature(
+        temperature = anneal_temperature(
             self.temperature_start, self.temperature_final, self.global_step / total, self.temperature_schedule)
+        for layer in self._codebooks():
+            layer.temperature = temperature
 
     def on_train_epoch_start(self) -> None:
         for metric in (self.train_usage, self.train_mse, self.train_identity, self.train_entropy,
                        *self.train_terms.values()):
             metric.reset()
         self._epoch_start = time.perf_counter()
-        self._restarts_at_epoch_start = getattr(self.quantizer, "restarts", 0)
+        self._restarts_at_epoch_start = getattr(self._codebooks()[0], "restarts", 0)
+        for level, metrics in enumerate(self.level_metrics):
+            metrics.reset_train()
+            self._level_restarts_at_epoch_start[level] = self._codebooks()[level].restarts
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x = batch[0]
+        fresh = [not getattr(layer, "initialized", True) for layer in self._codebooks()]
         out = self(x)
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite training loss ({float(loss)}) at global step {self.global_step} "
                                      f"(reconstruction {float(rec)}, quantizer {float(out.quantizer.loss)})")
-        q = out.quantizer
+        views = level_views(out.quantizer)  # one QuantizerOutput per level
+        if any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
+            hierarchy.match_temperatures_(self._codebooks(), out.quantizer.inputs, fresh)
+        q = views[0]
         n = x.shape[0]
         self.train_usage.update(q.indices, q.probs)
         self.train_mse.update(rec.detach(), weight=n)
         entropy = softvq.assignment_entropy(q.probs)
         self.train_entropy.update(entropy, weight=n)
-        if self.target_entropy is not None:  # T for the next step, the same on every process
+        entropies = [entropy] + [metrics.update_train(view, n) for metrics, view in zip(
+            self.level_metrics[1:], views[1:], strict=True)]
+        if self.level_metrics:
+            self.level_metrics[0].update_train(q, n)
+        if self.target_entropy is not None:  # T for the next step, the same on every process; each level its own
             trainer = self._trainer  # None when the step is called by hand
-            mean_entropy = self.all_gather(entropy).mean() if trainer is not None and trainer.world_size > 1 \
-                else entropy
-            self.quantizer.temperature = softvq.adapt_temperature(
-                self.quantizer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
+            for layer, level_entropy in zip(self._codebooks(), entropies, strict=True):
+                mean_entropy = self.all_gather(level_entropy).mean() \
+                    if trainer is not None and trainer.world_size > 1 else level_entropy
+                layer.temperature = softvq.adapt_temperature(
+                    layer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
         for name, value in q.terms.items():
             if name == "identity_residual":
                 self.train_identity.update(value)
@@ -308,7 +370,10 @@ class VQVAE(L.LightningModule):
         out = self(x)
         hard = self._decode(self.quantizer.decode_indices(out.quantizer.indices)) if self.is_soft \
             else out.reconstruction
-        self.val_usage.update(out.quantizer.indices)
+        views = level_views(out.quantizer)
+        self.val_usage.update(views[0].indices)
+        for metrics, view in zip(self.level_metrics, views, strict=False):
+            metrics.eval_usage.update(view.indices)
         pairs = (("", out.reconstruction), ("_hard", hard)) if self.is_soft else (("", out.reconstruction),)
         for suffix, rec in pairs:
             self.val_metrics["mse" + suffix].update(F.mse_loss(rec, x), weight=x.shape[0])
@@ -321,7 +386,7 @@ class VQVAE(L.LightningModule):
 
     def _eval_reset(self) -> None:
         self.val_usage.reset()
-        for metric in self.val_metrics.values():
+        for metric in (*self.val_metrics.values(), *(m.eval_usage for m in self.level_metrics)):
             metric.reset()
 
     def _eval_summary(self, stage: str) -> dict[str, float | None]:
@@ -338,6 +403,8 @@ class VQVAE(L.LightningModule):
             summary.update({f"{stage}_utilization": float(usage["utilization"]),
                             f"{stage}_dead_codes": int(usage["dead_codes"]),
                             f"{stage}_perplexity": float(usage["perplexity"])})
+            for level, metrics in enumerate(self.level_metrics):
+                summary.update(metrics.eval_summary(stage, f"_l{level}"))
             # sync_dist: the values are equal on every process already (torchmetrics); this only silences the hint.
             self.log_dict({k.replace(f"{stage}_", f"{stage}/", 1): v for k, v in summary.items()}, sync_dist=True)
         return summary
@@ -410,20 +477,23 @@ class VQVAE(L.LightningModule):
             record[name] = float(metric.compute())
         if self.train_identity.update_count > 0:
             record["identity_residual"] = float(self.train_identity.compute())
-        codebook = getattr(self.quantizer, "codebook", None)
+        codebook = getattr(self._codebooks()[0], "codebook", None)
         if codebook is not None and codebook.shape[0] >= 2:
-            distance = getattr(self.quantizer, "distance", "euclidean")
+            distance = getattr(self._codebooks()[0], "distance", "euclidean")
             separation = softvq.prototype_separation(codebook, distance=distance)
             record["separation"] = float(separation["mean"])
             record["separation_min"] = float(separation["min"])
-        restarts = getattr(self.quantizer, "restarts", None)
+        restarts = getattr(self._codebooks()[0], "restarts", None)
         if restarts is not None:
             record["restarts"] = restarts - self._restarts_at_epoch_start
-        temperature = getattr(self.quantizer, "temperature", None)
+        temperature = getattr(self._codebooks()[0], "temperature", None)
         if temperature is not None:
             record["temperature"] = float(temperature)
         for name in (*self.val_metrics, "utilization", "dead_codes", "perplexity"):
             record[f"val_{name}"] = self._val_summary.get(f"val_{name}")
+        if self.level_metrics:
+            record.update(hierarchy_record(self.level_metrics, self._codebooks(), self._level_restarts_at_epoch_start,
+                                           self._val_summary))
         record["time_s"] = round(time.perf_counter() - self._epoch_start, 2)
         self._summary_cache = (key, record)
         return record

@@ -5,6 +5,8 @@ Public API:
 - :class:`DDCLQuantizer` — the DDCL soft codebook (soft-centroid output, ``L_q = L_OLS + V``).
 - :class:`HardVQ` — the straight-through VQ-VAE baseline (optionally EMA, dead-code restart).
 - :class:`QuantizerOutput` — the NamedTuple both return.
+- :class:`HierarchicalDDCL` — stacked DDCL codebooks, level l quantizing the pooled soft centroids of level l-1, with
+  per-level L_q, L_OLS, V; returns a :class:`HierarchicalOutput`.
 - :class:`DDCLReadout` — the DDCL prototypes as a readout for padded token sequences ``(B, T, D)`` (slots, one
   pooled vector, assignments) at O(T·K), replacing mean pooling or a CLS token; returns a :class:`ReadoutOutput`.
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
@@ -21,6 +23,7 @@ from softvq import functional
 from softvq.ddcl import DDCLQuantizer
 from softvq.functional import assignment_entropy, codebook_usage, prototype_separation
 from softvq.hard_vq import HardVQ
+from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput
 from softvq.metrics import CodebookUsage
 from softvq.optim import param_groups
 from softvq.readout import DDCLReadout, ReadoutOutput
@@ -34,6 +37,8 @@ __all__ = [
     "DDCLQuantizer",
     "DDCLReadout",
     "HardVQ",
+    "HierarchicalDDCL",
+    "HierarchicalOutput",
     "QuantizerOutput",
     "ReadoutOutput",
     "adapt_temperature",
