@@ -148,9 +148,9 @@ def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], setti
         f"{_codes(two, 1)} codes on the 2x2 averages of level 0's soft centroids (level 1, a 4x4 grid); the "
         f"decoder sees both levels (level 1 upsampled, concatenated). ± is the sample standard deviation over seeds; "
         f"plain columns of the 2-level model are its level 0.", "",
-        f"Wall time: {seconds['total'] / 60:.1f} min in all, {seconds['train_2level'] / 60:.1f} min of it training the "
-        f"2-level runs ({settings['jobs']} at a time; existing runs were read, not retrained). Training time per run "
-        f"(sum of its epochs, minutes): " + ", ".join(f"{k} {v}" for k, v in minutes.items()) + ".", "",
+        f"This invocation: {seconds['total'] / 60:.1f} min of wall time, {seconds['train_2level'] / 60:.1f} min of it "
+        f"training 2-level runs ({settings['jobs']} at a time; existing runs were read, not retrained). Training time "
+        f"per run (sum of its epochs, minutes): " + ", ".join(f"{k} {v}" for k, v in minutes.items()) + ".", "",
     ]
     if missing:
         lines += ["Reference runs missing or unfinished when this report was written, left out: "

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -172,7 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"argument --{name.replace('_', '-')}: repeated seeds {seeds}")
     if not args.identity_tolerance > 0:
         p.error(f"argument --identity-tolerance: must be > 0, got {args.identity_tolerance}")
-    args.command = "python -m eval.hierarchy " + " ".join(sys.argv[1:] if argv is None else argv)
+    # The command that regenerates the report from scratch (--no-train only says the runs existed already).
+    args.command = "python -m eval.hierarchy " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                            if a != "--no-train")
     return args
 
 

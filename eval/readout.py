@@ -178,6 +178,9 @@ def entropy_note(c: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     model = load_vqvae(args.checkpoint).to(device)
+    if model.levels > 1:
+        raise ValueError(f"{args.checkpoint} is a {model.levels}-level VQ-VAE; the readout study reads one level of "
+                         f"tokens and a single codebook (train with --levels 1)")
     digest = _sha256(args.checkpoint)
     begin = time.perf_counter()
     train, test = latents(args, model, digest, device)

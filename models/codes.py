@@ -59,6 +59,9 @@ def extract_codes(model: VQVAE, dataset: Dataset, batch_size: int = 256, num_wor
     """
     check_positive_int("batch_size", batch_size)
     check_non_negative_int("num_workers", num_workers)
+    if getattr(model, "levels", 1) > 1:
+        raise ValueError(f"extract_codes models one code grid; this VQ-VAE has {model.levels} levels (a prior over "
+                         f"hierarchical codes is not implemented)")
     if model.training:
         raise ValueError("extract_codes needs a VQ-VAE in eval mode (call model.eval()): in training mode the latent "
                          "norm uses batch statistics and the codebook may restart codes")

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from helpers import exact_cdist
 
 import train_vqvae
+from eval import readout
 from models import VQVAE
+from models.codes import extract_codes
 from softvq import DDCLQuantizer, HierarchicalDDCL, HierarchicalOutput
 
 
@@ -245,6 +247,12 @@ def test_two_level_training_writes_per_level_history_and_resumes(tmp_path, tiny_
     with pytest.raises(ValueError, match="levels: checkpoint 2 vs now 1"):
         train_vqvae.main([*TINY, "--data-root", str(tiny_cifar["folder"]), "--out", str(out), "--epochs", "3",
                           "--resume"])
+    # Tools that read one code grid or one codebook refuse a stack clearly instead of failing on a tuple.
+    with pytest.raises(ValueError, match="has 2 levels"):
+        extract_codes(model, torch.utils.data.TensorDataset(x, torch.zeros(2, dtype=torch.long)))
+    with pytest.raises(ValueError, match="2-level VQ-VAE"):
+        readout.main(["--checkpoint", str(out / "checkpoints" / "last.ckpt"), "--data-root",
+                      str(tiny_cifar["folder"]), "--quick", "--out", str(tmp_path / "readout")])
 
 
 @pytest.mark.parametrize("argv, match", [
