@@ -213,18 +213,11 @@ def collect(specs: list[RunSpec], args: argparse.Namespace) -> list[dict[str, An
     return runs
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_run_args(p: argparse.ArgumentParser, quick_help: str) -> None:
+    """The flags every training study shares (data, run size, parallelism); :func:`finish_run_args` applies them."""
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
-    p.add_argument("--quick", action="store_true",
-                   help=f"a few minutes on 2 cores: {QUICK} (flags given explicitly still win)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the method runs")
-    p.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
-                   help="seeds of the eps and temperature runs (default: the first of --seeds)")
-    p.add_argument("--studies", nargs="*", choices=GROUPS[1:], default=list(GROUPS[1:]),
-                   help="the DDCL studies to run beside the methods (none: the head-to-head alone)")
+    p.add_argument("--quick", action="store_true", help=f"a few minutes on 2 cores: {QUICK}{quick_help}")
     p.add_argument("--epochs", type=int, default=None, help=f"training epochs of every run (default {FULL['epochs']})")
     p.add_argument("--train-subset", type=int, default=None,
                    help=f"training images per run (default {FULL['train_subset']}; 0 = all 45,000)")
@@ -234,14 +227,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="evaluate on the first N test images (default: all 10,000; --quick: 1,000)")
     p.add_argument("--train-args", default=None,
                    help="extra train_vqvae.py flags for every run, e.g. '--num-codes 1024' (quoted)")
-    p.add_argument("--runs", type=Path, default=None,
-                   help="where the training runs live (default runs/compare, runs/compare-quick with --quick)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="report directory (default reports/compare, reports/compare-quick with --quick)")
     p.add_argument("--jobs", type=int, default=2, help="training runs at a time (the CPU cores are split)")
     p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per run")
-    p.add_argument("--no-train", action="store_true", help="only read existing runs; fail if one is missing")
-    args = p.parse_args(argv)
+
+
+def finish_run_args(args: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str] | None, prog: str,
+                    report: str, seed_flags: tuple[str, ...]) -> None:
+    """Fill the ``--quick`` / full presets, the default ``--runs`` and ``--out``, check the shared flags, and set
+    ``args.command``, the command that regenerates the report from scratch."""
     preset = QUICK if args.quick else FULL
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -250,30 +243,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.train_subset = None
     suffix = "-quick" if args.quick else ""
     args.runs = args.runs or Path(f"runs/compare{suffix}")
-    args.out = args.out or Path(f"reports/compare{suffix}")
-    args.ablation_seeds = args.ablation_seeds or args.seeds[:1]
-    for name in ("epochs", "jobs", "val_size"):
-        if getattr(args, name) < (0 if name == "val_size" else 1):
-            p.error(f"argument --{name.replace('_', '-')}: must be {'>= 0' if name == 'val_size' else '>= 1'}, "
-                    f"got {getattr(args, name)}")
-    if args.val_size == 0:
+    args.out = args.out or Path(f"reports/{report}{suffix}")
+    for name, minimum in (("epochs", 1), ("jobs", 1), ("num_workers", 0), ("train_subset", 0), ("test_limit", 1)):
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            p.error(f"argument --{name.replace('_', '-')}: must be >= {minimum}, got {value}")
+    if args.val_size < 1:
         p.error("argument --val-size: the report plots validation PSNR per epoch; it needs a validation set")
-    if args.train_subset is not None and args.train_subset < 0:
-        p.error(f"argument --train-subset: must be >= 0, got {args.train_subset}")
-    if args.test_limit is not None and args.test_limit < 1:
-        p.error(f"argument --test-limit: must be >= 1, got {args.test_limit}")
-    if args.num_workers < 0:
-        p.error(f"argument --num-workers: must be >= 0, got {args.num_workers}")
-    for name in ("seeds", "ablation_seeds"):
-        if len(set(getattr(args, name))) != len(getattr(args, name)):
-            p.error(f"argument --{name.replace('_', '-')}: repeated seeds {getattr(args, name)}")
+    for name in seed_flags:
+        seeds = getattr(args, name) or []
+        if len(set(seeds)) != len(seeds):
+            p.error(f"argument --{name.replace('_', '-')}: repeated seeds {seeds}")
     try:  # every run's flags must parse before hours of training start
         train_vqvae.build_parser().parse_args(shlex.split(args.train_args))
     except SystemExit:
         p.error(f"argument --train-args: train_vqvae.py rejects {args.train_args!r}")
-    # The command that regenerates the report from scratch (--no-train only says the runs existed already).
-    args.command = "python -m eval.compare " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
-                                                          if a != "--no-train")
+    # --no-train only says that the runs existed already.
+    args.command = f"python -m {prog} " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                     if a != "--no-train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_run_args(p, " (flags given explicitly still win)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the method runs")
+    p.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
+                   help="seeds of the eps and temperature runs (default: the first of --seeds)")
+    p.add_argument("--studies", nargs="*", choices=GROUPS[1:], default=list(GROUPS[1:]),
+                   help="the DDCL studies to run beside the methods (none: the head-to-head alone)")
+    p.add_argument("--runs", type=Path, default=None,
+                   help="where the training runs live (default runs/compare, runs/compare-quick with --quick)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="report directory (default reports/compare, reports/compare-quick with --quick)")
+    p.add_argument("--no-train", action="store_true", help="only read existing runs; fail if one is missing")
+    args = p.parse_args(argv)
+    args.ablation_seeds = args.ablation_seeds or args.seeds[:1]
+    finish_run_args(args, p, argv, "eval.compare", "compare", ("seeds", "ablation_seeds"))
     return args
 
 

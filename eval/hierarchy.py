@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -40,8 +39,6 @@ LEVEL_CODES = 128  # K_1: a quarter of K_0 = 512 for a quarter of the tokens
 TWO_LEVEL = ("ddcl_2level", "DDCL, 2 levels", ("--quantizer", "ddcl", "--levels", str(LEVELS), "--level-codes",
                                                str(LEVEL_CODES), "--level-pool", "2"))
 REFERENCES = tuple((key, label, flags) for key, label, flags in compare.METHODS)
-FULL = {**compare.FULL, "epochs": 5}  # the head-to-head's setting
-QUICK = dict(compare.QUICK)
 
 
 def plan(seeds: list[int], references: list[str], reference_seeds: list[int] | None = None
@@ -118,20 +115,10 @@ def claim_check(runs: list[dict[str, Any]], tolerance: float) -> list[dict[str, 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
-    p.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
-    p.add_argument("--quick", action="store_true",
-                   help=f"a few minutes on 2 cores: {QUICK}, references trained if missing (explicit flags win)")
+    compare.add_run_args(p, ", references trained if missing (explicit flags win)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the 2-level runs")
     p.add_argument("--reference-seeds", type=int, nargs="+", default=None,
                    help="seeds of the 1-level reference runs (default: --seeds)")
-    p.add_argument("--epochs", type=int, default=None, help=f"training epochs of every run (default {FULL['epochs']})")
-    p.add_argument("--train-subset", type=int, default=None,
-                   help=f"training images per run (default {FULL['train_subset']}; 0 = all 45,000)")
-    p.add_argument("--val-size", type=int, default=None, help=f"validation images (default {FULL['val_size']})")
-    p.add_argument("--test-limit", type=int, default=None,
-                   help="evaluate on the first N test images (default: all 10,000; --quick: 1,000)")
-    p.add_argument("--train-args", default=None, help="extra train_vqvae.py flags for every run (quoted)")
     p.add_argument("--runs", type=Path, default=None,
                    help="the head-to-head's runs directory, where ddcl_2level/ is added (default runs/compare, "
                         "runs/compare-quick with --quick)")
@@ -143,39 +130,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the 1-level runs of eval.compare to compare with")
     p.add_argument("--train-references", action=argparse.BooleanOptionalAction, default=None,
                    help="also train missing or unfinished 1-level reference runs (default: only with --quick)")
-    p.add_argument("--jobs", type=int, default=2, help="training runs at a time (the CPU cores are split)")
-    p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per run")
     p.add_argument("--no-train", action="store_true", help="only read existing runs; fail if a 2-level run is missing")
     p.add_argument("--identity-tolerance", type=float, default=1e-5,
                    help="largest relative identity residual |L_q - L_OLS - V| / L_q that counts as 'holds' (float32 "
                         "rounding is ~1e-7)")
     args = p.parse_args(argv)
-    preset = QUICK if args.quick else FULL
-    for name, value in preset.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.train_subset == 0:
-        args.train_subset = None
-    suffix = "-quick" if args.quick else ""
-    args.runs = args.runs or Path(f"runs/compare{suffix}")
-    args.out = args.out or Path(f"reports/hierarchy{suffix}")
+    compare.finish_run_args(args, p, argv, "eval.hierarchy", "hierarchy", ("seeds", "reference_seeds"))
     args.new_runs = args.new_runs or args.runs
     if args.train_references is None:
         args.train_references = args.quick
-    for name, minimum in (("epochs", 1), ("jobs", 1), ("val_size", 1), ("num_workers", 0)):
-        if getattr(args, name) < minimum:
-            p.error(f"argument --{name.replace('_', '-')}: must be >= {minimum}, got {getattr(args, name)}")
-    if args.test_limit is not None and args.test_limit < 1:
-        p.error(f"argument --test-limit: must be >= 1, got {args.test_limit}")
-    for name in ("seeds", "reference_seeds"):
-        seeds = getattr(args, name) or []
-        if len(set(seeds)) != len(seeds):
-            p.error(f"argument --{name.replace('_', '-')}: repeated seeds {seeds}")
     if not args.identity_tolerance > 0:
         p.error(f"argument --identity-tolerance: must be > 0, got {args.identity_tolerance}")
-    # The command that regenerates the report from scratch (--no-train only says the runs existed already).
-    args.command = "python -m eval.hierarchy " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
-                                                            if a != "--no-train")
     return args
 
 
