@@ -103,8 +103,8 @@ def plot_terms(runs: list[dict[str, Any]], epochs: int, path: Path) -> None:
     _band(axes[1], runs, "identity_residual", epochs, "max |L_q - L_OLS - V| / L_q")
     axes[1].set_yscale("log")
     axes[1].set_title("identity residual, largest batch of the epoch", fontsize=10)
-    _finish(fig, axes, path)
     axes[1].legend(fontsize=8)
+    _finish(fig, axes, path)
 
 
 def plot_usage(groups: dict[str, list], labels: dict[str, str], path: Path) -> None:
@@ -242,12 +242,12 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     out.mkdir(parents=True, exist_ok=True)
     epochs = int(settings["epochs"])
     labels = {r["key"]: r["label"] for r in runs}
-    keys = list(dict.fromkeys(r["key"] for r in runs))
-    groups = {k: _by_key(runs, k) for k in keys if _by_key(runs, k)[0]["group"] == "methods"}
+    by_key = {k: _by_key(runs, k) for k in dict.fromkeys(r["key"] for r in runs)}
+    groups = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "methods"}
     ablation_seeds = set(settings["ablation_seeds"])
     default = [r for r in groups.get("ddcl", []) if r["seed"] in ablation_seeds]
-    eps = {k: _by_key(runs, k) for k in keys if _by_key(runs, k)[0]["group"] == "eps"}
-    temp = {k: _by_key(runs, k) for k in keys if _by_key(runs, k)[0]["group"] == "temperature"}
+    eps = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "eps"}
+    temp = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "temperature"}
     labels_eps = {**labels, "ddcl": "eps = 0.01 (default)"}
     labels_temp = {**labels, "ddcl": "T entropy-controlled (default)"}
     eps_all = {"ddcl": default, **eps} if default else eps

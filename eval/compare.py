@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,11 +138,9 @@ def run_state(spec: RunSpec, args: argparse.Namespace) -> str:
     return "resume" if last.is_file() else "new"
 
 
-def train(spec: RunSpec, args: argparse.Namespace, threads: int) -> float:
-    """Train (or resume) one run in its own process; its output goes to ``<run>/train.log``. Returns seconds."""
-    state = run_state(spec, args)
-    if state == "done":
-        return 0.0
+def train(spec: RunSpec, args: argparse.Namespace, threads: int, state: str) -> float:
+    """Train (``state`` ``"new"``) or resume (``"resume"``, see :func:`run_state`) one run in its own process; its
+    output goes to ``<run>/train.log``. Returns seconds."""
     out = spec.directory(args.runs)
     out.mkdir(parents=True, exist_ok=True)
     argv = train_argv(spec, args) + (["--resume"] if state == "resume" else ["--overwrite"])
@@ -159,7 +158,8 @@ def train(spec: RunSpec, args: argparse.Namespace, threads: int) -> float:
 
 
 def train_all(specs: list[RunSpec], args: argparse.Namespace) -> None:
-    todo = [s for s in specs if run_state(s, args) != "done"]
+    states = {spec: run_state(spec, args) for spec in specs}
+    todo = [spec for spec in specs if states[spec] != "done"]
     log.info("%d runs: %d to train, %d already done", len(specs), len(todo), len(specs) - len(todo))
     if args.no_train and todo:
         raise FileNotFoundError("--no-train, but these runs are missing or unfinished: "
@@ -167,7 +167,7 @@ def train_all(specs: list[RunSpec], args: argparse.Namespace) -> None:
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     failures = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(train, spec, args, threads): spec for spec in todo}
+        futures = {pool.submit(train, spec, args, threads, states[spec]): spec for spec in todo}
         for done, future in enumerate(as_completed(futures), start=1):
             spec = futures[future]
             try:
@@ -198,12 +198,15 @@ def test_metrics(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def collect(specs: list[RunSpec], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Per run: its spec, its history (first ``--epochs`` rows) and its test metrics."""
+def collect(specs: list[RunSpec], args: argparse.Namespace,
+            metrics: Callable[[RunSpec, argparse.Namespace], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Per run: its spec, its history (first ``--epochs`` rows) and its test metrics (``metrics``, default
+    :func:`test_metrics`)."""
+    metrics = metrics or test_metrics
     runs = []
     for i, spec in enumerate(specs, start=1):
         start = time.perf_counter()
-        test = test_metrics(spec, args)
+        test = metrics(spec, args)
         log.info("[%d/%d] test split: %s seed %d (%.0f s)", i, len(specs), spec.key, spec.seed,
                  time.perf_counter() - start)
         history = [row for row in read_history(spec.directory(args.runs) / "history.jsonl")

@@ -29,7 +29,7 @@ import torch
 
 from eval import compare, evaluate
 from eval._hierarchy_report import write_report
-from models.callbacks import read_history, write_atomic
+from models.callbacks import write_atomic
 from softvq.datasets.cifar10 import CorruptArchiveError, _sha256
 
 log = logging.getLogger("eval.hierarchy")
@@ -69,20 +69,6 @@ def reference_test_metrics(spec: compare.RunSpec, args: argparse.Namespace) -> d
     ours.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(ours, json.dumps(result) + "\n")
     return result
-
-
-def collect(specs: list[compare.RunSpec], args: argparse.Namespace, trained_here: bool) -> list[dict[str, Any]]:
-    """Per run: its spec, its history (first ``--epochs`` rows) and its test metrics."""
-    runs = []
-    for spec in specs:
-        start = time.perf_counter()
-        test = compare.test_metrics(spec, args) if trained_here else reference_test_metrics(spec, args)
-        log.info("test split: %s seed %d (%.0f s)", spec.key, spec.seed, time.perf_counter() - start)
-        history = [row for row in read_history(spec.directory(args.runs) / "history.jsonl")
-                   if row["epoch"] <= args.epochs]
-        runs.append({"group": spec.group, "key": spec.key, "label": spec.label, "seed": spec.seed,
-                     "flags": list(spec.flags), "history": history, "test": test})
-    return runs
 
 
 def claim_check(runs: list[dict[str, Any]], tolerance: float) -> list[dict[str, Any]]:
@@ -160,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     compare.train_all(new, new_args)
     trained = time.perf_counter() - train_start
     torch.set_num_threads(os.cpu_count() or 1)
-    runs = collect(ready, args, trained_here=False) + collect(new, new_args, trained_here=True)
+    runs = compare.collect(ready, args, reference_test_metrics) + compare.collect(new, new_args)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings["missing_references"] = [str(s.directory(args.runs)) for s in missing]
     checks = claim_check(runs, args.identity_tolerance)
