@@ -55,12 +55,12 @@ from models.transformer import PriorConfig
 from models.vqvae import load_vqvae
 from softvq.datasets.cifar10 import CLASSES, CIFAR10DataModule, _sha256
 from train_vqvae import (
-    _devices,
     _non_negative_float,
     _non_negative_int,
     _positive_float,
     _positive_int,
     add_hardware_args,
+    hardware_kwargs,
 )
 
 log = logging.getLogger("softvq")
@@ -226,8 +226,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     steps_per_epoch = math.ceil(len(splits["train"].labels) / args.batch_size)
     # Each epoch's line goes to the "softvq" logger (the script logs at INFO), not print: it would show twice.
     trainer = L.Trainer(
-        max_epochs=args.epochs, accelerator=args.accelerator, devices=_devices(args.devices),
-        precision=args.precision, default_root_dir=args.out,
+        max_epochs=args.epochs, default_root_dir=args.out, **hardware_kwargs(args),
         logger=TensorBoardLogger(save_dir=str(args.out), name="tb", version=""),
         callbacks=[HistoryWriter(args.out / "history.jsonl", echo=False, formatter=format_prior_record),
                    *checkpoints],

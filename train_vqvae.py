@@ -34,7 +34,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from models import QUANTIZERS, VQVAE
-from models.callbacks import HistoryWriter, ReconstructionGrid, read_history, write_atomic
+from models.callbacks import (
+    AtomicCheckpointIO,
+    HistoryWriter,
+    ReconstructionGrid,
+    ReplicaCheck,
+    read_history,
+    remove_stale_temporaries,
+    write_atomic,
+)
 from models.vqvae import DDCL_DEFAULTS
 from softvq.datasets.cifar10 import CIFAR10DataModule
 from softvq.schedule import SCHEDULES
@@ -95,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed for weights, data order and initialisation")
     g.add_argument("--resume", nargs="?", const="last", default=None, metavar="CKPT",
                    help="continue from a checkpoint: a path, or without a value <out>/checkpoints/last.ckpt")
+    g.add_argument("--check-replicas", type=_non_negative_int, default=50, metavar="N",
+                   help="with several processes (DDP), check every N steps that the codebook is bit-identical on all "
+                        "of them and stop if not; 0 = never")
     g.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --out that already holds a run (its history is replaced)")
     g = p.add_argument_group("data")
@@ -164,12 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
-    """The Lightning hardware flags every trainer script shares."""
-    g = p.add_argument_group("hardware")
+    """The Lightning hardware flags every trainer script shares (see :func:`hardware_kwargs`)."""
+    g = p.add_argument_group("hardware (README: Scaling out)")
     g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
-    g.add_argument("--devices", default="1", help="Lightning devices (a count, a list, or 'auto')")
-    g.add_argument("--precision", default="32-true", help="Lightning precision, e.g. 32-true, bf16-mixed")
+    g.add_argument("--devices", default="1",
+                   help="Lightning devices per node (a count, a comma-separated list of indices, or 'auto'); more "
+                        "than one trains data-parallel (DDP), --batch-size images per device")
+    g.add_argument("--num-nodes", type=_positive_int, default=1, help="machines (Lightning num_nodes)")
+    g.add_argument("--strategy", default="auto",
+                   help="Lightning strategy: auto (DDP for several devices), ddp, ddp_spawn, ddp_notebook, ...")
+    g.add_argument("--precision", default="32-true",
+                   help="Lightning precision: 32-true, bf16-mixed (autocast; the codebook computes in float32), "
+                        "16-mixed, 64-true")
     g.add_argument("--no-progress-bar", action="store_true", help="disable the progress bar (e.g. in CI logs)")
+
+
+def hardware_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``L.Trainer`` arguments from :func:`add_hardware_args`' flags, with checkpoints written atomically."""
+    return {"accelerator": args.accelerator, "devices": _devices(args.devices), "num_nodes": args.num_nodes,
+            "strategy": args.strategy, "precision": args.precision, "plugins": [AtomicCheckpointIO()]}
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -248,6 +272,8 @@ def prepare_out(args: argparse.Namespace, quantizer: str, out: Path) -> None:
                                                        or (out / "checkpoints").exists()):
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
                               f"start afresh (or choose another --out)")
+    for directory in (out, out / "checkpoints"):  # a killed run's half-written temporaries, never its outputs
+        remove_stale_temporaries(directory)
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "config.json", json.dumps({**vars(args), "quantizer": quantizer}, default=str, indent=2))
@@ -276,8 +302,30 @@ def checkpoint_callbacks(dirpath: Path, validation: bool) -> list[ModelCheckpoin
     return [best, last]
 
 
+def build_trainer(args: argparse.Namespace, out: Path, validation: bool, steps_per_epoch: int) -> L.Trainer:
+    """The Lightning Trainer of one run: history, reconstruction grids, atomic checkpoints, the DDP replica check."""
+    callbacks = [HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out),
+                 *checkpoint_callbacks(out / "checkpoints", validation=validation)]
+    if args.check_replicas:
+        callbacks.append(ReplicaCheck(args.check_replicas))
+    return L.Trainer(
+        max_epochs=args.epochs, default_root_dir=out, **hardware_kwargs(args),
+        # The data module shards every split itself (GlobalBatchSampler): N processes with --batch-size B see the
+        # batches of one process with N * B. LatentNorm synchronises its batch statistics itself (SyncBatchNorm
+        # refuses CPU tensors), so Lightning's sync_batchnorm stays off.
+        use_distributed_sampler=False, sync_batchnorm=False,
+        logger=TensorBoardLogger(save_dir=str(out), name="tb", version=""), callbacks=callbacks,
+        num_sanity_val_steps=0, limit_val_batches=1.0 if validation else 0,
+        log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_progress_bar=not args.no_progress_bar)
+
+
 def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[str, Any]]:
-    """Train (or resume) one VQ-VAE into ``out``; returns its history records."""
+    """Train (or resume) one VQ-VAE into ``out``; returns its history records.
+
+    Raises:
+        FloatingPointError: NaN/Inf in a batch, the latents or the loss; the message names the step and the last
+            good checkpoint, which is kept.
+    """
     config = model_config(args, quantizer)
     ckpt_path = None
     if args.resume is not None:
@@ -288,20 +336,16 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
 
     L.seed_everything(args.seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
-                             train_subset=args.train_subset, num_workers=args.num_workers, download=args.download)
+                             train_subset=args.train_subset, num_workers=args.num_workers, download=args.download,
+                             seed=args.seed)
     model = VQVAE(**config)
-    has_val = args.val_size > 0
+    # Lightning's DDP strategies re-seed the global random state when fit starts (reset_seed); do the same in one
+    # process, so data initialisation and dead-code restarts draw alike whatever the number of processes.
+    L.seed_everything(args.seed, workers=True, verbose=False)
     devices = _devices(args.devices)
-    processes = devices if isinstance(devices, int) else len(devices) if isinstance(devices, list) else 1
-    steps_per_epoch = math.ceil((args.train_subset or 45_000) / (args.batch_size * max(processes, 1)))
-    trainer = L.Trainer(
-        max_epochs=args.epochs, accelerator=args.accelerator, devices=devices,
-        precision=args.precision, default_root_dir=out, sync_batchnorm=processes > 1,  # --latent-norm batch
-        logger=TensorBoardLogger(save_dir=str(out), name="tb", version=""),
-        callbacks=[HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out),
-                   *checkpoint_callbacks(out / "checkpoints", validation=has_val)],
-        num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
-        log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_progress_bar=not args.no_progress_bar)
+    per_node = devices if isinstance(devices, int) else len(devices) if isinstance(devices, list) else 1
+    steps_per_epoch = math.ceil((args.train_subset or 45_000) / (args.batch_size * max(per_node, 1) * args.num_nodes))
+    trainer = build_trainer(args, out, validation=args.val_size > 0, steps_per_epoch=steps_per_epoch)
     with warnings.catch_warnings():
         # One core per worker is the right setting on small machines; Lightning's hint does not apply.
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -309,8 +353,24 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
         # Lightning's pytree helper against newer torch; harmless.
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
-        trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+        try:
+            trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+        except FloatingPointError as err:
+            raise FloatingPointError(f"{err}\n{last_good_checkpoint(out)}") from err
     return read_history(out / "history.jsonl")
+
+
+def last_good_checkpoint(out: Path) -> str:
+    """Where a failed run can continue from: its ``last.ckpt`` (untouched by the failure), or that there is none."""
+    last = out / "checkpoints" / "last.ckpt"
+    if not last.is_file():
+        return f"Training stopped before its first checkpoint; nothing was saved in {out / 'checkpoints'}."
+    try:
+        epoch = int(torch.load(last, map_location="cpu", weights_only=False)["epoch"]) + 1
+    except Exception:  # noqa: BLE001 - a message, not a check
+        return f"Training stopped; the last checkpoint is {last}."
+    return (f"Training stopped; the last good checkpoint, {last} (end of epoch {epoch}), is kept: fix the cause and "
+            f"continue with --resume.")
 
 
 def _devices(text: str) -> int | str | list[int]:

@@ -1,4 +1,5 @@
-"""Lightning callbacks of the VQ-VAE trainer: per-epoch history.jsonl and reconstruction grids."""
+"""Lightning callbacks and plugins of the trainers: per-epoch history.jsonl, reconstruction grids, checkpoints written
+atomically, and a check that DDP processes hold the same codebook."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
 from torchvision.utils import make_grid, save_image
 
+from softvq._utils import is_distributed
+
 log = logging.getLogger("softvq")
+TMP_PREFIX = ".softvq-tmp-"  # every temporary file written here; a kill can leave one behind, never a torn output
 
 
 def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -42,20 +49,63 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so no reader sees half a file."""
+def write_atomic(path: str | os.PathLike, text: str | bytes | Callable[[Any], None]) -> None:
+    """Write ``path`` through a temporary file in the same directory, ``fsync`` and a rename, so that no reader, and
+    no kill at any moment, leaves half a file: ``path`` holds the old content or the new one.
+
+    ``text`` is the content (``str`` or ``bytes``) or a function that writes it to the open binary file.
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
     try:
         os.chmod(tmp, 0o644)  # mkstemp creates the file private; these are ordinary outputs
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            if callable(text):
+                text(f)
+            else:
+                f.write(text.encode() if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files a killed run left in ``directory`` (not below it); returns them."""
+    directory = Path(directory)
+    stale = sorted(directory.glob(f"{TMP_PREFIX}*")) if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``torch.save`` checkpoint IO, but through :func:`write_atomic`: a run killed while saving keeps its
+    previous checkpoint intact.
+
+    Lightning's own local save goes through an fsspec transaction whose temporary file lives in the system temp
+    directory: when that is another file system the final move is a copy (a kill mid-copy truncates the checkpoint),
+    it does not ``fsync``, and a kill leaves the temporary file behind there.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: torch.save(checkpoint, f))
 
 
 def _json_value(value: Any) -> Any:
@@ -134,7 +184,65 @@ class ReconstructionGrid(L.Callback):
         grid = make_grid(images, nrow=rows[0].shape[0], padding=2, pad_value=1.0)
         epoch = trainer.current_epoch + 1
         self.directory.mkdir(parents=True, exist_ok=True)
-        save_image(grid, self.directory / f"recon_epoch{epoch:02d}.png")
+        write_atomic(self.directory / f"recon_epoch{epoch:02d}.png", lambda f: save_image(grid, f, format="png"))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_image("val/reconstructions", grid, global_step=trainer.global_step)
+
+
+def replica_differences(module: nn.Module) -> dict[str, int]:
+    """Under ``torch.distributed``: the tensors of ``module`` (parameters, buffers, and each submodule's
+    ``temperature``) that differ on any process from rank 0's, with the number of differing entries; the same dict on
+    every process. Compares bit for bit (one broadcast and one all-reduce in all); ``{}`` when not distributed.
+    """
+    if not is_distributed():
+        return {}
+    named = [(name, t.detach()) for name, t in (*module.named_parameters(), *module.named_buffers())]
+    named += [(f"{name}.temperature" if name else "temperature", torch.tensor(float(m.temperature)))
+              for name, m in module.named_modules() if isinstance(getattr(m, "temperature", None), (int, float))]
+    device = named[0][1].device if named else torch.device("cpu")
+    # float64 holds every float32/bf16 value and every count below 2^53 exactly
+    flat = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for _, t in named])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    differs = (flat != reference) & ~(flat.isnan() & reference.isnan())
+    counts = torch.stack([part.sum() for part in differs.split([t.numel() for _, t in named])])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return {name: int(c) for (name, _), c in zip(named, counts.tolist(), strict=True) if c}
+
+
+class ReplicaCheck(L.Callback):
+    """Under DDP, checks every ``every_n_steps`` training steps that the codebook (``pl_module.quantizer``'s
+    parameters, buffers and temperatures) is bit-identical on every process, and stops training otherwise.
+
+    DDP keeps the weights in step by averaging gradients, and broadcasts buffers from rank 0 before each forward;
+    state that a quantizer changes itself during a step (data initialisation, dead-code restarts, EMA updates,
+    temperature control) stays in step only if the quantizer synchronises it. This checks that it did.
+
+    Raises:
+        RuntimeError: naming the step and the differing tensors (on every process, so none is left waiting).
+    """
+
+    def __init__(self, every_n_steps: int = 1) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.checks = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.world_size <= 1 or trainer.global_step % self.every_n_steps:
+            return
+        differences = replica_differences(pl_module.quantizer)
+        if differences:
+            listed = ", ".join(f"{name} ({count} entries)" for name, count in differences.items())
+            raise RuntimeError(f"after global step {trainer.global_step} the codebook differs between the "
+                               f"{trainer.world_size} processes: {listed}")
+        self.checks += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.checks and trainer.is_global_zero:
+            message = (f"replica check: the codebook was identical on all {trainer.world_size} processes after each "
+                       f"of {self.checks} checked steps (every {self.every_n_steps})")
+            log.info(message)
+            pl_module.print(message)

@@ -22,7 +22,7 @@ import softvq
 from models import _hierarchy as hierarchy
 from models._hierarchy import LevelMetrics, build_hierarchy, check_level_indices, hierarchy_record, level_views
 from models.autoencoder import Decoder, Encoder
-from softvq._utils import check_choice, check_float, check_positive_int
+from softvq._utils import all_reduce_sum, all_reduce_sum_, check_choice, check_float, check_positive_int, is_distributed
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
 from softvq.optim import has_trainable_prototypes
 from softvq.schedule import SCHEDULES, anneal_temperature
@@ -58,26 +58,49 @@ def build_quantizer(name: str, num_codes: int, dim: int, **kwargs: Any) -> nn.Mo
 
 class LatentNorm(nn.BatchNorm2d):
     """Per-channel standardisation of the latents: a non-affine ``BatchNorm2d`` whose running statistics start from
-    the first training batch.
+    the first training batch, and whose batch statistics span every process under ``torch.distributed``.
 
     ``nn.BatchNorm2d`` starts its running variance at 1 and moves it 10% per step. A fresh encoder's latents have a
     variance near 1e-4, so after a short run (tens of steps) evaluation divided by a stale, far too large variance and
     sent every token to one code (measured: 2% test utilization after 16 steps, against 98% in training). Taking the
     first batch's statistics whole (momentum 1, once) removes that start-up bias; later steps are the usual
     exponential average. Outputs in training (batch statistics) are unchanged, and so is the state dict.
+
+    Under DDP the mean and variance are those of all processes' batches together (two differentiable all-reduces),
+    so N processes with batch B normalise as one process with batch N * B would. This replaces Lightning's
+    ``sync_batchnorm``: ``nn.SyncBatchNorm`` refuses CPU tensors, and converting to it would drop the first-batch start.
     """
 
     def __init__(self, channels: int) -> None:
         super().__init__(channels, affine=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.training and self.track_running_stats and int(self.num_batches_tracked) == 0:
+        first = self.training and self.track_running_stats and int(self.num_batches_tracked) == 0
+        if self.training and is_distributed():
+            return self._global_batch_norm(x, 1.0 if first else self.momentum)
+        if first:
             momentum, self.momentum = self.momentum, 1.0
             try:
                 return super().forward(x)
             finally:
                 self.momentum = momentum
         return super().forward(x)
+
+    def _global_batch_norm(self, x: Tensor, momentum: float) -> Tensor:
+        self._check_input_dim(x)
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        count = torch.tensor(float(x.numel() // x.shape[1]), dtype=xf.dtype, device=x.device)
+        total = int(all_reduce_sum_(count))
+        mean = all_reduce_sum(xf.sum((0, 2, 3))) / total
+        centered = xf - mean[:, None, None]
+        var = all_reduce_sum(centered.square().sum((0, 2, 3))) / total  # biased, as batch_norm uses
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), momentum)
+                unbiased = var.detach() * (total / max(total - 1, 1))
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
+                self.num_batches_tracked.add_(1)
+        return (centered * torch.rsqrt(var + self.eps)[:, None, None]).to(x.dtype)
 
 
 class VQVAEOutput(NamedTuple):
@@ -275,7 +298,9 @@ class VQVAE(L.LightningModule):
 
     def forward(self, x: Tensor) -> VQVAEOutput:
         """Encode, quantize and decode images ``x (B, C, H, W)`` in ``[0, 1]``."""
-        latents = self.latents(x)  # (B, D, h, w)
+        return self._quantize_decode(self.latents(x))
+
+    def _quantize_decode(self, latents: Tensor) -> VQVAEOutput:
         out = self.quantizer(rearrange(latents, "b d h w -> b h w d"))
         return VQVAEOutput(self._decode(out.quantized), latents, out)
 
@@ -324,12 +349,21 @@ class VQVAE(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x = batch[0]
         fresh = [not getattr(layer, "initialized", True) for layer in self._codebooks()]
-        out = self(x)
+        latents = self.latents(x)
+        where = f"training batch {batch_idx} of epoch {self.current_epoch + 1} (global step {self.global_step})"
+        bad_pixels, bad_latents = torch.stack([(~torch.isfinite(x)).sum(), (~torch.isfinite(latents)).sum()]).tolist()
+        if bad_pixels:
+            raise FloatingPointError(f"{where} holds {bad_pixels} NaN/Inf pixel value(s) out of {x.numel()}: the "
+                                     f"data is corrupt")
+        if bad_latents:
+            raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of "
+                                     f"{latents.numel()} in {where}: training diverged (lower --lr?)")
+        out = self._quantize_decode(latents)
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss ({float(loss)}) at global step {self.global_step} "
-                                     f"(reconstruction {float(rec)}, quantizer {float(out.quantizer.loss)})")
+            raise FloatingPointError(f"non-finite training loss ({float(loss)}) in {where} (reconstruction "
+                                     f"{float(rec)}, quantizer {float(out.quantizer.loss)})")
         views = level_views(out.quantizer)  # one QuantizerOutput per level
         if any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
             hierarchy.match_temperatures_(self._codebooks(), out.quantizer.inputs, fresh)

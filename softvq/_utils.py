@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -82,14 +83,18 @@ def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
 @torch.no_grad()
 def restart_dead_codes_(codebook: Tensor, usage: Tensor, z: Tensor, threshold: float) -> Tensor:
     """Replace the rows of ``codebook (K, D)`` whose running ``usage (K,)`` is below ``threshold`` by random tokens of
-    ``z (N, D)`` (the same tokens on every process) and set their usage to ``threshold``; returns the ``(K,)`` mask of
-    restarted rows."""
+    ``z (N, D)`` and set their usage to ``threshold``; returns the ``(K,)`` mask of restarted rows.
+
+    Under ``torch.distributed`` the tokens are drawn from every process's batch together (:func:`pick_tokens`), so
+    the result is the same on every process and equals a single process's restart on the concatenated batch.
+    """
     dead = usage < threshold
-    num_dead = int(dead.sum())
-    if num_dead and z.shape[0]:
-        pick = torch.randint(z.shape[0], (num_dead,), device=z.device)
-        codebook[dead] = broadcast_(z[pick].to(codebook.dtype).contiguous())
-        usage[dead] = threshold
+    num_dead = int(dead.sum())  # usage is summed across processes: every process agrees
+    if num_dead:
+        rows = pick_tokens(z, lambda n: torch.randint(n, (num_dead,), device=z.device))
+        if rows is not None:
+            codebook[dead] = rows.to(codebook.dtype)
+            usage[dead] = threshold
     return dead
 
 
@@ -130,3 +135,53 @@ def broadcast_(tensor: Tensor, src: int = 0) -> Tensor:
     if is_distributed():
         dist.broadcast(tensor, src=src)
     return tensor
+
+
+@torch.no_grad()
+def pick_tokens(z: Tensor, draw: Callable[[int], Tensor]) -> Tensor | None:
+    """Rows ``draw(n)`` of the tokens ``z (N, D)`` of all processes together; ``None`` if there are none.
+
+    ``draw`` maps the total token count to a 1-D tensor of row indices (e.g. ``torch.randperm(n)[:k]``). Under
+    ``torch.distributed`` the rows index the concatenation of every process's ``z`` in rank order, rank 0's draw is
+    the one used, and the picked rows reach every process by one all-reduce of ``(len(rows), D)`` values (the batches
+    themselves are not gathered). Every process calls ``draw`` once, so their random states stay in step. The result
+    equals ``torch.cat(zs)[draw(sum(n))]`` in a single process holding all the batches, with the same random state.
+    """
+    if not is_distributed():
+        return z[draw(z.shape[0])] if z.shape[0] else None
+    world = dist.get_world_size()
+    sizes = torch.zeros(world, dtype=torch.long, device=z.device)
+    sizes[dist.get_rank()] = z.shape[0]
+    all_reduce_sum_(sizes)
+    total = int(sizes.sum())
+    if total == 0:
+        return None
+    index = broadcast_(draw(total).to(device=z.device, dtype=torch.long).contiguous())
+    start = int(sizes[: dist.get_rank()].sum())
+    mine = (index >= start) & (index < start + z.shape[0])
+    rows = z.new_zeros(index.shape[0], z.shape[1])
+    rows[mine] = z[index[mine] - start]
+    return all_reduce_sum_(rows)  # every row is non-zero on exactly one process
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum across processes whose gradient is the sum across processes of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:  # type: ignore[override]
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return _AllReduceSum.apply(grad)
+
+
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Differentiable sum across processes (a copy); ``tensor`` itself when not distributed.
+
+    Its backward sums the gradients of every process: with DDP averaging parameter gradients, a statistic built
+    from it gets the gradient of the mean of all processes' losses, as one process with all the batches would.
+    """
+    return _AllReduceSum.apply(tensor) if is_distributed() else tensor

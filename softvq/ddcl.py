@@ -35,6 +35,7 @@ from softvq._utils import (
     compute_dtype,
     empty_output,
     flatten_tokens,
+    pick_tokens,
     restart_dead_codes_,
     squared_distances,
 )
@@ -358,20 +359,21 @@ class DDCLQuantizer(nn.Module):
         """Set the prototypes to ``K`` random tokens of ``z (..., D)``.
 
         With fewer than ``K`` tokens, tokens are drawn with replacement and jittered by 1e-3 of their standard
-        deviation so no two prototypes coincide. Under ``torch.distributed`` rank 0's choice is broadcast.
+        deviation so no two prototypes coincide. Under ``torch.distributed`` the tokens are drawn from every process's
+        ``z`` together (:func:`softvq._utils.pick_tokens`): every process gets the same prototypes, the ones a single
+        process would draw from the concatenated batches.
         """
         flat = flatten_tokens(z, self.dim, check_finite=True)
-        n = flat.shape[0]
-        if n == 0:
+        k = self.num_codes
+        chosen = pick_tokens(flat, lambda n: torch.randperm(n, device=flat.device)[:k] if n >= k
+                             else torch.randint(n, (k,), device=flat.device))
+        if chosen is None:
             raise ValueError("init_from_data needs at least one token, got an empty tensor")
-        flat = flat.to(self.prototypes.dtype)
-        if n >= self.num_codes:
-            chosen = flat[torch.randperm(n, device=flat.device)[: self.num_codes]]
-        else:
-            chosen = flat[torch.randint(n, (self.num_codes,), device=flat.device)]
-            spread = flat.std() if n > 1 else flat.abs().mean()
-            chosen = chosen + torch.randn_like(chosen) * 1e-3 * spread.clamp_min(1e-6)
-        self.prototypes.copy_(broadcast_(chosen.contiguous()))
+        chosen = chosen.to(self.prototypes.dtype)
+        if torch.unique(chosen, dim=0).shape[0] < k:  # fewer tokens than codes: drawn with replacement
+            spread = chosen.std() if k > 1 else chosen.abs().mean()
+            chosen = broadcast_(chosen + torch.randn_like(chosen) * 1e-3 * spread.clamp_min(1e-6))
+        self.prototypes.copy_(chosen)
         self._initialized = True
 
     # ---- forward ----------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Two CPU processes (gloo): codebook state stays identical across ranks and equals a one-process run."""
+"""Two CPU processes (gloo): every piece of synchronised state equals one process holding both batches.
+
+The reference for each is a single process run on the concatenation of the two ranks' batches (rank 0 first), with
+rank 0's random state: that is what N processes with batch B must reproduce of one process with batch N * B.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import exact_cdist, free_port
+from helpers import free_port
+from torch import nn
 
+from models.callbacks import replica_differences
+from models.vqvae import LatentNorm
 from softvq import DDCLQuantizer, HardVQ
 
 
 def _data() -> torch.Tensor:
     return torch.randn(2, 3, 64, 4, generator=torch.Generator().manual_seed(0))  # (rank, step, token, D)
+
+
+def _images() -> torch.Tensor:
+    return torch.randn(2, 2, 5, 3, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3 + 1
 
 
 def _make_ema(dead_code_threshold: float = 0.3) -> HardVQ:
@@ -26,6 +37,25 @@ def _make_ema(dead_code_threshold: float = 0.3) -> HardVQ:
     return vq
 
 
+def _weights() -> torch.Tensor:
+    return torch.linspace(-1, 2, 2 * 10 * 3 * 4 * 4, dtype=torch.float64).reshape(2, 10, 3, 4, 4)  # (step, 2 ranks' B)
+
+
+def _latent_norm_steps(batches: list[torch.Tensor], rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+    """Two training steps of a LatentNorm: outputs, input gradients of sum(y * weights[rows]) and running statistics.
+
+    Under DDP the objective is the sum over ranks, as DDP's gradient all-reduce makes it."""
+    norm = LatentNorm(3).double()
+    out: dict[str, torch.Tensor] = {}
+    for step, x in enumerate(batches):
+        x = x.clone().requires_grad_(True)
+        y = norm(x)
+        (y * _weights()[step, rows]).sum().backward()
+        out[f"y{step}"], out[f"grad{step}"] = y.detach(), x.grad
+    out["mean"], out["var"] = norm.running_mean.clone(), norm.running_var.clone()
+    return out
+
+
 def _worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -33,15 +63,30 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         data = _data()
         vq, plain = _make_ema(), _make_ema(dead_code_threshold=0.0)
         for step in range(3):
-            torch.manual_seed(100 + rank)  # ranks draw different restart candidates: rank 0's must win
+            torch.manual_seed(100 + rank)  # ranks hold different random states: rank 0's draw must be the one used
             vq(data[rank, step])
             plain(data[rank, step])
+        torch.manual_seed(5)
         ddcl = DDCLQuantizer(8, 4)
         torch.manual_seed(200 + rank)
-        ddcl(data[rank, 0])  # data initialisation from each rank's own batch
-        results[rank] = {"ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(),
+        ddcl(data[rank, 0])  # data initialisation from both ranks' batches
+        torch.manual_seed(5)
+        few = DDCLQuantizer(8, 4)
+        torch.manual_seed(300 + rank)
+        few(data[rank, 0, :3])  # 6 tokens in all for 8 codes: drawn with replacement and jittered
+        norm = _latent_norm_steps([_images()[rank, step] for step in range(2)], slice(5 * rank, 5 * rank + 5))
+        same = nn.Linear(3, 2)
+        torch.nn.init.constant_(same.weight, 0.5)
+        nn.init.zeros_(same.bias)
+        equal = replica_differences(same)
+        with torch.no_grad():
+            if rank == 1:
+                same.weight[0, 1] += 1e-7  # one entry, one ulp-sized change
+        results[rank] = {"ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "restarts": vq.usage.clone(),
                          "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
-                         "ddcl": ddcl.prototypes.detach().clone()}
+                         "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
+                         **{f"norm_{k}": v for k, v in norm.items()},
+                         "equal": equal, "differ": replica_differences(same)}
     finally:
         dist.destroy_process_group()
 
@@ -53,23 +98,57 @@ def two_ranks():
     return dict(results)
 
 
-def test_ema_codebook_identical_on_both_ranks(two_ranks):
-    for key in ("ema", "size", "plain", "plain_size", "ddcl"):
+def test_codebook_state_identical_on_both_ranks(two_ranks):
+    for key in ("ema", "size", "restarts", "plain", "plain_size", "ddcl", "few"):
         assert torch.equal(two_ranks[0][key], two_ranks[1][key]), key
 
 
-def test_ema_over_two_ranks_equals_one_process_on_the_whole_batch(two_ranks):
+def test_ema_and_restarts_over_two_ranks_equal_one_process_on_the_whole_batch(two_ranks):
     data = _data()
-    single = _make_ema(dead_code_threshold=0.0)
+    single, single_plain = _make_ema(), _make_ema(dead_code_threshold=0.0)
     for step in range(3):
+        torch.manual_seed(100)  # rank 0's random state
         single(torch.cat([data[0, step], data[1, step]]))  # what the two ranks saw together
-    torch.testing.assert_close(two_ranks[0]["plain_size"], single.ema_cluster_size)
-    torch.testing.assert_close(two_ranks[0]["plain"], single.codebook)
-    assert not torch.equal(single.codebook, _make_ema().codebook)  # the EMA did move the codebook
+        single_plain(torch.cat([data[0, step], data[1, step]]))
+    torch.testing.assert_close(two_ranks[0]["plain_size"], single_plain.ema_cluster_size)
+    torch.testing.assert_close(two_ranks[0]["plain"], single_plain.codebook)
+    assert not torch.equal(single.codebook, single_plain.codebook)  # restarts happened and changed the codebook
+    torch.testing.assert_close(two_ranks[0]["ema"], single.codebook)
+    torch.testing.assert_close(two_ranks[0]["size"], single.ema_cluster_size)
 
 
-def test_ddcl_data_init_comes_from_rank_zero(two_ranks):
+def test_ddcl_data_init_draws_from_both_ranks_as_one_process_would(two_ranks):
     data = _data()
-    rank0_tokens = data[0, 0]
-    dist_to_rank0 = exact_cdist(two_ranks[1]["ddcl"], rank0_tokens)
-    assert dist_to_rank0.min(1).values.max().item() == 0.0
+    torch.manual_seed(5)
+    single = DDCLQuantizer(8, 4)
+    torch.manual_seed(200)
+    both = torch.cat([data[0, 0], data[1, 0]])
+    single(both)
+    assert torch.equal(two_ranks[0]["ddcl"], single.prototypes.detach())
+    from_rank1 = [bool((data[1, 0] == p).all(1).any()) for p in two_ranks[0]["ddcl"]]
+    assert any(from_rank1) and not all(from_rank1)  # this draw mixes both ranks' tokens
+    torch.manual_seed(5)
+    few = DDCLQuantizer(8, 4)
+    torch.manual_seed(300)
+    few(torch.cat([data[0, 0, :3], data[1, 0, :3]]))
+    torch.testing.assert_close(two_ranks[0]["few"], few.prototypes.detach())
+    assert torch.unique(two_ranks[0]["few"], dim=0).shape[0] == 8
+
+
+def test_latent_norm_uses_the_statistics_of_both_ranks(two_ranks):
+    images = _images()
+    single = _latent_norm_steps([torch.cat([images[0, step], images[1, step]]) for step in range(2)])
+    for key in ("y0", "grad0", "y1", "grad1"):  # each rank's rows of the one-process result
+        both = torch.cat([two_ranks[0][f"norm_{key}"], two_ranks[1][f"norm_{key}"]])
+        torch.testing.assert_close(both, single[key], rtol=1e-12, atol=1e-12, msg=key)
+    for key in ("mean", "var"):  # first step taken whole, then the usual momentum
+        torch.testing.assert_close(two_ranks[0][f"norm_{key}"], single[key], rtol=1e-12, atol=1e-12)
+        assert torch.equal(two_ranks[0][f"norm_{key}"], two_ranks[1][f"norm_{key}"])
+    # and the global statistics differ from either rank's own: the check can tell them apart
+    alone = _latent_norm_steps([images[0, step] for step in range(2)], slice(0, 5))
+    assert not torch.allclose(alone["y0"], two_ranks[0]["norm_y0"], atol=1e-3)
+
+
+def test_replica_differences_finds_one_differing_entry_on_every_rank(two_ranks):
+    assert two_ranks[0]["equal"] == two_ranks[1]["equal"] == {}
+    assert two_ranks[0]["differ"] == two_ranks[1]["differ"] == {"weight": 1}

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 
 from softvq._utils import check_non_negative_int, check_positive_int
+from softvq.datasets.sampling import GlobalBatchSampler
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -235,6 +236,9 @@ class CIFAR10DataModule(L.LightningDataModule):
         val_size: training images held out for validation (fixed split); 0 disables validation.
         train_subset: keep only this many training images (quick runs); ``None`` = all.
         num_workers: DataLoader worker processes.
+        seed: seed of the training order (a new permutation each epoch from ``seed + epoch``; see
+            :class:`softvq.datasets.sampling.GlobalBatchSampler`, which also shards every split under DDP: use it with
+            ``Trainer(use_distributed_sampler=False)``).
         download: allow torchvision to download the official release when nothing is found locally.
         cache_dir: where archives are extracted (default :func:`default_cache_dir`).
     """
@@ -248,6 +252,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         num_workers: int = 2,
         download: bool = False,
         cache_dir: str | os.PathLike | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.data_root = Path(data_root)
@@ -257,6 +262,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         self.num_workers = check_non_negative_int("num_workers", num_workers)
         self.download = download
         self.cache_dir = cache_dir
+        self.seed = int(seed)
         self.transform = transforms.ToTensor()
         self.source: tuple[str, Path] | None = None
         self.train_set: Dataset | None = None
@@ -278,17 +284,25 @@ class CIFAR10DataModule(L.LightningDataModule):
         if stage in (None, "test", "predict") and self.test_set is None:
             self.test_set = load_split(source, root, train=False, transform=self.transform)
 
-    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking for a DataLoader")
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, drop_last=False)
+        trainer = self.trainer  # None outside a Trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        # Under DDP every process must take the same number of equally sized training steps.
+        sampler = GlobalBatchSampler(len(dataset), self.batch_size, shuffle=train, seed=self.seed,
+                                     drop_last=train and world > 1, num_replicas=world, rank=rank)
+        # Loader seeds come from their own generator, not the global random state, which the model's data
+        # initialisation and dead-code restarts draw from: resuming must not shift it.
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, drop_last=False,
+                          generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        return self._loader(self.train_set, train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, train=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
+        return self._loader(self.test_set, train=False)

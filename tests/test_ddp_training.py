@@ -1,0 +1,87 @@
+"""train_vqvae.py on Lightning DDP: 2 CPU processes (gloo) with batch B train exactly as 1 process with batch 2B.
+
+Both runs are the real command line. In float64 (``--precision 64-true``) the only differences between them are
+the rounding of one all-reduce of two half-batch sums against one full-batch sum (~1e-16), too small to move an
+argmax within a few steps: code counts, utilization, dead codes and perplexity must be equal, everything else equal
+to rounding. ``--check-replicas 1`` makes every DDP step verify that both processes hold the same codebook; the high
+``--dead-code-threshold`` makes codes restart, drawing tokens from both processes' batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--epochs", "2", "--train-subset", "64", "--val-size", "20", "--num-codes", "16", "--code-dim", "4",
+         "--width", "8", "--res-hidden", "4", "--res-blocks", "1", "--num-workers", "0", "--accelerator", "cpu",
+         "--precision", "64-true", "--no-progress-bar", "--quantizer", "ddcl", "hard", "--ema-decay", "0.9",
+         "--dead-code-threshold", "30", "--check-replicas", "1", "--seed", "4"]
+EXACT = ("epoch", "step", "utilization", "dead_codes", "perplexity", "val_utilization", "val_dead_codes",
+         "val_perplexity", "restarts")
+
+
+def train(tmp_path: Path, data: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(ROOT / "train_vqvae.py"), "--data-root", str(data),
+                             "--out", str(tmp_path / name), *SMALL, *extra],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_cifar):
+    tmp = tmp_path_factory.mktemp("ddp")
+    ddp = train(tmp, tiny_cifar["folder"], "ddp", "--devices", "2", "--batch-size", "8")
+    single = train(tmp, tiny_cifar["folder"], "single", "--devices", "1", "--batch-size", "16")
+    return tmp, ddp, single
+
+
+@pytest.mark.parametrize("quantizer", ["ddcl", "hard"])
+def test_two_processes_report_the_codebook_health_of_one_process_on_the_same_batches(runs, quantizer):
+    tmp, _, _ = runs
+    ddp, single = rows(tmp / "ddp" / quantizer), rows(tmp / "single" / quantizer)
+    assert [r["step"] for r in ddp] == [4, 8]  # 64 images, 2 x 8 per step
+    for a, b in zip(ddp, single, strict=True):
+        for key in EXACT:
+            assert a.get(key) == b.get(key), (quantizer, a["epoch"], key)
+        for key, value in b.items():
+            if isinstance(value, float) and key not in ("time_s",) + EXACT:
+                assert a[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (quantizer, a["epoch"], key)
+    assert 0 < single[-1]["perplexity"] < 16 and single[-1]["utilization"] > 0.5  # not a degenerate case
+    if quantizer == "ddcl":  # dead-code restarts drew tokens from both processes' batches, as one process would
+        assert sum(r["restarts"] for r in single) > 0
+
+
+@pytest.mark.parametrize("quantizer", ["ddcl", "hard"])
+def test_two_processes_end_with_the_weights_of_one_process(runs, quantizer):
+    tmp, _, _ = runs
+    ddp = tensors(tmp / "ddp" / quantizer / "checkpoints" / "last.ckpt")
+    single = tensors(tmp / "single" / quantizer / "checkpoints" / "last.ckpt")
+    assert ddp.keys() == single.keys()
+    for key in single:
+        torch.testing.assert_close(ddp[key], single[key], rtol=1e-9, atol=1e-12, msg=key)
+
+
+def test_every_step_checked_the_codebook_identical_on_both_processes(runs):
+    _, ddp, single = runs
+    checked = [line for line in ddp.stdout.splitlines() if line.startswith("replica check:")]
+    assert checked == ["replica check: the codebook was identical on all 2 processes after each of 8 checked "
+                       "steps (every 1)"] * 2  # one line per quantizer: 2 epochs x 4 steps
+    assert "replica check" not in single.stdout  # one process: nothing to compare
