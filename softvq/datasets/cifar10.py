@@ -292,6 +292,12 @@ class CIFAR10DataModule(L.LightningDataModule):
         # Under DDP every process must take the same number of equally sized training steps.
         sampler = GlobalBatchSampler(len(dataset), self.batch_size, shuffle=train, seed=self.seed,
                                      drop_last=train and world > 1, num_replicas=world, rank=rank)
+        if trainer is not None:
+            # Lightning creates the training iterator (with workers, persistent ones that start prefetching) before
+            # it calls set_epoch, and a run resumed from an end-of-epoch checkpoint still reads current_epoch = e - 1
+            # then: start from the order of the epoch the fit loop will run next.
+            progress = getattr(getattr(trainer, "fit_loop", None), "epoch_progress", None)
+            sampler.set_epoch(progress.current.processed if progress is not None else trainer.current_epoch)
         # Loader seeds come from their own generator, not the global random state, which the model's data
         # initialisation and dead-code restarts draw from: resuming must not shift it.
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
