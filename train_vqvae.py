@@ -44,7 +44,7 @@ from models.callbacks import (
     write_atomic,
 )
 from models.vqvae import DDCL_DEFAULTS
-from softvq.datasets.cifar10 import CIFAR10DataModule
+from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError
 from softvq.schedule import SCHEDULES
 
 # Hyperparameters that define the model: a checkpoint must match them to be resumed.
@@ -418,9 +418,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     return histories
 
 
-if __name__ == "__main__":
+def cli(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` as a command: expected failures (missing or bad data, a bad checkpoint, an unusable --out,
+    NaN/Inf in training) print one ``error:`` message and return 2; bad flags exit 2 through argparse."""
     try:
-        main()
-    except (FileNotFoundError, FileExistsError, ValueError, OSError, FloatingPointError) as err:
+        main(argv)
+    except (FileNotFoundError, FileExistsError, ValueError, OSError, FloatingPointError, CorruptArchiveError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -362,8 +362,8 @@ class VQVAE(L.LightningModule):
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss ({float(loss)}) in {where} (reconstruction "
-                                     f"{float(rec)}, quantizer {float(out.quantizer.loss)})")
+            raise FloatingPointError(f"non-finite training loss ({float(loss.detach())}) in {where} (reconstruction "
+                                     f"{float(rec.detach())}, quantizer {float(out.quantizer.loss.detach())})")
         views = level_views(out.quantizer)  # one QuantizerOutput per level
         if any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
             hierarchy.match_temperatures_(self._codebooks(), out.quantizer.inputs, fresh)

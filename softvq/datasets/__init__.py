@@ -14,7 +14,8 @@ from softvq.datasets.debris import (
     orbital_period,
 )
 
-_CIFAR10 = ("CIFAR10DataModule", "CorruptArchiveError", "DataNotFoundError", "extract_archive", "resolve_cifar10")
+_CIFAR10 = ("BadImageError", "CIFAR10DataModule", "CorruptArchiveError", "DataNotFoundError", "extract_archive",
+            "resolve_cifar10")
 
 
 def __getattr__(name: str):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 
@@ -48,6 +49,29 @@ class DataNotFoundError(FileNotFoundError):
 
 class CorruptArchiveError(RuntimeError):
     """The archive could not be read or extracted completely."""
+
+
+class BadImageError(ValueError):
+    """An image file that cannot be decoded, or is not ``IMAGE_SIZE`` x ``IMAGE_SIZE`` pixels."""
+
+
+IMAGE_SIZE = 32
+
+
+def load_image(path: str) -> Image.Image:
+    """An ImageFolder image as RGB, checked: undecodable files and other sizes than 32x32 raise
+    :class:`BadImageError` naming the file (also from DataLoader workers, which re-raise it)."""
+    try:
+        with open(path, "rb") as f:
+            image = Image.open(f)
+            image = image.convert("RGB")  # decodes now, while the file is open
+    except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+        raise BadImageError(f"cannot decode image {path}: {err}; the data set is corrupt") from err
+    if image.size != (IMAGE_SIZE, IMAGE_SIZE):
+        width, height = image.size
+        raise BadImageError(f"image {path} is {width}x{height} pixels; CIFAR-10 images are {IMAGE_SIZE}x{IMAGE_SIZE} "
+                            f"(resize the data set to 32x32)")
+    return image
 
 
 def default_cache_dir() -> Path:
@@ -208,7 +232,7 @@ def load_split(source: str, root: Path, train: bool, transform: Callable | None 
                                     f"incomplete ({err}); delete it and download again (--download)") from err
     folder = root / ("train" if train else "test")
     try:
-        return datasets.ImageFolder(str(folder), transform=transform)
+        return datasets.ImageFolder(str(folder), transform=transform, loader=load_image)
     except FileNotFoundError as err:  # no class folders, or class folders without images
         raise DataNotFoundError(f"{folder} holds no images in the ImageFolder layout (<class>/<image>): {err}") from err
 

@@ -1,0 +1,284 @@
+"""Bad input, one case per line: a clear error that names the bad thing, and nothing already on disk is lost.
+
+Command-line cases run ``train_vqvae.cli`` (exit status 2 and one ``error:`` line, or argparse's usage error) against
+an output directory that already holds a finished run: after the failure every file of that run is byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from conftest import write_image_folder
+from PIL import Image
+from torch.utils.data import Dataset
+
+import softvq
+import train_vqvae
+from models import VQVAE, load_vqvae
+from softvq import DDCLQuantizer
+from softvq.readout import DDCLReadout
+
+TINY = ["--epochs", "1", "--batch-size", "16", "--train-subset", "96", "--val-size", "20", "--num-codes", "16",
+        "--code-dim", "4", "--width", "8", "--res-hidden", "4", "--res-blocks", "1", "--num-workers", "0",
+        "--accelerator", "cpu", "--no-progress-bar"]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_cifar) -> Path:
+    """A finished 1-epoch run (K = 16, D = 4)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert train_vqvae.cli(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *TINY]) == 0
+    return out
+
+
+@pytest.fixture()
+def previous(finished, tmp_path) -> Path:
+    out = tmp_path / "previous"
+    shutil.copytree(finished, out)
+    return out
+
+
+def fails(capsys, argv: list[str], data: Path, out: Path) -> str:
+    """Run the command; it must fail with status 2 and leave ``out`` as it was. Returns stderr."""
+    before = snapshot(out) if out.exists() else None  # a new --out may get config.json: nothing to lose there
+    try:
+        code = train_vqvae.cli(["--data-root", str(data), "--out", str(out), *TINY, *argv])
+    except SystemExit as exit_:  # argparse
+        code = exit_.code
+    assert code == 2
+    if before is not None:
+        assert snapshot(out) == before  # nothing lost, nothing half-written
+    assert not (out / "checkpoints").exists() or before is not None
+    return capsys.readouterr().err
+
+
+# ---- flags: argparse names the flag and the value, before anything is read or written -------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "-1"], "argument --epochs: expected a positive integer, got '-1'"),
+    (["--epochs", "0"], "argument --epochs: expected a positive integer, got '0'"),
+    (["--eps", "0"], "argument --eps: expected a positive finite number, got '0'"),
+    (["--eps", "-0.1"], "argument --eps: expected a positive finite number, got '-0.1'"),
+    (["--temperature", "0"], "argument --temperature: expected a positive finite number, got '0'"),
+    (["--temperature", "-2"], "argument --temperature: expected a positive finite number, got '-2'"),
+    (["--temperature", "nan"], "argument --temperature: expected a positive finite number, got 'nan'"),
+    (["--quantizer", "soft"], "argument --quantizer: invalid choice: 'soft'"),
+    (["--num-codes", "0"], "argument --num-codes: expected a positive integer, got '0'"),
+    (["--batch-size", "x"], "argument --batch-size: expected a positive integer, got 'x'"),
+])
+def test_bad_flag(capsys, tiny_cifar, previous, argv, message):
+    assert message in fails(capsys, argv, tiny_cifar["folder"], previous)
+
+
+# ---- the run: data, checkpoints, output directory ------------------------------------------------------------------
+def small_images(root: Path) -> Path:
+    write_image_folder(root, per_class_train=12, per_class_test=1)
+    Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(root / "train" / "cat" / "0001.jpg")
+    return root / "train" / "cat" / "0001.jpg"
+
+
+def corrupt_image(root: Path) -> Path:
+    write_image_folder(root, per_class_train=12, per_class_test=1)
+    (root / "train" / "dog" / "0002.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    return root / "train" / "dog" / "0002.jpg"
+
+
+def empty_folder(root: Path) -> Path:
+    for split in ("train", "test"):
+        (root / split / "cat").mkdir(parents=True)
+    return root / "train"
+
+
+def truncated_archive(root: Path, tiny: dict[str, Path]) -> Path:
+    root.mkdir()
+    data = tiny["archive"].read_bytes()
+    (root / "cifar.tar.gz").write_bytes(data[: len(data) // 2])
+    return root / "cifar.tar.gz"
+
+
+def test_wrong_image_size(capsys, tmp_path):
+    bad = small_images(tmp_path / "data")
+    err = fails(capsys, [], tmp_path / "data", tmp_path / "new")
+    assert f"image {bad} is 28x28 pixels; CIFAR-10 images are 32x32" in err
+
+
+def test_corrupt_image_file(capsys, tmp_path):
+    bad = corrupt_image(tmp_path / "data")
+    assert f"cannot decode image {bad}" in fails(capsys, [], tmp_path / "data", tmp_path / "new")
+
+
+def test_empty_dataset(capsys, tmp_path):
+    folder = empty_folder(tmp_path / "data")
+    assert f"{folder} holds no images" in fails(capsys, [], tmp_path / "data", tmp_path / "new")
+
+
+def test_corrupt_archive(capsys, tmp_path, tiny_cifar, monkeypatch):
+    archive = truncated_archive(tmp_path / "data", tiny_cifar)
+    monkeypatch.setenv("SOFTVQ_CACHE", str(tmp_path / "cache"))
+    assert str(archive) in fails(capsys, [], archive, tmp_path / "new")
+    assert not any((tmp_path / "cache").rglob("train"))  # no half-extracted tree left to be mistaken for data
+
+
+def test_truncated_checkpoint(capsys, tiny_cifar, previous):
+    last = previous / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:5000])
+    assert f"checkpoint {last} is truncated or corrupt" in fails(capsys, ["--resume", "--epochs", "2"],
+                                                                 tiny_cifar["folder"], previous)
+
+
+def test_checkpoint_with_another_codebook_size(capsys, tiny_cifar, previous):
+    err = fails(capsys, ["--resume", "--epochs", "2", "--num-codes", "32"], tiny_cifar["folder"], previous)
+    assert "another model configuration" in err and "num_codes: checkpoint 16 vs now 32" in err
+
+
+def test_checkpoint_with_another_code_dim(capsys, tiny_cifar, previous):
+    err = fails(capsys, ["--resume", "--epochs", "2", "--code-dim", "8"], tiny_cifar["folder"], previous)
+    assert "code_dim: checkpoint 4 vs now 8" in err
+
+
+def test_start_over_an_existing_run_without_resume_or_overwrite(capsys, tiny_cifar, previous):
+    assert f"{previous} already holds a run" in fails(capsys, [], tiny_cifar["folder"], previous)
+
+
+def test_unwritable_out(capsys, tmp_path, tiny_cifar):
+    (tmp_path / "a_file").write_text("keep me")
+    out = tmp_path / "a_file" / "run"
+    assert f"cannot write to the output directory {out}" in fails(capsys, [], tiny_cifar["folder"], out)
+    assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+# ---- NaN / Inf during training: stop at the step, keep the last good checkpoint, resume after the fix -------------
+class PoisonAfter(Dataset):
+    """``base`` whose items, after the first ``after`` reads, are filled with ``value``."""
+
+    def __init__(self, base: Dataset, after: int, value: float) -> None:
+        self.base, self.after, self.value, self.reads = base, after, value, 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        self.reads += 1
+        image, label = self.base[index]
+        if self.reads > self.after:
+            image = torch.full_like(image, self.value)
+        return image, label
+
+
+def poison(monkeypatch, after: int, value: float) -> None:
+    class Poisoned(train_vqvae.CIFAR10DataModule):
+        def setup(self, stage=None):
+            super().setup(stage)
+            if not isinstance(self.train_set, PoisonAfter):
+                self.train_set = PoisonAfter(self.train_set, after, value)
+
+    monkeypatch.setattr(train_vqvae, "CIFAR10DataModule", Poisoned)
+
+
+@pytest.mark.parametrize("value, message", [
+    (float("nan"), "training batch 0 of epoch 2 (global step 6) holds 3072 NaN/Inf pixel value(s) out of 49152"),
+    (float("-inf"), "training batch 0 of epoch 2 (global step 6) holds 3072 NaN/Inf pixel value(s) out of 49152"),
+    (1e20, "non-finite training loss (inf) in training batch 0 of epoch 2 (global step 6)"),  # finite tokens
+])
+def test_non_finite_values_in_training(capsys, monkeypatch, tmp_path, tiny_cifar, value, message):
+    out = tmp_path / "run"
+    poison(monkeypatch, after=96 + 15, value=value)  # epoch 1 reads 96 images; the 16th read of epoch 2 is bad
+    argv = ["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *TINY, "--epochs", "3"]
+    assert train_vqvae.cli(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "global step 6" in err
+    last = out / "checkpoints" / "last.ckpt"
+    assert f"the last good checkpoint, {last} (end of epoch 1), is kept" in err
+    assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0
+    assert [r["epoch"] for r in train_vqvae.read_history(out / "history.jsonl")] == [1]
+    monkeypatch.undo()  # the data is fixed: the run continues from the kept checkpoint
+    assert train_vqvae.cli([*argv, "--resume"]) == 0
+    assert [r["epoch"] for r in train_vqvae.read_history(out / "history.jsonl")] == [1, 2, 3]
+
+
+class BlowUpEncoder(L.Callback):
+    """Training diverges: at ``step`` the encoder's last weights become infinite, so the tokens are not finite."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                list(pl_module.encoder.parameters())[-2].fill_(float("inf"))
+
+
+def test_non_finite_tokens_in_training(capsys, monkeypatch, tmp_path, tiny_cifar):
+    build = train_vqvae.build_trainer
+
+    def with_blow_up(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        trainer.callbacks.insert(0, BlowUpEncoder(step=8))
+        return trainer
+
+    monkeypatch.setattr(train_vqvae, "build_trainer", with_blow_up)
+    out = tmp_path / "run"
+    assert train_vqvae.cli(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *TINY, "--epochs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "the encoder produced" in err and "NaN/Inf latent value(s)" in err
+    assert "in training batch 2 of epoch 2 (global step 8): training diverged" in err
+    assert f"the last good checkpoint, {out / 'checkpoints' / 'last.ckpt'} (end of epoch 1), is kept" in err
+    assert torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["epoch"] == 0
+
+
+# ---- the library API --------------------------------------------------------------------------------------------
+def test_unknown_quantizer_name():
+    with pytest.raises(ValueError, match=r"quantizer must be one of \('ddcl', 'hard'\), got 'soft'"):
+        VQVAE(quantizer="soft")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: DDCLQuantizer(8, 4, temperature=0.0), "temperature must be a positive finite number, got 0.0"),
+    (lambda: DDCLQuantizer(8, 4, temperature=-1.0), "temperature must be a positive finite number, got -1.0"),
+    (lambda: VQVAE(num_codes=8, code_dim=4, width=8, eps=0.0), "eps must be a positive finite number, got 0.0"),
+    (lambda: softvq.param_groups(VQVAE(num_codes=8, code_dim=4, width=8), lr=1e-3, eps=-0.1), "eps"),
+    (lambda: DDCLQuantizer(0, 4), "num_codes must be a positive integer, got 0"),
+])
+def test_invalid_hyperparameter(make, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+def test_wrong_image_size_in_the_model():
+    with pytest.raises(ValueError, match=r"multiples of 4 \(2\^downsamples\), got \(30, 30\)"):
+        VQVAE(num_codes=8, code_dim=4, width=8)(torch.rand(2, 3, 30, 30))
+
+
+def test_non_finite_tokens_in_the_layers():
+    tokens = torch.randn(2, 5, 4)
+    tokens[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite value\(s\) \(NaN or Inf\)"):
+        DDCLQuantizer(8, 4)(tokens)
+    with pytest.raises(ValueError, match=r"tokens hold 1 real token\(s\) with NaN or Inf, the first in row 1"):
+        DDCLReadout(8, 4)(tokens)
+
+
+def test_truncated_checkpoint_in_the_loader(tmp_path, finished):
+    broken = tmp_path / "last.ckpt"
+    broken.write_bytes((finished / "checkpoints" / "last.ckpt").read_bytes()[:3000])
+    with pytest.raises(ValueError, match=f"VQ-VAE checkpoint {broken} is truncated, corrupt"):
+        load_vqvae(broken)
+    with pytest.raises(FileNotFoundError, match="VQ-VAE checkpoint not found"):
+        load_vqvae(tmp_path / "missing.ckpt")
+
+
+def test_truncated_archive_in_the_data_module(tmp_path, tiny_cifar, monkeypatch):
+    archive = truncated_archive(tmp_path / "data", tiny_cifar)
+    monkeypatch.setenv("SOFTVQ_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(softvq.datasets.CorruptArchiveError, match=str(archive)):
+        softvq.datasets.CIFAR10DataModule(archive).setup()
