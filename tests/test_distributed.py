@@ -7,6 +7,7 @@ rank 0's random state: that is what N processes with batch B must reproduce of o
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 from helpers import free_port
 from torch import nn
 
-from models.callbacks import replica_differences
+from models.callbacks import ReplicaCheck, replica_differences
 from models.vqvae import LatentNorm
 from softvq import DDCLQuantizer, HardVQ
 
@@ -82,11 +83,23 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         with torch.no_grad():
             if rank == 1:
                 same.weight[0, 1] += 1e-7  # one entry, one ulp-sized change
-        results[rank] = {"ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "restarts": vq.usage.clone(),
+        differ = replica_differences(same)
+        trainer = SimpleNamespace(world_size=world, global_step=12, is_global_zero=rank == 0)
+        check = ReplicaCheck(every_n_steps=4)
+        try:
+            check.on_train_batch_end(trainer, SimpleNamespace(quantizer=same), None, None, 0)
+            raised = ""
+        except RuntimeError as err:  # every rank raises, so none waits on a collective
+            raised = str(err)
+        with torch.no_grad():
+            same.weight.copy_(torch.full_like(same.weight, 0.5))
+        check.on_train_batch_end(trainer, SimpleNamespace(quantizer=same), None, None, 0)
+        results[rank] = {"raised": raised, "checks": check.checks,
+                         "ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "restarts": vq.usage.clone(),
                          "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
                          "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
                          **{f"norm_{k}": v for k, v in norm.items()},
-                         "equal": equal, "differ": replica_differences(same)}
+                         "equal": equal, "differ": differ}
     finally:
         dist.destroy_process_group()
 
@@ -152,3 +165,10 @@ def test_latent_norm_uses_the_statistics_of_both_ranks(two_ranks):
 def test_replica_differences_finds_one_differing_entry_on_every_rank(two_ranks):
     assert two_ranks[0]["equal"] == two_ranks[1]["equal"] == {}
     assert two_ranks[0]["differ"] == two_ranks[1]["differ"] == {"weight": 1}
+
+
+def test_replica_check_stops_every_rank_naming_the_step_and_tensor(two_ranks):
+    for rank in (0, 1):
+        assert two_ranks[rank]["raised"] == ("after global step 12 the codebook differs between the 2 processes: "
+                                             "weight (1 entries)")
+        assert two_ranks[rank]["checks"] == 1  # and passes once the replicas agree again

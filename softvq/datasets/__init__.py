@@ -1,4 +1,5 @@
-"""Data sets: CIFAR-10 for the VQ-VAE trainer (``cifar10``) and the synthetic orbital-debris catalogue (``debris``).
+"""Data sets: CIFAR-10 for the VQ-VAE trainer (``cifar10``), the synthetic orbital-debris catalogue (``debris``) and
+``GlobalBatchSampler`` (``sampling``: one process's share of global batches, in an order set by seed and epoch).
 
 ``CIFAR10DataModule`` and its helpers are imported on first use, so that the debris generator does not pull in
 Lightning and torchvision.
@@ -13,6 +14,7 @@ from softvq.datasets.debris import (
     make_orbital_debris,
     orbital_period,
 )
+from softvq.datasets.sampling import GlobalBatchSampler
 
 _CIFAR10 = ("BadImageError", "CIFAR10DataModule", "CorruptArchiveError", "DataNotFoundError", "extract_archive",
             "resolve_cifar10")
@@ -29,6 +31,7 @@ def __getattr__(name: str):
 __all__ = [
     *_CIFAR10,
     "FEATURES",
+    "GlobalBatchSampler",
     "REGIMES",
     "DebrisConfig",
     "OrbitalDebris",
