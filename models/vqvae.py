@@ -351,17 +351,21 @@ class VQVAE(L.LightningModule):
         fresh = [not getattr(layer, "initialized", True) for layer in self._codebooks()]
         latents = self.latents(x)
         where = f"training batch {batch_idx} of epoch {self.current_epoch + 1} (global step {self.global_step})"
-        bad_pixels, bad_latents = torch.stack([(~torch.isfinite(x)).sum(), (~torch.isfinite(latents)).sum()]).tolist()
+        # Counted over every process (one all-reduce under DDP), so that all of them stop at the same step instead
+        # of the others waiting forever in the next collective.
+        counts = torch.stack([(~torch.isfinite(x)).sum(), (~torch.isfinite(latents)).sum(),
+                              torch.tensor(x.numel(), device=x.device), torch.tensor(latents.numel(), device=x.device)])
+        bad_pixels, bad_latents, pixels, values = all_reduce_sum_(counts).tolist()
         if bad_pixels:
-            raise FloatingPointError(f"{where} holds {bad_pixels} NaN/Inf pixel value(s) out of {x.numel()}: the "
+            raise FloatingPointError(f"{where} holds {bad_pixels} NaN/Inf pixel value(s) out of {pixels}: the "
                                      f"data is corrupt")
         if bad_latents:
-            raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of "
-                                     f"{latents.numel()} in {where}: training diverged (lower --lr?)")
+            raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of {values} in "
+                                     f"{where}: training diverged (lower --lr?)")
         out = self._quantize_decode(latents)
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
-        if not torch.isfinite(loss):
+        if int(all_reduce_sum_((~torch.isfinite(loss.detach())).long().reshape(1))):
             raise FloatingPointError(f"non-finite training loss ({float(loss.detach())}) in {where} (reconstruction "
                                      f"{float(rec.detach())}, quantizer {float(out.quantizer.loss.detach())})")
         views = level_views(out.quantizer)  # one QuantizerOutput per level

@@ -7,6 +7,7 @@ rank 0's random state: that is what N processes with batch B must reproduce of o
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from helpers import free_port
 from torch import nn
 
 from models.callbacks import ReplicaCheck, replica_differences
-from models.vqvae import LatentNorm
+from models.vqvae import VQVAE, LatentNorm
 from softvq import DDCLQuantizer, HardVQ
 
 
@@ -59,7 +60,7 @@ def _latent_norm_steps(batches: list[torch.Tensor], rows: slice = slice(None)) -
 
 def _worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a hang fails
     try:
         data = _data()
         vq, plain = _make_ema(), _make_ema(dead_code_threshold=0.0)
@@ -94,7 +95,16 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         with torch.no_grad():
             same.weight.copy_(torch.full_like(same.weight, 0.5))
         check.on_train_batch_end(trainer, SimpleNamespace(quantizer=same), None, None, 0)
-        results[rank] = {"raised": raised, "checks": check.checks,
+        model = VQVAE(num_codes=8, code_dim=4, width=8, res_hidden=4, res_blocks=1)
+        images = torch.rand(2, 3, 8, 8)
+        if rank == 1:
+            images[1, 0, 2, 2] = float("nan")
+        try:  # only rank 1's batch is bad: both ranks must stop, before any collective that would wait forever
+            model.training_step((images, torch.zeros(2)), 7)
+            nan = ""
+        except FloatingPointError as err:
+            nan = str(err)
+        results[rank] = {"nan": nan, "raised": raised, "checks": check.checks,
                          "ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "restarts": vq.usage.clone(),
                          "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
                          "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
@@ -172,3 +182,9 @@ def test_replica_check_stops_every_rank_naming_the_step_and_tensor(two_ranks):
         assert two_ranks[rank]["raised"] == ("after global step 12 the codebook differs between the 2 processes: "
                                              "weight (1 entries)")
         assert two_ranks[rank]["checks"] == 1  # and passes once the replicas agree again
+
+
+def test_non_finite_batch_on_one_rank_stops_both(two_ranks):
+    for rank in (0, 1):
+        assert two_ranks[rank]["nan"] == ("training batch 7 of epoch 1 (global step 0) holds 1 NaN/Inf pixel value(s) "
+                                          "out of 768: the data is corrupt")
