@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 import softvq
-from softvq._utils import check_positive_int
+from softvq._utils import all_reduce_sum_, check_positive_int, is_distributed
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput
 from softvq.types import QuantizerOutput
 
@@ -150,11 +150,23 @@ def match_temperatures_(layers: Sequence[nn.Module], inputs: Sequence[Tensor], f
     this gives every level about the same ``d / T`` at the start; entropy control (or a constant ``T``) goes on from
     there per level.
     """
-    scale0 = inputs[0].reshape(-1, inputs[0].shape[-1]).double().var(0, unbiased=False).sum()
+    scale0 = total_variance(inputs[0])
     for layer, z, new in zip(layers[1:], inputs[1:], fresh[1:], strict=True):
-        scale = z.reshape(-1, z.shape[-1]).double().var(0, unbiased=False).sum()
+        scale = total_variance(z)
         if new and float(scale0) > 0 and float(scale) > 0:
             layer.temperature = float(layers[0].temperature * scale / scale0)
+
+
+def total_variance(z: Tensor) -> Tensor:
+    """The summed per-channel (biased) variance of channel-last tokens ``z (..., D)`` in float64; under
+    ``torch.distributed`` over every process's tokens together (two all-reduces), so all processes agree."""
+    flat = z.detach().reshape(-1, z.shape[-1]).double()
+    if not is_distributed():
+        return flat.var(0, unbiased=False).sum()
+    stats = all_reduce_sum_(torch.cat([flat.sum(0), flat.new_tensor([flat.shape[0]])]))
+    count = stats[-1].clamp_min(1)
+    mean = stats[:-1] / count
+    return all_reduce_sum_((flat - mean).square().sum(0)).sum() / count
 
 
 def check_level_indices(indices: Sequence[Tensor], levels: int) -> None:

@@ -79,6 +79,18 @@ def test_two_processes_end_with_the_weights_of_one_process(runs, quantizer):
         torch.testing.assert_close(ddp[key], single[key], rtol=1e-9, atol=1e-12, msg=key)
 
 
+def test_two_level_hierarchy_on_two_processes_equals_one_process(tmp_path, tiny_cifar):
+    """Level 1 starts on level 0's temperature scale, from the token variance of both processes' batches."""
+    hierarchy = ["--quantizer", "ddcl", "--levels", "2", "--level-codes", "8"]
+    ddp = train(tmp_path, tiny_cifar["folder"], "ddp", "--devices", "2", "--batch-size", "8", *hierarchy)
+    train(tmp_path, tiny_cifar["folder"], "single", "--devices", "1", "--batch-size", "16", *hierarchy)
+    assert "after each of 8 checked steps" in ddp.stdout
+    for a, b in zip(rows(tmp_path / "ddp"), rows(tmp_path / "single"), strict=True):
+        for key in ("utilization_l1", "dead_codes_l1", "perplexity_l1", "utilization", "perplexity"):
+            assert a[key] == b[key], key
+        assert a["temperature_l1"] == pytest.approx(b["temperature_l1"], rel=1e-12)
+
+
 def test_every_step_checked_the_codebook_identical_on_both_processes(runs):
     _, ddp, single = runs
     checked = [line for line in ddp.stdout.splitlines() if line.startswith("replica check:")]
