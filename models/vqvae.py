@@ -89,8 +89,7 @@ class LatentNorm(nn.BatchNorm2d):
     def _global_batch_norm(self, x: Tensor, momentum: float) -> Tensor:
         self._check_input_dim(x)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        count = torch.tensor(float(x.numel() // x.shape[1]), dtype=xf.dtype, device=x.device)
-        total = int(all_reduce_sum_(count))
+        total = int(all_reduce_sum_(torch.tensor(x.numel() // x.shape[1], dtype=torch.long, device=x.device)))
         mean = all_reduce_sum(xf.sum((0, 2, 3))) / total
         centered = xf - mean[:, None, None]
         var = all_reduce_sum(centered.square().sum((0, 2, 3))) / total  # biased, as batch_norm uses
