@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torchvision.utils import make_grid, save_image
 
+from models.cli import run_command
 from models.prior import check_pairing, class_index, load_prior
 from models.vqvae import load_vqvae
 from softvq.datasets.cifar10 import CLASSES, _sha256
@@ -92,8 +93,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main))

@@ -42,6 +42,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from models.callbacks import HistoryWriter, read_history, write_atomic
+from models.cli import run_command
 from models.codes import CodeSet, code_splits
 from models.prior import (
     CodePrior,
@@ -261,8 +262,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        main()
-    except (FileNotFoundError, FileExistsError, ValueError, OSError, FloatingPointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main))

@@ -43,8 +43,9 @@ from models.callbacks import (
     remove_stale_temporaries,
     write_atomic,
 )
+from models.cli import run_command
 from models.vqvae import DDCL_DEFAULTS
-from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError
+from softvq.datasets.cifar10 import CIFAR10DataModule
 from softvq.schedule import SCHEDULES
 
 # Hyperparameters that define the model: a checkpoint must match them to be resumed.
@@ -421,12 +422,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
 def cli(argv: Sequence[str] | None = None) -> int:
     """:func:`main` as a command: expected failures (missing or bad data, a bad checkpoint, an unusable --out,
     NaN/Inf in training) print one ``error:`` message and return 2; bad flags exit 2 through argparse."""
-    try:
-        main(argv)
-    except (FileNotFoundError, FileExistsError, ValueError, OSError, FloatingPointError, CorruptArchiveError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(main, argv)
 
 
 if __name__ == "__main__":

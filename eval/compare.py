@@ -42,7 +42,8 @@ import train_vqvae
 from eval import evaluate
 from eval._compare_report import write_report
 from models.callbacks import read_history, write_atomic
-from softvq.datasets.cifar10 import CorruptArchiveError, _sha256
+from models.cli import EXPECTED_ERRORS, run_command
+from softvq.datasets.cifar10 import _sha256
 
 log = logging.getLogger("eval.compare")
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,8 +304,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    try:
-        main()
-    except (FileNotFoundError, ValueError, OSError, RuntimeError, CorruptArchiveError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main, errors=(*EXPECTED_ERRORS, RuntimeError)))

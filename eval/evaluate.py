@@ -30,8 +30,9 @@ import torch
 from torch.utils.data import Subset
 
 from models.callbacks import write_atomic
+from models.cli import run_command
 from models.vqvae import load_vqvae
-from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError, _sha256
+from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256
 
 log = logging.getLogger("eval.evaluate")
 METRICS = ("mse", "psnr", "ssim", "mse_hard", "psnr_hard", "ssim_hard", "utilization", "dead_codes", "perplexity")
@@ -156,8 +157,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        main()
-    except (FileNotFoundError, ValueError, OSError, CorruptArchiveError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main))

@@ -30,7 +30,8 @@ import torch
 from eval import compare, evaluate
 from eval._hierarchy_report import write_report
 from models.callbacks import write_atomic
-from softvq.datasets.cifar10 import CorruptArchiveError, _sha256
+from models.cli import EXPECTED_ERRORS, run_command
+from softvq.datasets.cifar10 import _sha256
 
 log = logging.getLogger("eval.hierarchy")
 
@@ -158,8 +159,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    try:
-        main()
-    except (FileNotFoundError, ValueError, OSError, RuntimeError, CorruptArchiveError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main, errors=(*EXPECTED_ERRORS, RuntimeError)))

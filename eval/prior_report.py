@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from models.callbacks import read_history, write_atomic
+from models.cli import run_command
 
 
 def _run(text: str) -> tuple[str, Path]:
@@ -95,8 +96,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main))

@@ -42,9 +42,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
+from models.cli import run_command
 from models.vqvae import VQVAE, load_vqvae
 from softvq import DDCLQuantizer, assignment_entropy
-from softvq.datasets.cifar10 import CIFAR10DataModule, CorruptArchiveError, _sha256, default_cache_dir
+from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256, default_cache_dir
 
 log = logging.getLogger("eval.readout")
 CLASSES = 10
@@ -276,8 +277,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError, OSError, CorruptArchiveError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(main))

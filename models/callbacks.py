@@ -155,7 +155,7 @@ def replica_differences(module: nn.Module) -> dict[str, int]:
     if not is_distributed():
         return {}
     named = [(name, t.detach()) for name, t in (*module.named_parameters(), *module.named_buffers())]
-    named += [(f"{name}.temperature" if name else "temperature", torch.tensor(float(m.temperature)))
+    named += [(f"{name}.temperature" if name else "temperature", torch.tensor(m.temperature, dtype=torch.float64))
               for name, m in module.named_modules() if isinstance(getattr(m, "temperature", None), (int, float))]
     device = named[0][1].device if named else torch.device("cpu")
     # float64 holds every float32/bf16 value and every count below 2^53 exactly

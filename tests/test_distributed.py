@@ -105,7 +105,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         except FloatingPointError as err:
             nan = str(err)
         results[rank] = {"nan": nan, "raised": raised, "checks": check.checks,
-                         "ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "restarts": vq.usage.clone(),
+                         "ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "usage": vq.usage.clone(),
                          "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
                          "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
                          **{f"norm_{k}": v for k, v in norm.items()},
@@ -122,7 +122,7 @@ def two_ranks():
 
 
 def test_codebook_state_identical_on_both_ranks(two_ranks):
-    for key in ("ema", "size", "restarts", "plain", "plain_size", "ddcl", "few"):
+    for key in ("ema", "size", "usage", "plain", "plain_size", "ddcl", "few"):
         assert torch.equal(two_ranks[0][key], two_ranks[1][key]), key
 
 
