@@ -44,7 +44,6 @@ from models.callbacks import (
     write_atomic,
 )
 from models.cli import run_command
-from models.vqvae import DDCL_DEFAULTS
 from softvq.datasets.cifar10 import CIFAR10DataModule
 from softvq.schedule import SCHEDULES
 
@@ -130,9 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eps", type=_positive_float, default=0.01,
                    help="DDCL timescale ratio: encoder lr / prototype lr (prototypes use lr / eps)")
     g = p.add_argument_group("DDCL codebook (--quantizer ddcl)")
-    g.add_argument("--temperature", type=_positive_float, default=DDCL_DEFAULTS["temperature"],
-                   help="Boltzmann temperature T (in squared-distance units; with --latent-norm batch two random "
-                        "tokens are 2 * code-dim apart on average) at the first step")
+    g.add_argument("--recipe", choices=("auto", "plain"), default="auto",
+                   help="auto: the layer's collapse-free recipe (standardised tokens, entropy-controlled T, EMA "
+                        "prototypes, restarts, hard output); plain: the paper's layer as written")
+    g.add_argument("--temperature", type=_positive_float, default=None,
+                   help="Boltzmann temperature T at the first step (squared standardised distances: two random "
+                        "tokens are 2 * code-dim apart on average); default: set on the first batch from "
+                        "--target-entropy (4 with --levels > 1)")
     g.add_argument("--temperature-schedule", choices=SCHEDULES, default="constant",
                    help="anneal T from --temperature to --temperature-final over the run's steps")
     g.add_argument("--temperature-final", type=_positive_float, default=None,
@@ -140,16 +143,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-entropy", type=_entropy_target, default=None,
                    help="entropy-controlled T: after each step T follows the distance scale so that the mean "
                         "assignment entropy H(Q) stays at this many nats (exp(H) prototypes share a token), or "
-                        "'off'; default 2.5 with a constant --temperature-schedule, off with any other")
+                        "'off'; default min(2.5, log(K)/2) with a constant --temperature-schedule, off with any other")
+    g.add_argument("--prototype-update", choices=("ema", "soft_ema", "gradient"), default=None,
+                   help="how the prototypes learn: EMA of the tokens each wins (k-means step), EMA weighted by the "
+                        "soft assignments (free-energy M-step), or the optimizer at lr / eps; default ema (gradient "
+                        "with --recipe plain or --levels > 1)")
+    g.add_argument("--hard-output", action=argparse.BooleanOptionalAction, default=None,
+                   help="the decoder sees the argmax prototype (in training too) while the encoder gets the soft "
+                        "centroid's gradient; default on (off with --recipe plain or --levels > 1)")
+    g.add_argument("--standardize", action=argparse.BooleanOptionalAction, default=None,
+                   help="standardise tokens inside the layer; default on (off with --recipe plain or --levels > 1)")
     g.add_argument("--distance", choices=("euclidean", "cosine"), default="euclidean",
                    help="squared Euclidean, or cosine (tokens and prototypes L2-normalised)")
     g.add_argument("--codebook-term", choices=("free_energy", "l_q", "l_ols"), default="free_energy",
-                   help="loss term that trains the prototypes (stop-gradient on the encoder)")
+                   help="loss term that trains gradient-updated prototypes (stop-gradient on the encoder)")
     g.add_argument("--codebook-weight", type=_non_negative_float, default=1.0, help="its weight")
     g.add_argument("--commitment-weight", type=_non_negative_float, default=0.0,
                    help="weight of the commitment term (0: the encoder learns from the reconstruction alone)")
-    g.add_argument("--commitment-term", choices=("l_ols", "l_q", "free_energy"), default="l_ols",
-                   help="loss term that pulls the encoder to the codebook (stop-gradient on the prototypes)")
+    g.add_argument("--commitment-term", choices=("hard", "l_ols", "l_q", "free_energy"), default="l_ols",
+                   help="loss term that pulls the encoder to the codebook (hard: to its argmax code; stop-gradient "
+                        "on the prototypes)")
     g.add_argument("--init", choices=("data", "normal"), default="data",
                    help="prototype initialisation: tokens of the first batch, or N(0, 1)")
     g.add_argument("--levels", type=_positive_int, default=1,
@@ -166,11 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "non-affine BatchNorm); default batch for ddcl, none for hard")
     g.add_argument("--dead-code-threshold", type=_non_negative_float, default=None,
                    help="restart codes chosen fewer times per batch (running average) than this; 0 = never; "
-                        "default 1 for ddcl, 0 for hard")
+                        "default 1 for ddcl (0 with --recipe plain), 0 for hard")
     g = p.add_argument_group("hard VQ (--quantizer hard)")
     g.add_argument("--beta", type=_non_negative_float, default=0.25, help="commitment weight")
     g.add_argument("--ema-decay", type=float, default=None,
-                   help="EMA codebook updates with this decay in (0, 1) instead of gradient updates")
+                   help="EMA codebook updates with this decay in (0, 1) instead of gradient updates (ddcl: the decay "
+                        "of --prototype-update ema, default 0.99)")
     add_hardware_args(p)
     return p
 
@@ -202,8 +216,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error(f"argument --ema-decay: expected a number in (0, 1), got {args.ema_decay}")
     if args.target_entropy not in (None, "off") and args.temperature_schedule != "constant":
         parser.error("--target-entropy and --temperature-schedule both set the temperature; choose one")
-    if args.temperature_schedule != "constant" and args.temperature_final is None:
-        parser.error(f"--temperature-schedule {args.temperature_schedule} needs --temperature-final")
+    if args.temperature_schedule != "constant" and (args.temperature_final is None or args.temperature is None):
+        parser.error(f"--temperature-schedule {args.temperature_schedule} needs --temperature and "
+                     f"--temperature-final")
     if args.width % 2:
         parser.error(f"argument --width: must be even, got {args.width}")
     if args.resume not in (None, "last") and len(args.quantizer) > 1:
@@ -227,24 +242,36 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
 def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
     """The VQVAE constructor arguments for one quantizer."""
+    target = {None: "auto", "off": None}.get(args.target_entropy, args.target_entropy)
+    schedule, final = "constant", None
     if quantizer == "ddcl":
+        schedule, final = args.temperature_schedule, args.temperature_final
         kwargs = {"temperature": args.temperature, "distance": args.distance, "codebook_term": args.codebook_term,
                   "codebook_weight": args.codebook_weight, "commitment_term": args.commitment_term,
-                  "commitment_weight": args.commitment_weight, "init": args.init,
-                  "dead_code_threshold": DDCL_DEFAULTS["dead_code_threshold"] if args.dead_code_threshold is None
-                  else args.dead_code_threshold}
-        schedule, final = args.temperature_schedule, args.temperature_final
-        target = {None: "auto", "off": None}.get(args.target_entropy, args.target_entropy)
+                  "commitment_weight": args.commitment_weight, "init": args.init}
+        if args.levels > 1:  # the hierarchy: plain levels, the model's own recipe (models.vqvae.HIERARCHY_DEFAULTS)
+            kwargs = {k: v for k, v in kwargs.items() if v is not None}
+            if args.dead_code_threshold is not None:
+                kwargs["dead_code_threshold"] = args.dead_code_threshold
+        else:  # the layer's recipe; None = the recipe's value
+            options = {"recipe": args.recipe, "prototype_update": args.prototype_update, "ema_decay": args.ema_decay,
+                       "hard_output": args.hard_output, "standardize": args.standardize,
+                       "dead_code_threshold": args.dead_code_threshold}
+            kwargs.update({k: v for k, v in options.items() if v is not None})
+            if args.recipe == "auto":  # the layer holds the temperature (off for a schedule: models.VQVAE)
+                if target != "auto":
+                    kwargs["target_entropy"] = target
+                target = "auto"
+            # recipe plain: the layer's T is fixed and the model controls it (target_entropy below)
     else:
         target = None
         kwargs = {"beta": args.beta, "ema_decay": args.ema_decay,
                   "dead_code_threshold": args.dead_code_threshold or 0.0}
-        schedule, final = "constant", None
     return {"quantizer": quantizer, "num_codes": args.num_codes, "code_dim": args.code_dim, "quantizer_kwargs": kwargs,
             "width": args.width, "res_hidden": args.res_hidden, "res_blocks": args.res_blocks,
             "downsamples": args.downsamples, "lr": args.lr, "eps": args.eps,
             "temperature_schedule": schedule, "temperature_final": final, "target_entropy": target,
-            "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" else "none"),
+            "latent_norm": args.latent_norm or ("batch" if quantizer == "ddcl" and args.levels > 1 else "none"),
             "levels": args.levels, "level_pool": args.level_pool,
             "level_codes": args.level_codes[0] if len(args.level_codes) == 1 else args.level_codes}
 

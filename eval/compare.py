@@ -68,12 +68,17 @@ METHODS = (("ddcl", "DDCL", ("--quantizer", "ddcl")),
            ("hard", "hard VQ", ("--quantizer", "hard")),
            ("hard_ema", "hard VQ, EMA + restart", ("--quantizer", "hard", "--ema-decay", "0.99",
                                                   "--dead-code-threshold", "1")))
-# The default eps (0.01) and entropy-controlled T are the "ddcl" runs themselves.
-EPS = (("ddcl_eps0.1", "eps = 0.1", ("--quantizer", "ddcl", "--eps", "0.1")),
-       ("ddcl_eps1.0", "eps = 1.0", ("--quantizer", "ddcl", "--eps", "1.0")))
-TEMPERATURE = (("ddcl_fixedT", "T fixed at 4", ("--quantizer", "ddcl", "--target-entropy", "off")),
-               ("ddcl_annealT", "T annealed 4 -> 0.5", ("--quantizer", "ddcl", "--temperature-schedule",
-                                                        "exponential", "--temperature-final", "0.5")))
+# The eps and temperature studies are about the paper's layer, whose prototypes the optimizer trains: they run on the
+# issue-4 recipe (plain layer, LatentNorm, T from 4 held at H(Q) = 2.5 by the model, restarts below 1), whose default
+# eps (0.01) and entropy-controlled T are the "ddcl_plain" runs.
+PLAIN = ("--quantizer", "ddcl", "--recipe", "plain", "--latent-norm", "batch", "--temperature", "4",
+         "--dead-code-threshold", "1")
+EPS = (("ddcl_plain", "plain layer, eps = 0.01", PLAIN),
+       ("ddcl_eps0.1", "plain layer, eps = 0.1", (*PLAIN, "--eps", "0.1")),
+       ("ddcl_eps1.0", "plain layer, eps = 1.0", (*PLAIN, "--eps", "1.0")))
+TEMPERATURE = (("ddcl_fixedT", "plain layer, T fixed at 4", (*PLAIN, "--target-entropy", "off")),
+               ("ddcl_annealT", "plain layer, T annealed 4 -> 0.5", (*PLAIN, "--temperature-schedule",
+                                                                     "exponential", "--temperature-final", "0.5")))
 
 # --quick: small model, 1,000 images, 2 epochs (a few minutes on 2 cores).
 QUICK = {"epochs": 2, "train_subset": 1000, "val_size": 500, "test_limit": 1000,

@@ -105,7 +105,8 @@ def fit_ddcl_direct(x: Tensor, k: int, seed: int, cfg: DirectConfig) -> Fit:
     torch.manual_seed(seed)
     best, best_lq, worst = None, math.inf, 0.0
     for restart in range(cfg.restarts):
-        quantizer = DDCLQuantizer(k, x.shape[1], temperature=cfg.t_start, codebook_term=cfg.codebook_term,
+        quantizer = DDCLQuantizer(k, x.shape[1], temperature=cfg.t_start, recipe="plain",
+                                  codebook_term=cfg.codebook_term,
                                   commitment_weight=0.0, init="normal" if cfg.init == "kmeans++" else "data").double()
         if cfg.init == "kmeans++":
             from sklearn.cluster import kmeans_plusplus
@@ -142,7 +143,7 @@ class DebrisAutoencoder(nn.Module):
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(features, cfg.hidden), nn.GELU(), nn.Linear(cfg.hidden, cfg.latent_dim))
         self.norm = nn.BatchNorm1d(cfg.latent_dim, affine=False)  # keeps the token scale from shrinking
-        self.quantizer = DDCLQuantizer(k, cfg.latent_dim, temperature=cfg.t_start)
+        self.quantizer = DDCLQuantizer(k, cfg.latent_dim, temperature=cfg.t_start, recipe="plain")
         self.decoder = nn.Sequential(nn.Linear(cfg.latent_dim, cfg.hidden), nn.GELU(), nn.Linear(cfg.hidden, features))
 
     def forward(self, x: Tensor):

@@ -109,7 +109,14 @@ def standardize(train: Split, test: Split, quantizer: nn.Module) -> tuple[Split,
     scale = float((flat - center).square().sum(1).mean().sqrt() / math.sqrt(flat.shape[1]))
     scale = scale if scale > 0 else 1.0
     mapped = copy.deepcopy(quantizer)
-    if isinstance(mapped, DDCLQuantizer):
+    if isinstance(mapped, DDCLQuantizer) and mapped.standardize:
+        # The layer standardises its tokens itself: map its running statistics, and the prototypes (which live in the
+        # standardised space) and T stay as they are.
+        sd = mapped.standardizer
+        with torch.no_grad():
+            sd.running_mean.sub_(center.to(sd.running_mean.dtype)).div_(scale)
+            sd.running_var.div_(scale**2)
+    elif isinstance(mapped, DDCLQuantizer):
         with torch.no_grad():
             mapped.prototypes.sub_(center.to(mapped.prototypes.dtype)).div_(scale)
         if not cosine:

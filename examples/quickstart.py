@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="points per step (default 256)")
     parser.add_argument("--codes", type=int, default=128, help="codebook size K (default 128)")
     parser.add_argument("--lr", type=float, default=1e-3, help="encoder/decoder learning rate (default 1e-3)")
-    parser.add_argument("--eps", type=float, default=0.1, help="DDCL timescale ratio: prototype lr = lr / eps")
     parser.add_argument("--log-every", type=int, default=100, help="steps between printed lines (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     args = parser.parse_args(argv)
@@ -63,13 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     centers = 2.0 * torch.randn(64, 16, generator=gen)
     torch.manual_seed(args.seed)
     models = {
-        "ddcl": TokenAutoencoder(softvq.DDCLQuantizer(args.codes, 8, temperature=0.1)),
+        # The layer's defaults: it standardises its tokens, sets and holds its temperature, moves its prototypes
+        # itself and outputs the hard code; nothing else to configure, any optimizer.
+        "ddcl": TokenAutoencoder(softvq.DDCLQuantizer(args.codes, 8)),
         "hard": TokenAutoencoder(softvq.HardVQ(args.codes, 8, beta=0.25)),
     }
-    optimizers = {
-        "ddcl": torch.optim.Adam(softvq.param_groups(models["ddcl"], lr=args.lr, eps=args.eps)),
-        "hard": torch.optim.Adam(models["hard"].parameters(), lr=args.lr),
-    }
+    optimizers = {name: torch.optim.Adam(model.parameters(), lr=args.lr) for name, model in models.items()}
     usage = {name: softvq.CodebookUsage(args.codes) for name in models}
     print(f"{'step':>5} {'model':>5} {'mse':>8} {'mse_hard':>8} {'util':>6} {'dead':>5} {'perplexity':>10}"
           f"   decomposition")

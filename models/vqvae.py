@@ -30,26 +30,21 @@ from softvq.types import QuantizerOutput
 
 QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
 LATENT_NORMS: tuple[str, ...] = ("none", "batch")
-# The collapse-free DDCL recipe (README, "Collapse-free defaults"): with latents standardised by the non-affine
-# BatchNorm (squared distances between two random tokens average 2 * code_dim = 128), T = 4 keeps about
-# e^2.5 ~ 12 prototypes in play per token; a prototype that wins less than one token per batch (running average over
-# ~10 batches) is moved onto a token of the batch. The layer's own defaults supply the free-energy codebook term and
-# no commitment.
-DDCL_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold": 1.0}
-# Entropy-controlled T (softvq.adapt_temperature): hold H(Q) at the 2.5 nats that T = 4 gives in the first epoch,
-# so T follows the distance scale down as the codebook tightens (a fixed T lets H(Q) climb to 4 nats and the
-# soft/hard gap to 4 dB over 10 epochs).
+# A single-level DDCL bottleneck uses the layer's own recipe (softvq.DDCLQuantizer, recipe="auto": standardised
+# tokens, entropy-controlled T, EMA prototypes, dead-code restart, hard output). The hierarchical VQ-VAE (levels > 1)
+# keeps the recipe that lives in this model: latents standardised by LatentNorm (squared distances between two random
+# tokens average 2 * code_dim = 128), T = 4 at the start (about e^2.5 ~ 12 prototypes in play per token), restarts
+# below one token per batch, and the temperature held at H(Q) = 2.5 nats by the model (softvq.adapt_temperature).
+HIERARCHY_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold": 1.0}
 DDCL_TARGET_ENTROPY = 2.5
 PIXEL_SHIFT = 0.5  # the model sees x - 0.5, so inputs and reconstructions are centred on 0
 
 
 def build_quantizer(name: str, num_codes: int, dim: int, **kwargs: Any) -> nn.Module:
-    """``"ddcl"`` -> :class:`softvq.DDCLQuantizer` (``DDCL_DEFAULTS`` unless overridden), ``"hard"`` ->
+    """``"ddcl"`` -> :class:`softvq.DDCLQuantizer` (the layer's own defaults unless overridden), ``"hard"`` ->
     :class:`softvq.HardVQ`, with ``kwargs``."""
     check_choice("quantizer", name, QUANTIZERS)
     cls = softvq.DDCLQuantizer if name == "ddcl" else softvq.HardVQ
-    if name == "ddcl":
-        kwargs = {**DDCL_DEFAULTS, **kwargs}
     try:
         return cls(num_codes, dim, **kwargs)
     except TypeError as err:  # an option the chosen quantizer does not have
@@ -141,14 +136,17 @@ class VQVAE(L.LightningModule):
         eps: ``encoder lr / prototype lr`` for DDCL prototypes (the paper's timescale ratio).
         temperature_schedule: ``"constant"``, ``"linear"``, ``"cosine"`` or ``"exponential"``.
         temperature_final: the temperature at the last step (required unless the schedule is constant).
-        target_entropy: if set, entropy-controlled temperature: after every training step
-            ``T <- T exp(temperature_rate (target_entropy - H(Q)))`` (:func:`softvq.adapt_temperature`), so T follows
-            the distance scale and about ``exp(target_entropy)`` prototypes share each token. ``"auto"``:
-            ``DDCL_TARGET_ENTROPY`` (2.5 nats) for ``"ddcl"`` with a constant schedule, else off; ``None``: off.
+        target_entropy: model-side entropy-controlled temperature, for DDCL layers that do not control their own (the
+            hierarchy, ``recipe="plain"``): after every training step ``T <- T exp(temperature_rate (target_entropy -
+            H(Q)))`` (:func:`softvq.adapt_temperature`), so T follows the distance scale and about
+            ``exp(target_entropy)`` prototypes share each token. ``"auto"``: ``DDCL_TARGET_ENTROPY`` (2.5 nats) for
+            such layers with a constant schedule, else off; ``None``: off. A single DDCL layer with the default recipe
+            holds its own target (``quantizer_kwargs={"target_entropy": ...}``).
         temperature_rate: the gain of that control, per step.
         latent_norm: ``"batch"`` standardises each latent channel over the batch (non-affine BatchNorm, running
             statistics at evaluation) before the quantizer, so the encoder cannot shrink what the codebook sees;
-            ``"none"``; default ``"batch"`` for ``"ddcl"`` and ``"none"`` otherwise.
+            ``"none"``; default ``"batch"`` for the hierarchical DDCL (``levels > 1``) and ``"none"`` otherwise (a
+            single DDCL layer standardises its tokens itself).
         levels: ``L``, DDCL levels (hierarchical mode, ``"ddcl"`` only; DESIGN §3.3). With ``L > 1`` the quantizer is a
             :class:`softvq.HierarchicalDDCL` whose level 0 (``num_codes`` codes) quantizes the latent grid and level
             ``l`` (``level_codes`` codes) the ``level_pool`` x ``level_pool`` averages of level ``l - 1``'s soft
@@ -198,10 +196,13 @@ class VQVAE(L.LightningModule):
         elif self.levels > 1:
             self.quantizer_name = quantizer
             self.quantizer = build_hierarchy(num_codes, code_dim, self.levels, level_codes, level_pool,
-                                             {**DDCL_DEFAULTS, **(quantizer_kwargs or {})})
+                                             {**HIERARCHY_DEFAULTS, **(quantizer_kwargs or {})})
         else:
             self.quantizer_name = quantizer
-            self.quantizer = build_quantizer(quantizer, num_codes, code_dim, **(quantizer_kwargs or {}))
+            kwargs = dict(quantizer_kwargs or {})
+            if quantizer == "ddcl" and temperature_schedule != "constant":  # the schedule sets T, not the layer
+                kwargs.setdefault("target_entropy", None)
+            self.quantizer = build_quantizer(quantizer, num_codes, code_dim, **kwargs)
         self.level_num_codes = tuple(layer.num_codes for layer in self._codebooks()) if self.levels > 1 else None
         self.num_codes = self.level_num_codes[0] if self.level_num_codes else \
             int(getattr(self.quantizer, "num_codes", num_codes))
@@ -211,8 +212,8 @@ class VQVAE(L.LightningModule):
         self.downsamples = check_positive_int("downsamples", downsamples)
         self.encoder = Encoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
         self.decoder = Decoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim * self.levels)
-        if latent_norm is None:
-            latent_norm = "batch" if quantizer == "ddcl" else "none"
+        if latent_norm is None:  # a single DDCL layer standardises its own tokens
+            latent_norm = "batch" if quantizer == "ddcl" and self.levels > 1 else "none"
         self.latent_norm = check_choice("latent_norm", latent_norm, LATENT_NORMS)
         # Non-affine: the encoder cannot rescale what the quantizer sees (running statistics at eval).
         self.norm = LatentNorm(code_dim) if latent_norm == "batch" else nn.Identity()
@@ -228,10 +229,12 @@ class VQVAE(L.LightningModule):
         self.temperature_final = None if temperature_final is None else check_float("temperature_final",
                                                                                       temperature_final)
         self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
-        if target_entropy == "auto":
-            auto = quantizer == "ddcl" and self.temperature_schedule == "constant"
-            target_entropy = DDCL_TARGET_ENTROPY if auto else None
-        self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
+        if target_entropy != "auto":
+            target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
+            if target_entropy is not None and self._layer_controls_temperature():
+                raise ValueError("target_entropy: the DDCL layer controls its own temperature; set it with "
+                                 "quantizer_kwargs={'target_entropy': ...}")
+        self._target_entropy = target_entropy
         self.temperature_rate = check_float("temperature_rate", temperature_rate)
         if self.target_entropy is not None:
             if self.temperature_start is None:
@@ -261,6 +264,20 @@ class VQVAE(L.LightningModule):
         # levels > 1: every level's health (keys "<key>_l<level>"); level 0 also feeds the plain keys above.
         self.level_metrics = nn.ModuleList([LevelMetrics(k) for k in self.level_num_codes or ()])
         self._level_restarts_at_epoch_start = [0] * self.levels
+
+    def _layer_controls_temperature(self) -> bool:
+        return any(getattr(layer, "target_entropy", None) is not None for layer in self._codebooks())
+
+    @property
+    def target_entropy(self) -> float | None:
+        """The H(Q) this model holds its codebooks' temperatures at, or ``None`` (fixed, scheduled, or controlled by the
+        layer itself). ``"auto"``: ``DDCL_TARGET_ENTROPY`` for plain DDCL layers (the hierarchy, ``recipe="plain"``,
+        checkpoints from before the in-layer recipe) with a constant schedule."""
+        if self._target_entropy != "auto":
+            return self._target_entropy
+        plain = all(getattr(layer, "recipe", None) == "plain" for layer in self._codebooks())
+        auto = self.hparams.get("quantizer") == "ddcl" and self.temperature_schedule == "constant" and plain
+        return DDCL_TARGET_ENTROPY if auto else None
 
     def _codebooks(self) -> list[nn.Module]:
         """The codebook layers, level 0 first (the quantizer itself for a single level)."""

@@ -18,6 +18,7 @@ the prototypes without recomputing the layer (see :class:`DDCLQuantizer`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Literal
 
@@ -39,9 +40,12 @@ from softvq._utils import (
     restart_dead_codes_,
     squared_distances,
 )
+from softvq.norm import TokenStandardizer
+from softvq.schedule import adapt_temperature
 from softvq.types import QuantizerOutput
 
 Term = Literal["l_q", "l_ols", "free_energy"]
+CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
 _TERMS = ("l_q", "l_ols", "free_energy")
 
 
@@ -53,7 +57,7 @@ def _rows_dot(a: Tensor, b: Tensor) -> Tensor:
 class _SoftCentroid(torch.autograd.Function):
     """Soft centroid of ``z (N, D)`` over ``prototypes (K, D)`` with the routed DDCL objective.
 
-    Returns ``mu (N, D)``, ``q (N, K)``, ``indices (N,)``, ``loss ()``, ``stats (3,) = [l_q, l_ols, v]``.
+    Returns ``mu (N, D)``, ``q (N, K)``, ``indices (N,)``, ``loss ()``, ``stats (4,) = [l_q, l_ols, v, H(q)]``.
     ``loss = (cb_w * L_cb(sg z, P) + cm_w * L_cm(z, sg P)) / D``: the codebook term only reaches the prototypes,
     the commitment term only reaches ``z``; ``mu`` and ``q`` are differentiable w.r.t. both.
 
@@ -82,20 +86,23 @@ class _SoftCentroid(torch.autograd.Function):
         d = squared_distances(zc, pc)  # (N, K), one matmul
         indices = d.argmin(dim=1)
         logits = d.mul_(-1.0 / temperature)  # in place: d is not kept, d = -T * logits
-        q = torch.softmax(logits, dim=1)  # (N, K), log-sum-exp stable
+        lse = torch.logsumexp(logits, dim=1)  # (N,)
+        q = (logits - lse[:, None]).exp_()  # (N, K) softmax, log-sum-exp stable; lse also gives H(q) and F
         mu_c = q @ pc  # (N, D)
         mu = mu_c + center
 
-        lq_n = _rows_dot(q, logits).mul_(-temperature)  # (N,) per-token L_q = sum_k q d
+        q_logits = _rows_dot(q, logits)  # (N,) <q, -d / T>
+        lq_n = q_logits * -temperature  # (N,) per-token L_q = sum_k q d
         r = zc - mu_c  # (N, D) residual z - mu
         l_ols = r.square().sum(1).mean()
         v = (q @ p_sq - mu_c.square().sum(1)).mean()
         l_q = lq_n.mean()
-        stats = torch.stack([l_q, l_ols, v])
+        entropy = (lse - q_logits).mean()  # H(q) = -sum_k q log q, log q = logits - lse
+        stats = torch.stack([l_q, l_ols, v, entropy])
 
         def term(name: str) -> Tensor:
             if name == "free_energy":  # F = -T log sum_k exp(-d_k / T) = L_q - T H(q)
-                return torch.logsumexp(logits, dim=1).mean() * -temperature
+                return lse.mean() * -temperature
             return l_q if name == "l_q" else l_ols
 
         loss = (cb_weight * term(cb_term) + cm_weight * term(cm_term)) / dim
@@ -196,112 +203,162 @@ class _SoftCentroid(torch.autograd.Function):
 class DDCLQuantizer(nn.Module):
     """DDCL differentiable codebook: a bank of ``num_codes`` global prototypes with Boltzmann soft assignments.
 
-    Input: channel-last tokens ``z`` of shape ``(..., dim)``; the last dimension is the space in which to
-    quantize, all other dimensions are flattened. Output: a :class:`~softvq.QuantizerOutput` whose
-    ``quantized`` is the soft centroid ``mu = probs @ codebook`` (no straight-through estimator: gradients
-    flow through the assignments and the prototypes).
+    Input: tokens ``z`` of shape ``(..., dim)`` (channel-last; all other dimensions are flattened), or with
+    ``channel_first=True`` feature maps ``(B, dim, *spatial)``. Output: a :class:`~softvq.QuantizerOutput`.
 
-    **What reaches what.** Three gradient paths leave this layer:
+    **The recipe is in the layer** (``recipe="auto"``, the default). ``DDCLQuantizer(num_codes=K, dim=D)`` trains
+    collapse-free as the bottleneck of any model under any optimizer, with nothing else to set:
 
-    1. the task's gradient through ``quantized`` (and ``probs`` if used) reaches ``z`` *and* the prototypes,
-       via ``d mu_n / d z_n = (2/T) C_n`` (the assignment covariance, ``trace C_n = V_n``) and ``mu = q P``;
-    2. ``codebook_weight * codebook_term(sg[z], P) / dim`` reaches **only the prototypes**;
-    3. ``commitment_weight * commitment_term(z, sg[P]) / dim`` reaches **only the encoder** (``z``).
+    - *token scale*: tokens are standardised per dimension (:class:`softvq.norm.TokenStandardizer`: batch statistics
+      in training, over every process under DDP; running statistics in evaluation), so the encoder cannot shrink
+      what the codebook sees. Codes are returned on the input's scale (``code * std + mean``).
+    - *temperature*: ``T`` is set on the first training batch so that the mean assignment entropy H(Q) equals
+      ``target_entropy``, and after every training step ``T <- T exp(temperature_rate (target - H(Q)))`` keeps it
+      there (checkpointed with the layer), so ``T`` follows the distance scale and nobody tunes it.
+    - *prototype timescale*: the prototypes are not trained by the optimizer; every training step moves them by an
+      exponential moving average (``ema_decay``) toward the mean of the tokens they win (``prototype_update="ema"``,
+      a k-means step; ``"soft_ema"`` weights the tokens by ``q``, the free-energy M-step). That is the eps -> 0 limit
+      of the paper's timescale theorem, and it does not depend on the user's learning rate or optimizer.
+    - *dead codes*: a prototype whose running count of won tokens per batch falls below ``dead_code_threshold``
+      is moved onto a random token of the batch.
+    - *discrete codes*: with ``hard_output=True`` the output equals the argmax prototype in value, in training as at
+      test time, while the encoder's gradient is the DDCL soft-centroid Jacobian
+      ``d mu_n / d z_n = (2/T) C_n`` (``quantized = mu + sg(p_argmax - mu)``). The decoder learns on the codes it will
+      be given, so the soft -> hard gap is zero by construction.
 
-    ``loss`` is the sum of 2 and 3 (``sg`` = stop-gradient). Both terms are divided by ``dim`` so that the
-    weights sit on the scale of an element-mean MSE reconstruction loss, like VQ-VAE's ``beta``. Set a weight to 0
-    to drop a term. The prototypes' learning rate should exceed the encoder's: build the optimizer with
-    :func:`softvq.param_groups` (``eps = encoder lr / prototype lr``, DESIGN §2).
+    ``recipe="plain"`` is the paper's layer as written: no standardisation, a fixed temperature (1.0 unless given),
+    prototypes trained by the gradient (build the optimizer with :func:`softvq.param_groups`, ``eps = encoder lr /
+    prototype lr``), the soft centroid ``mu = q P`` as output, no restarts. Every option below overrides its recipe
+    value.
 
-    **Defaults, and why** (measured on CIFAR-10 VQ-VAEs; see the README, "Collapse-free defaults"):
+    **What reaches what** (gradient-trained prototypes): the task's gradient through ``quantized`` reaches ``z`` and
+    the prototypes; ``codebook_weight * codebook_term(sg[z], P) / dim`` reaches only the prototypes;
+    ``commitment_weight * commitment_term(z, sg[P]) / dim`` only the encoder. ``loss`` is the sum of the two terms.
+    With ``prototype_update="ema"`` the codebook term is not used (the prototypes have no gradient).
 
-    - ``codebook_term="free_energy"``: the prototypes minimise ``F = -T log sum_k exp(-d_k / T) = L_q - T H(q)``
-      (soft k-means, the paper's Lyapunov function), whose gradient only *attracts* each prototype to the tokens
-      it is assigned to (``dF/dd_k = q_k``). ``L_q`` itself pushes every prototype that is farther than average
-      by more than ``T`` even farther away (``dL_q/dd_k = q_k (1 - (d_k - L_q) / T)``); Adam turns that tiny
-      gradient into a full-size step, and those prototypes leave the data for good (dead codes).
-    - ``commitment_weight=0``: committing the encoder to its *soft* centroid (``z -> mu(z)``) is a mean-shift step
-      over the prototypes' kernel density; it pulls tokens into a few modes, which collapsed the codebook here.
-      The encoder learns from the reconstruction alone, through ``d mu / d z = (2/T) C_n``.
-    - The identity ``L_q = L_OLS + V`` and ``V >= 0`` hold whatever terms train the layer; ``terms`` reports them.
-    - Not set by this layer but needed for collapse-freedom: tokens on a fixed scale (the encoder must not be able
-      to shrink them; :class:`models.VQVAE` standardises them with a non-affine BatchNorm), ``T`` chosen relative to
-      that scale, and ``dead_code_threshold > 0``.
-
-    ``terms`` (detached, unweighted means over tokens): ``l_q``, ``l_ols``, ``v`` and ``identity_residual``
-    ``= |l_q - l_ols - v| / max(l_q, tiny)``, which stays at float rounding on every batch.
+    ``terms`` (detached means over tokens, in the standardised space the codebook lives in): ``l_q``, ``l_ols``, ``v``,
+    ``identity_residual = |l_q - l_ols - v| / l_q`` (float rounding on every batch: ``L_q = L_OLS + V`` is exact) and
+    ``entropy`` H(Q).
 
     Args:
         num_codes: ``K``, the number of prototypes.
         dim: ``D``, the token dimension.
-        temperature: Boltzmann ``T > 0`` in units of squared distance; lower = harder assignments, ``T -> 0``
-            is hard VQ. May be changed during training (``quantizer.temperature = t``) for annealing; it is
-            saved in the ``state_dict``.
-        distance: ``"euclidean"`` (squared Euclidean) or ``"cosine"`` (tokens and prototypes L2-normalised
-            first; then ``d = 2 - 2 cos``, the output lies in the unit ball, and a useful ``T`` is ~0.01-0.5).
-        codebook_term: ``"free_energy"``, ``"l_q"`` or ``"l_ols"``, the term whose gradient trains the
-            prototypes.
+        temperature: Boltzmann ``T > 0`` in units of squared (standardised) distance at the start, or ``None``: set on
+            the first training batch from ``target_entropy`` (``recipe="auto"``; 1.0 for ``"plain"``). It may be
+            assigned during training (``quantizer.temperature = t``) and is saved in the ``state_dict``.
+        recipe: ``"auto"`` (the defaults above) or ``"plain"``.
+        target_entropy: the H(Q) in nats that the temperature control holds, ``None`` for a fixed ``T``; ``"auto"``:
+            ``min(2.5, log(K) / 2)`` for ``recipe="auto"`` (about 12 prototypes share a token at K = 512), ``None``
+            for ``"plain"``.
+        temperature_rate: gain of the temperature control per step.
+        standardize: standardise tokens inside the layer (``recipe`` default: on for ``"auto"``).
+        prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
+        ema_decay: decay of the prototype update, in ``(0, 1)``.
+        hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
+            (``recipe`` default: on for ``"auto"``).
+        distance: ``"euclidean"`` or ``"cosine"`` (tokens and prototypes L2-normalised first; ``d = 2 - 2 cos``).
+        codebook_term: ``"free_energy"``, ``"l_q"`` or ``"l_ols"``, the term whose gradient trains the prototypes
+            (``prototype_update="gradient"``). ``free_energy`` ``F = -T log sum_k exp(-d_k / T)`` only attracts a
+            prototype to its tokens (soft k-means); ``l_q`` pushes far prototypes away, which strands them under Adam.
         codebook_weight: its weight (``>= 0``).
-        commitment_term: ``"l_ols"``, ``"l_q"`` or ``"free_energy"``, the term whose gradient pulls the encoder to
-            the codebook (only used with ``commitment_weight > 0``).
-        commitment_weight: its weight (``>= 0``); 0 by default (see above).
-        init: ``"data"`` copies random tokens of the first training batch into the prototypes (or call
-            :meth:`init_from_data` yourself); ``"normal"`` draws ``N(0, init_scale^2)``.
-        init_scale: standard deviation of the ``"normal"`` initialisation (also the placeholder values that
-            ``"data"`` overwrites).
-        dead_code_threshold: before each training step, move every prototype whose running number of tokens per
-            batch (argmax assignments, exponential average with ``dead_code_decay``) is below this onto a random
-            token of the batch; 0 = never. :attr:`restarts` counts the moves.
-        dead_code_decay: decay of that running average, in ``(0, 1)`` (0.9: about the last 10 batches).
+        commitment_term: ``"hard"`` (``||z - sg[p_argmax]||^2``, VQ-VAE's commitment to the code), ``"l_ols"``,
+            ``"l_q"`` or ``"free_energy"``: the term that pulls the encoder to the codebook.
+        commitment_weight: its weight (``>= 0``; default 0: committing to the *soft* centroid is a mean-shift step
+            that pulled the tokens into few modes here).
+        init: ``"data"`` copies random tokens of the first training batch into the prototypes; ``"normal"`` draws
+            ``N(0, init_scale^2)``.
+        init_scale: standard deviation of the ``"normal"`` initialisation.
+        dead_code_threshold: restart a prototype whose running number of won tokens per batch (decay
+            ``dead_code_decay``) is below this; 0 = never. ``None``: the recipe's, 1.0 for ``"auto"`` (but never above
+            a quarter of the mean tokens per code, so that a small batch does not restart live codes) and 0 for
+            ``"plain"``.
+        dead_code_decay: decay of that running count, in ``(0, 1)``.
+        channel_first: accept ``(B, dim, *spatial)`` feature maps (like vector-quantize-pytorch's
+            ``accept_image_fmap``); ``quantized`` has the input's layout, ``indices`` is ``(B, *spatial)`` and
+            ``probs`` ``(B, *spatial, K)``.
         check_finite: raise on NaN/Inf input (one device sync per call; disable in tuned GPU loops).
 
     Raises:
-        ValueError: on invalid hyperparameters, a wrong last dimension, or non-finite input.
+        ValueError: on invalid hyperparameters, a wrong token dimension, or non-finite input.
     """
+
+    VERSION = 2  # extra-state version: 1 (no key) = the plain layer before the in-layer recipe
 
     def __init__(
         self,
         num_codes: int,
         dim: int,
-        temperature: float = 1.0,
+        temperature: float | None = None,
+        *,
+        recipe: Literal["auto", "plain"] = "auto",
+        target_entropy: float | Literal["auto"] | None = "auto",
+        temperature_rate: float = 0.01,
+        standardize: bool | None = None,
+        prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
+        ema_decay: float = 0.99,
+        hard_output: bool | None = None,
         distance: Literal["euclidean", "cosine"] = "euclidean",
         codebook_term: Term = "free_energy",  # attraction only; l_q strands far prototypes under Adam
         codebook_weight: float = 1.0,
-        commitment_term: Term = "l_ols",
+        commitment_term: CommitTerm = "l_ols",
         commitment_weight: float = 0.0,  # soft commitment is mean-shift: it collapses the tokens into few modes
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
-        dead_code_threshold: float = 0.0,
+        dead_code_threshold: float | None = None,
         dead_code_decay: float = 0.9,
+        channel_first: bool = False,
         check_finite: bool = True,
     ) -> None:
         super().__init__()
         self.num_codes = check_positive_int("num_codes", num_codes)
         self.dim = check_positive_int("dim", dim)
+        self.recipe = check_choice("recipe", recipe, ("auto", "plain"))
+        auto = recipe == "auto"
         self.distance = check_choice("distance", distance, ("euclidean", "cosine"))
         self.codebook_term = check_choice("codebook_term", codebook_term, _TERMS)
-        self.commitment_term = check_choice("commitment_term", commitment_term, _TERMS)
+        self.commitment_term = check_choice("commitment_term", commitment_term, (*_TERMS, "hard"))
         self.codebook_weight = check_float("codebook_weight", codebook_weight, allow_zero=True)
         self.commitment_weight = check_float("commitment_weight", commitment_weight, allow_zero=True)
         self.init = check_choice("init", init, ("data", "normal"))
         init_scale = check_float("init_scale", init_scale)
         self.check_finite = bool(check_finite)
-        self._temperature = check_float("temperature", temperature)
-        self.dead_code_threshold = check_float("dead_code_threshold", dead_code_threshold, allow_zero=True)
-        self.dead_code_decay = check_float("dead_code_decay", dead_code_decay)
-        if not self.dead_code_decay < 1.0:
-            raise ValueError(f"dead_code_decay must be in (0, 1), got {dead_code_decay!r}")
+        self.channel_first = _check_bool("channel_first", channel_first)
+        self.standardize = _check_bool("standardize", auto if standardize is None else standardize)
+        self.hard_output = _check_bool("hard_output", auto if hard_output is None else hard_output)
+        self.prototype_update = check_choice("prototype_update", prototype_update or ("ema" if auto else "gradient"),
+                                             ("ema", "soft_ema", "gradient"))
+        self.ema_decay = _check_unit("ema_decay", ema_decay)
+        if target_entropy == "auto":
+            target_entropy = min(2.5, 0.5 * math.log(num_codes)) if auto else None
+        self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
+        if self.target_entropy is not None and not self.target_entropy < math.log(num_codes):
+            raise ValueError(f"target_entropy must be below log(num_codes) = {math.log(num_codes):.4g} nats (uniform "
+                             f"assignments), got {target_entropy!r}")
+        self.temperature_rate = check_float("temperature_rate", temperature_rate)
+        if temperature is None and self.target_entropy is None:
+            temperature = 1.0
+        self._temperature = None if temperature is None else check_float("temperature", temperature)
+        threshold = (1.0 if auto else 0.0) if dead_code_threshold is None else dead_code_threshold
+        self.dead_code_threshold = check_float("dead_code_threshold", threshold, allow_zero=True)
+        # The recipe's threshold never exceeds a quarter of the mean tokens per code (an explicit one is kept as given)
+        self._capped_threshold = dead_code_threshold is None
+        self.dead_code_decay = _check_unit("dead_code_decay", dead_code_decay)
         # Python-side state (no device sync to read it); saved through get_extra_state.
         self._initialized = init != "data"
         self._restarts = 0  # prototypes restarted so far (dead-code restart)
-        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale)  # (K, D)
+        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
+                                       requires_grad=self.prototype_update == "gradient")
+        self.standardizer = TokenStandardizer(dim)
         # Running average of argmax assignments per training batch (for dead-code restart); -1 = no batch seen yet.
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
+        # EMA prototype update: won mass per code and the weighted sum of its tokens (one pseudo-token each).
+        self.register_buffer("ema_mass", torch.ones(num_codes))
+        self.register_buffer("ema_sum", self.prototypes.detach().clone())
 
-    # ---- temperature (annealing) and checkpointed state -------------------------------------------------
+    # ---- temperature and checkpointed state --------------------------------------------------------------------
     @property
-    def temperature(self) -> float:
-        """The Boltzmann temperature ``T``; assign a new value to anneal."""
+    def temperature(self) -> float | None:
+        """The Boltzmann temperature ``T`` (``None`` until the first training batch sets it); assign to anneal."""
         return self._temperature
 
     @temperature.setter
@@ -319,44 +376,75 @@ class DDCLQuantizer(nn.Module):
         return self._restarts
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"temperature": self._temperature, "initialized": self._initialized, "restarts": self._restarts}
+        return {"temperature": self._temperature, "initialized": self._initialized, "restarts": self._restarts,
+                "version": self.VERSION}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
             raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
                              f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
-        self.temperature = state["temperature"]
+        t = state["temperature"]
+        self._temperature = None if t is None else check_float("temperature", t)
         self._initialized = bool(state["initialized"])
         self._restarts = int(state.get("restarts", 0))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # State dicts written before dead-code restart existed have no usage buffer: start it afresh.
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(extra, dict) and "version" not in extra and self.recipe == "auto":
+            # A layer saved before the in-layer recipe existed (version 1) is the plain layer: switch this one to the
+            # settings it was trained with, so that evaluation, readout and the prior see the same codebook.
+            self._become_plain()
+        # Buffers newer than the state dict start afresh (usage: dead-code restart; standardizer and EMA: v2).
         state_dict.setdefault(prefix + "usage", torch.full_like(self.usage, -1.0))
+        for name, value in (("ema_mass", self.ema_mass), ("ema_sum", self.ema_sum)):
+            state_dict.setdefault(prefix + name, value.detach().clone())
+        for name, value in self.standardizer.state_dict().items():
+            state_dict.setdefault(f"{prefix}standardizer.{name}", value.clone())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _become_plain(self) -> None:
+        self.recipe = "plain"
+        self.standardize = self.hard_output = False
+        self.prototype_update = "gradient"
+        self.prototypes.requires_grad_(True)
+        self.target_entropy = None
+
     def extra_repr(self) -> str:
+        t = "auto" if self._temperature is None else f"{self._temperature:g}"
         return (
-            f"num_codes={self.num_codes}, dim={self.dim}, temperature={self._temperature:g}, "
+            f"num_codes={self.num_codes}, dim={self.dim}, recipe={self.recipe!r}, temperature={t}, "
+            f"target_entropy={self.target_entropy}, standardize={self.standardize}, "
+            f"prototype_update={self.prototype_update!r}, hard_output={self.hard_output}, "
             f"distance={self.distance!r}, codebook={self.codebook_weight:g}*{self.codebook_term}, "
             f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
             f"dead_code_threshold={self.dead_code_threshold:g}"
         )
 
-    # ---- codebook ---------------------------------------------------------------------------------------
-    @property
-    def codebook(self) -> Tensor:
-        """``(K, D)``, the prototypes as the layer uses them (L2-normalised for ``distance="cosine"``)."""
+    # ---- codebook ---------------------------------------------------------------------------------------------
+    def _unit_codebook(self) -> Tensor:
+        """``(K, D)``, the prototypes in the space of the distances (standardised; L2-normalised for cosine)."""
         p = self.prototypes.detach()
         return F.normalize(p, dim=-1) if self.distance == "cosine" else p
 
+    @property
+    def codebook(self) -> Tensor:
+        """``(K, D)``, the codes as the layer outputs them in evaluation (on the input's scale)."""
+        p = self._unit_codebook()
+        if self.standardize:
+            p = p * self.standardizer.running_std().to(p.dtype) + self.standardizer.running_mean.to(p.dtype)
+        return p
+
     def decode_indices(self, indices: Tensor) -> Tensor:
-        """Map code indices ``(...)`` to their prototypes ``(..., D)`` (the hard decode of a soft codebook)."""
+        """Map code indices ``(...)`` to their codes ``(..., D)`` (for ``channel_first``, ``(B, *spatial)`` to
+        ``(B, D, *spatial)``): what :meth:`forward` outputs in evaluation with ``hard_output``."""
         check_indices(indices, self.num_codes)
-        return F.embedding(indices.long(), self.codebook)
+        codes = F.embedding(indices.long(), self.codebook)
+        return codes.movedim(-1, 1) if self.channel_first and codes.ndim > 2 else codes
 
     @torch.no_grad()
     def init_from_data(self, z: Tensor) -> None:
-        """Set the prototypes to ``K`` random tokens of ``z (..., D)``.
+        """Set the prototypes to ``K`` random tokens of ``z (..., D)`` (standardised tokens, when the layer
+        standardises: pass what the codebook sees).
 
         With fewer than ``K`` tokens, tokens are drawn with replacement and jittered by 1e-3 of their standard
         deviation so no two prototypes coincide. Under ``torch.distributed`` the tokens are drawn from every process's
@@ -374,61 +462,140 @@ class DDCLQuantizer(nn.Module):
             spread = chosen.std() if k > 1 else chosen.abs().mean()
             chosen = broadcast_(chosen + torch.randn_like(chosen) * 1e-3 * spread.clamp_min(1e-6))
         self.prototypes.copy_(chosen)
+        self.ema_sum.copy_(chosen)
+        self.ema_mass.fill_(1.0)
         self._initialized = True
 
-    # ---- forward ----------------------------------------------------------------------------------------
+    # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, z: Tensor) -> QuantizerOutput:
-        """Quantize channel-last tokens.
-
-        Args:
-            z: ``(..., dim)`` float tensor.
+        """Quantize tokens ``z (..., dim)`` (or feature maps ``(B, dim, *spatial)`` with ``channel_first``).
 
         Returns:
-            :class:`~softvq.QuantizerOutput` with ``quantized (..., D)`` (dtype of ``z``), ``indices (...)``,
-            ``probs (..., K)`` (float32, or float64 for float64 input), scalar ``loss`` and ``terms``.
+            :class:`~softvq.QuantizerOutput` with ``quantized`` (shape and dtype of ``z``), ``indices``, ``probs``
+            (float32, or float64 for float64 input), scalar ``loss`` and ``terms``.
         """
+        if self.channel_first:
+            if not isinstance(z, Tensor) or z.ndim < 2 or z.shape[1] != self.dim:
+                shape = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
+                raise ValueError(f"channel_first=True expects feature maps of shape (B, {self.dim}, ...), got {shape}")
+            out = self._forward_tokens(z.movedim(1, -1))
+            return out._replace(quantized=out.quantized.movedim(-1, 1))
+        return self._forward_tokens(z)
+
+    def _forward_tokens(self, z: Tensor) -> QuantizerOutput:
         flat = flatten_tokens(z, self.dim, check_finite=self.check_finite)  # (N, D)
         lead = z.shape[:-1]
         if flat.shape[0] == 0:
-            return empty_output(z, self.num_codes, self.prototypes, ("l_q", "l_ols", "v", "identity_residual"))
-        if not self._initialized:
-            if self.training:
-                self.init_from_data(flat.detach())
-            else:
-                warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised its "
-                              "prototypes: it is using random placeholder prototypes", stacklevel=2)
-        if self.training and self.dead_code_threshold > 0:
-            self._restart_dead_codes(flat.detach())
+            return empty_output(z, self.num_codes, self.prototypes,
+                                ("l_q", "l_ols", "v", "identity_residual", "entropy"))
         ctype = compute_dtype(z.dtype)
         with torch.autocast(device_type=z.device.type, enabled=False):
             zf = flat.to(ctype)
-            p = self.prototypes.to(ctype)
+            mean = std = None
+            if self.standardize:
+                zf, mean, std = self.standardizer(zf)
+            if not self._initialized:
+                if self.training:
+                    self.init_from_data(zf.detach())
+                else:
+                    warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
+                                  "its prototypes: it is using random placeholder prototypes", stacklevel=3)
+            if self.training and self.dead_code_threshold > 0:
+                self._restart_dead_codes(zf.detach())
             if self.distance == "cosine":
                 zf = F.normalize(zf, dim=-1)
-                p = F.normalize(p, dim=-1)
+            p = self.prototypes.to(ctype)
+            p = F.normalize(p, dim=-1) if self.distance == "cosine" else p
+            if self._temperature is None:
+                self._calibrate_temperature(zf.detach(), p.detach())
+            gradient = self.prototype_update == "gradient"
             mu, q, indices, loss, stats = _SoftCentroid.apply(
                 zf, p, self._temperature,
-                self.codebook_term, self.codebook_weight,
-                self.commitment_term, self.commitment_weight,
+                self.codebook_term, self.codebook_weight if gradient else 0.0,
+                *self._soft_commitment(),
             )
-        if self.training and self.dead_code_threshold > 0:
-            self._update_usage(indices)
-        l_q, l_ols, v = stats.unbind()
+            out = mu
+            if self.hard_output or self.commitment_term == "hard":
+                codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
+                if self.hard_output:
+                    out = mu + (codes - mu).detach()  # the code in value, the soft centroid's Jacobian
+                if self.commitment_term == "hard" and self.commitment_weight > 0:
+                    loss = loss + self.commitment_weight * F.mse_loss(zf, codes)
+            if std is not None:
+                out = out * std + mean
+        l_q, l_ols, v, entropy = stats.unbind()
+        if self.training:
+            self._after_step(zf.detach(), q.detach(), indices, entropy)
         residual = (l_q - l_ols - v).abs() / l_q.abs().clamp_min(torch.finfo(stats.dtype).tiny)
-        terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual}
+        terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual, "entropy": entropy}
         return QuantizerOutput(
-            quantized=mu.to(z.dtype).reshape(z.shape),
+            quantized=out.to(z.dtype).reshape(z.shape),
             indices=indices.reshape(lead),
             probs=q.reshape(*lead, self.num_codes),
             loss=loss,
             terms=terms,
         )
 
-    # ---- dead-code restart -------------------------------------------------------------------------------
+    def _soft_commitment(self) -> tuple[str, float]:
+        """The commitment term the autograd function computes (``"hard"`` is added outside it)."""
+        if self.commitment_term == "hard":
+            return "l_ols", 0.0
+        return self.commitment_term, self.commitment_weight
+
+    # ---- the in-layer updates (training mode) --------------------------------------------------------------------
     @torch.no_grad()
-    def _update_usage(self, indices: Tensor) -> None:
-        counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
-        all_reduce_sum_(counts)
+    def _after_step(self, z: Tensor, q: Tensor, indices: Tensor, entropy: Tensor) -> None:
+        """After a training forward: usage for dead-code restart, the EMA prototype update and the temperature
+        control, each with its statistics summed over processes (every process ends with the same state)."""
+        if self.dead_code_threshold > 0 or self.prototype_update == "ema":
+            counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
+            all_reduce_sum_(counts)
+            if self.dead_code_threshold > 0:
+                self._update_usage(counts)
+        if self.prototype_update != "gradient":
+            if self.prototype_update == "ema":
+                mass = counts.to(self.ema_mass.dtype)  # summed over processes already
+                total = torch.zeros_like(self.ema_sum).index_add_(0, indices, z.to(self.ema_sum.dtype))
+            else:  # soft_ema: the free-energy M-step, tokens weighted by their assignments
+                mass = all_reduce_sum_(q.sum(0).to(self.ema_mass.dtype))
+                total = (q.t() @ z).to(self.ema_sum.dtype)
+            all_reduce_sum_(total)
+            self.ema_mass.lerp_(mass, 1.0 - self.ema_decay)
+            self.ema_sum.lerp_(total, 1.0 - self.ema_decay)
+            self.prototypes.copy_(self.ema_sum / self.ema_mass.clamp_min(1e-12)[:, None])
+        if self.target_entropy is not None:
+            n = torch.tensor([entropy.item() * indices.numel(), indices.numel()], dtype=torch.float64,
+                             device=indices.device)
+            all_reduce_sum_(n)
+            self._temperature = adapt_temperature(self._temperature, float(n[0] / n[1]), self.target_entropy,
+                                                  self.temperature_rate)
+
+    @torch.no_grad()
+    def _calibrate_temperature(self, z: Tensor, p: Tensor) -> None:
+        """The first ``T``: bisection in ``log T`` until the mean assignment entropy of this batch (of every
+        process's batch) equals ``target_entropy``; H(Q) rises monotonically with ``T``."""
+        sample = z[:: max(1, z.shape[0] // 4096)]  # a strided sample: no random draw, so restarts draw alike
+        center = p.mean(0)
+        d = squared_distances(sample - center, p - center)  # (n, K)
+        total = all_reduce_sum_(torch.stack([d.sum(), torch.tensor(float(d.numel()), dtype=d.dtype,
+                                                                   device=d.device)]).double())
+        scale = max(float(total[0] / total[1]), 1e-12)  # the same bracket on every process
+        lo, hi = math.log(scale * 1e-6), math.log(scale * 1e3)
+        for _ in range(50):
+            mid = 0.5 * (lo + hi)
+            logq = torch.log_softmax(d * -math.exp(-mid), dim=1)
+            h = torch.stack([-(logq.exp() * logq).sum(1).sum(), torch.tensor(d.shape[0], dtype=d.dtype,
+                                                                               device=d.device)]).double()
+            all_reduce_sum_(h)
+            if float(h[0] / h[1]) > self.target_entropy:
+                hi = mid
+            else:
+                lo = mid
+        self._temperature = math.exp(0.5 * (lo + hi))
+
+    # ---- dead-code restart -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _update_usage(self, counts: Tensor) -> None:
         if bool((self.usage < 0).any()):  # first batch: start from its counts
             self.usage.copy_(counts)
         else:
@@ -436,9 +603,30 @@ class DDCLQuantizer(nn.Module):
 
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:
-        """Before a training step: prototypes whose running argmax count per batch fell below the threshold move
-        onto random tokens of this batch (done before the forward pass, so no tensor saved for backward changes)."""
+        """Before a training step: prototypes whose running argmax count per batch fell below the threshold (the
+        recipe's: at most a quarter of the mean tokens per code) move onto random tokens of this batch (before the forward pass, so no
+        tensor saved for backward changes); their EMA statistics restart from that token."""
         if bool((self.usage < 0).any()):
             return
-        dead = restart_dead_codes_(self.prototypes.data, self.usage, z, self.dead_code_threshold)
+        threshold = self.dead_code_threshold
+        if self._capped_threshold:
+            threshold = min(threshold, 0.25 * float(self.usage.sum()) / self.num_codes)
+        dead = restart_dead_codes_(self.prototypes.data, self.usage, z, threshold)
+        if bool(dead.any()):
+            self.ema_sum[dead] = self.prototypes.data[dead]
+            self.ema_mass[dead] = 1.0
         self._restarts += int(dead.sum())
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_unit(name: str, value: float) -> float:
+    """A float strictly inside (0, 1)."""
+    value_f = check_float(name, value)
+    if not value_f < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return value_f

@@ -125,6 +125,9 @@ class HierarchicalDDCL(nn.Module):
         self.dim = check_positive_int("dim", dim)
         self.pool = self._check_pool(pool, len(self.num_codes))
         try:
+            # Each level is the plain layer unless ddcl_kwargs say otherwise: upper levels quantize the soft centroids
+            # of the level below, and the per-level temperature is set by the caller (models.VQVAE).
+            ddcl_kwargs = {"recipe": "plain", **ddcl_kwargs}
             self.levels = nn.ModuleList([DDCLQuantizer(k, dim, **ddcl_kwargs) for k in self.num_codes])
         except TypeError as err:  # an option DDCLQuantizer does not have
             raise ValueError(f"invalid DDCLQuantizer option for HierarchicalDDCL: {err}") from err

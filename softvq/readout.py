@@ -67,6 +67,8 @@ class DDCLReadout(nn.Module):
             :class:`~softvq.DDCLQuantizer`, with the same defaults (``init="data"`` and dead-code restart draw
             from the real tokens only).
         check_finite: raise on NaN/Inf at real positions (padded positions may hold anything).
+        standardize: standardise the real tokens per dimension before the assignments (as a
+            :class:`~softvq.DDCLQuantizer` with the default recipe does; :meth:`from_quantizer` copies it).
 
     Raises:
         ValueError: on invalid hyperparameters; in ``forward`` on tokens that are not ``(B, T, dim)`` floats, a
@@ -96,14 +98,17 @@ class DDCLReadout(nn.Module):
         dead_code_threshold: float = 0.0,
         dead_code_decay: float = 0.9,
         check_finite: bool = True,
+        standardize: bool = False,
     ) -> None:
         super().__init__()
         # The inner quantizer only ever sees real tokens, which forward checks itself.
-        self.quantizer = DDCLQuantizer(num_codes, dim, temperature=temperature, distance=distance,
+        # The plain layer: a readout pools soft assignments of tokens, it is not a discrete bottleneck.
+        self.quantizer = DDCLQuantizer(num_codes, dim, temperature=temperature, recipe="plain", distance=distance,
                                        codebook_term=codebook_term, codebook_weight=codebook_weight,
                                        commitment_term=commitment_term, commitment_weight=commitment_weight,
                                        init=init, init_scale=init_scale, dead_code_threshold=dead_code_threshold,
-                                       dead_code_decay=dead_code_decay, check_finite=False)
+                                       dead_code_decay=dead_code_decay, check_finite=False,
+                                       standardize=standardize)
         self.check_finite = bool(check_finite)
 
     @classmethod
@@ -112,7 +117,10 @@ class DDCLReadout(nn.Module):
 
         The copy is independent: training the readout never changes ``quantizer``. With ``freeze=True`` the
         prototypes do not require gradients and dead-code restart is off (the codebook is a fixed feature map;
-        ``loss`` then only reaches the tokens, through the commitment term).
+        ``loss`` then only reaches the tokens, through the commitment term); a quantizer that standardises its tokens
+        (the default recipe) is then copied with its running statistics frozen, so the readout assigns tokens as the
+        trained quantizer does in evaluation. The readout itself is the plain layer: its prototypes learn by the
+        gradient (no EMA), at a fixed temperature.
         """
         if not isinstance(quantizer, DDCLQuantizer):
             raise TypeError(f"from_quantizer needs a softvq.DDCLQuantizer, got {type(quantizer).__name__}")
@@ -121,11 +129,13 @@ class DDCLReadout(nn.Module):
                       codebook_weight=quantizer.codebook_weight, commitment_term=quantizer.commitment_term,
                       commitment_weight=quantizer.commitment_weight, init=quantizer.init,
                       dead_code_threshold=0.0 if freeze else quantizer.dead_code_threshold,
-                      dead_code_decay=quantizer.dead_code_decay, check_finite=quantizer.check_finite)
+                      dead_code_decay=quantizer.dead_code_decay, check_finite=quantizer.check_finite,
+                      standardize=quantizer.standardize)
         proto = quantizer.prototypes
         readout.quantizer.to(device=proto.device, dtype=proto.dtype)
         readout.quantizer.load_state_dict(quantizer.state_dict())  # prototypes, usage, temperature, initialized
         readout.quantizer.prototypes.requires_grad_(not freeze)
+        readout.quantizer.standardizer.frozen = freeze
         return readout
 
     @property

@@ -46,7 +46,7 @@ def test_quick_comparison_writes_the_report_and_every_plot(quick):
     runs = results["runs"]
     assert sorted((r["key"], r["seed"]) for r in runs) == sorted(
         [(k, s) for k in ("ddcl", "hard", "hard_ema") for s in (0, 1)]
-        + [(k, 0) for k in ("ddcl_eps0.1", "ddcl_eps1.0", "ddcl_fixedT", "ddcl_annealT")])
+        + [(k, 0) for k in ("ddcl_plain", "ddcl_eps0.1", "ddcl_eps1.0", "ddcl_fixedT", "ddcl_annealT")])
     for run in runs:
         assert [row["epoch"] for row in run["history"]] == [1, 2]
         assert run["test"]["images"] == 20 and run["test"]["epochs"] == 2 and run["test"]["num_codes"] == 8

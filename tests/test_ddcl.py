@@ -13,6 +13,11 @@ from softvq import DDCLQuantizer
 from softvq.ddcl import _SoftCentroid
 
 
+def plain(*args, **kw) -> DDCLQuantizer:
+    """The paper's layer as written (no in-layer recipe): what the brute-force references describe."""
+    return DDCLQuantizer(*args, recipe="plain", **kw)
+
+
 def brute_force(z: torch.Tensor, p: torch.Tensor, temperature: float, distance: str = "euclidean"):
     """DESIGN §1 written out literally, with the (N, K, D) difference tensor the library must avoid."""
     if distance == "cosine":
@@ -30,7 +35,7 @@ def brute_force(z: torch.Tensor, p: torch.Tensor, temperature: float, distance: 
 
 def make(num_codes=12, dim=5, dtype=torch.float64, **kw) -> DDCLQuantizer:
     torch.manual_seed(0)
-    return DDCLQuantizer(num_codes, dim, init="normal", **kw).to(dtype)
+    return plain(num_codes, dim, init="normal", **kw).to(dtype)
 
 
 SHAPES = [(7, 5), (3, 4, 5), (2, 3, 4, 5)]
@@ -64,7 +69,7 @@ def test_terms_match_brute_force_and_identity_float64(shape, distance):
 def test_identity_float32_at_rounding_far_from_origin():
     """Centring keeps the float32 identity at rounding when tokens and prototypes sit far from the origin."""
     torch.manual_seed(1)
-    quantizer = DDCLQuantizer(64, 16, temperature=2.0, init="normal")
+    quantizer = plain(64, 16, temperature=2.0, init="normal")
     with torch.no_grad():
         quantizer.prototypes.add_(100.0)
     z = torch.randn(512, 16) + 100.0
@@ -88,7 +93,7 @@ def reference_objective(z, p, temperature, distance, cb_term, cb_w, cm_term, cm_
 @pytest.mark.parametrize("cb_w,cm_w", [(1.0, 0.25), (0.0, 0.5), (0.7, 0.0)])
 def test_gradients_match_reference_with_stop_gradients(distance, cb_term, cm_term, cb_w, cm_w):
     torch.manual_seed(2)
-    quantizer = DDCLQuantizer(9, 5, temperature=0.9 if distance == "euclidean" else 0.3, distance=distance,
+    quantizer = plain(9, 5, temperature=0.9 if distance == "euclidean" else 0.3, distance=distance,
                               codebook_term=cb_term, codebook_weight=cb_w, commitment_term=cm_term,
                               commitment_weight=cm_w, init="normal").double()
     z = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
@@ -123,13 +128,13 @@ def test_gradcheck_soft_centroid_and_assignments():
 def test_only_routed_terms_reach_each_side():
     """loss alone: the commitment term's gradient reaches z, the codebook term's reaches the prototypes."""
     torch.manual_seed(4)
-    q_only_codebook = DDCLQuantizer(8, 4, init="normal", codebook_weight=1.0, commitment_weight=0.0).double()
+    q_only_codebook = plain(8, 4, init="normal", codebook_weight=1.0, commitment_weight=0.0).double()
     z = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
     q_only_codebook(z).loss.backward()
     assert torch.count_nonzero(z.grad) == 0
     assert torch.count_nonzero(q_only_codebook.prototypes.grad) > 0
 
-    q_only_commit = DDCLQuantizer(8, 4, init="normal", codebook_weight=0.0, commitment_weight=1.0).double()
+    q_only_commit = plain(8, 4, init="normal", codebook_weight=0.0, commitment_weight=1.0).double()
     z.grad = None
     q_only_commit(z).loss.backward()
     assert torch.count_nonzero(z.grad) > 0
@@ -138,7 +143,7 @@ def test_only_routed_terms_reach_each_side():
 
 def test_gradients_finite_at_tiny_temperature_and_huge_inputs():
     torch.manual_seed(5)
-    quantizer = DDCLQuantizer(32, 8, temperature=1e-4, init="normal", init_scale=1e4)
+    quantizer = plain(32, 8, temperature=1e-4, init="normal", init_scale=1e4)
     z = (torch.randn(64, 8) * 1e4).requires_grad_(True)
     out = quantizer(z)
     (out.quantized.square().mean() + out.loss).backward()
@@ -167,7 +172,7 @@ def test_output_approaches_nearest_prototype_as_temperature_falls():
 
 def test_data_initialisation_copies_first_training_batch():
     torch.manual_seed(7)
-    quantizer = DDCLQuantizer(16, 3)  # init="data"
+    quantizer = plain(16, 3)  # init="data"
     assert not quantizer.initialized
     z = torch.randn(4, 10, 3)
     quantizer.eval()
@@ -187,7 +192,7 @@ def test_data_initialisation_copies_first_training_batch():
 
 def test_data_initialisation_with_fewer_tokens_than_codes_gives_distinct_prototypes():
     torch.manual_seed(8)
-    quantizer = DDCLQuantizer(32, 3)
+    quantizer = plain(32, 3)
     z = torch.randn(5, 3)
     quantizer.init_from_data(z)
     assert torch.unique(quantizer.prototypes.detach(), dim=0).shape[0] == 32
@@ -195,10 +200,10 @@ def test_data_initialisation_with_fewer_tokens_than_codes_gives_distinct_prototy
 
 
 def test_state_dict_keeps_temperature_and_initialisation():
-    quantizer = DDCLQuantizer(8, 2, temperature=0.5)
+    quantizer = plain(8, 2, temperature=0.5)
     quantizer(torch.randn(20, 2))
     quantizer.temperature = 0.125
-    restored = DDCLQuantizer(8, 2, temperature=3.0)
+    restored = plain(8, 2, temperature=3.0)
     restored.load_state_dict(quantizer.state_dict())
     assert restored.temperature == 0.125 and restored.initialized
     assert torch.equal(restored.prototypes, quantizer.prototypes)
@@ -207,7 +212,7 @@ def test_state_dict_keeps_temperature_and_initialisation():
 
 
 def test_state_dict_with_bad_extra_state_raises():
-    quantizer = DDCLQuantizer(8, 2)
+    quantizer = plain(8, 2)
     state = quantizer.state_dict()
     state["_extra_state"] = {"temperature": 0.5}  # e.g. a hand-edited or foreign checkpoint
     with pytest.raises(ValueError, match="initialized"):
@@ -221,7 +226,7 @@ def test_state_dict_with_bad_extra_state_raises():
 
 
 def test_cosine_distance_is_scale_invariant():
-    quantizer = DDCLQuantizer(10, 6, distance="cosine", temperature=0.1, init="normal")
+    quantizer = plain(10, 6, distance="cosine", temperature=0.1, init="normal")
     z = torch.randn(30, 6)
     torch.testing.assert_close(quantizer(z).probs, quantizer(7.5 * z).probs)
     assert torch.allclose(quantizer.codebook.norm(dim=-1), torch.ones(10))
@@ -240,7 +245,7 @@ def test_decode_indices_returns_codebook_rows():
 def test_autocast_bf16_computes_in_float32():
     torch.manual_seed(9)
     encoder = torch.nn.Linear(8, 8)
-    quantizer = DDCLQuantizer(32, 8, temperature=0.5)
+    quantizer = plain(32, 8, temperature=0.5)
     x = torch.randn(64, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         z = encoder(x)
@@ -328,7 +333,7 @@ class _RecordShapes(torch.utils._python_dispatch.TorchDispatchMode):
 def test_never_builds_an_n_by_k_by_d_tensor(distance):
     """Memory is O(N K): no op of the forward or backward pass produces N*K*D elements."""
     n, k, dim = 96, 40, 24
-    quantizer = DDCLQuantizer(k, dim, distance=distance, init="normal")
+    quantizer = plain(k, dim, distance=distance, init="normal")
     z = torch.randn(n, dim, requires_grad=True)
     with _RecordShapes() as rec:
         out = quantizer(z)
@@ -359,7 +364,7 @@ def test_free_energy_attracts_a_far_prototype_where_l_q_repels_it():
     z = torch.randn(200, 4, dtype=torch.float64)
     directions = {}
     for term in ("l_q", "free_energy"):
-        quantizer = DDCLQuantizer(3, 4, temperature=1.0, codebook_term=term, commitment_weight=0.0,
+        quantizer = plain(3, 4, temperature=1.0, codebook_term=term, commitment_weight=0.0,
                                   init="normal").double()
         with torch.no_grad():
             quantizer.prototypes.copy_(torch.tensor([[0.0, 0, 0, 0], [0.5, 0, 0, 0], [6.0, 0, 0, 0]]))
@@ -372,7 +377,7 @@ def test_free_energy_attracts_a_far_prototype_where_l_q_repels_it():
 
 def test_free_energy_is_l_q_minus_temperature_times_entropy():
     torch.manual_seed(6)
-    quantizer = DDCLQuantizer(7, 3, temperature=0.6, codebook_term="free_energy", codebook_weight=1.0,
+    quantizer = plain(7, 3, temperature=0.6, codebook_term="free_energy", codebook_weight=1.0,
                               commitment_weight=0.0, init="normal").double()
     z = torch.randn(50, 3, dtype=torch.float64)
     out = quantizer(z)
@@ -382,7 +387,7 @@ def test_free_energy_is_l_q_minus_temperature_times_entropy():
 
 def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
     torch.manual_seed(7)
-    quantizer = DDCLQuantizer(4, 2, temperature=0.5, init="normal", dead_code_threshold=1.0).double()
+    quantizer = plain(4, 2, temperature=0.5, init="normal", dead_code_threshold=1.0).double()
     with torch.no_grad():
         quantizer.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [50.0, 50.0]]))
     z1 = torch.randn(64, 2, dtype=torch.float64)
@@ -397,7 +402,7 @@ def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
     torch.testing.assert_close(quantizer.prototypes.detach()[:3], torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]],
                                                                                dtype=torch.float64))
     state = quantizer.state_dict()
-    clone = DDCLQuantizer(4, 2, init="normal", dead_code_threshold=1.0).double()
+    clone = plain(4, 2, init="normal", dead_code_threshold=1.0).double()
     clone.load_state_dict(state)
     assert clone.restarts == 1 and torch.equal(clone.usage, quantizer.usage)
 
@@ -410,13 +415,13 @@ def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
 
 
 def test_no_restart_without_threshold_and_legacy_state_dict_loads():
-    quantizer = DDCLQuantizer(4, 2, init="normal")
+    quantizer = plain(4, 2, init="normal")
     with torch.no_grad():
         quantizer.prototypes[3] = 50.0
     for _ in range(3):
         quantizer(torch.randn(32, 2))
     assert quantizer.restarts == 0 and quantizer.prototypes[3, 0].item() == 50.0
     legacy = {k: v for k, v in quantizer.state_dict().items() if not k.endswith("usage")}
-    fresh = DDCLQuantizer(4, 2, init="normal")
+    fresh = plain(4, 2, init="normal")
     fresh.load_state_dict(legacy)
     assert (fresh.usage == -1).all()

@@ -196,7 +196,7 @@ def test_ddcl_identity_on_standardised_catalogue_float64():
     data = make_orbital_debris(3000, seed=0)
     x = (data.features - data.features.mean(0)) / data.features.std(0)
     torch.manual_seed(0)
-    quantizer = DDCLQuantizer(4, x.shape[1], temperature=1.0).double()
+    quantizer = DDCLQuantizer(4, x.shape[1], temperature=1.0, recipe="plain").double()
     quantizer.init_from_data(x)
     out = quantizer(x)
     # Independent reference: the definitions with the explicit (N, K, D) difference tensor.

@@ -58,6 +58,27 @@ def _latent_norm_steps(batches: list[torch.Tensor], rows: slice = slice(None)) -
     return out
 
 
+def _recipe_steps(batches: list[torch.Tensor], rows: slice, seed_offset: int = 0) -> dict[str, torch.Tensor]:
+    """Three training steps of a DDCLQuantizer with the default recipe (float64): in-layer standardisation, the
+    calibrated and entropy-controlled temperature, EMA prototypes, restarts (a high threshold makes codes restart).
+    Under DDP the objective is the sum over ranks, as DDP's gradient all-reduce makes it."""
+    torch.manual_seed(5)
+    quantizer = DDCLQuantizer(8, 4, dead_code_threshold=12.0).double()
+    weights = torch.linspace(-1, 1, 3 * 128 * 4, dtype=torch.float64).reshape(3, 128, 4)
+    out: dict[str, torch.Tensor] = {}
+    for step, x in enumerate(batches):
+        torch.manual_seed(400 + seed_offset)  # rank 0's draw must be the one used
+        x = x.double().clone().requires_grad_(True)
+        result = quantizer(x)
+        (result.quantized * weights[step, rows]).sum().backward()
+        out[f"q{step}"], out[f"grad{step}"] = result.quantized.detach(), x.grad
+    sd = quantizer.standardizer
+    out.update(prototypes=quantizer.prototypes.detach().clone(), mean=sd.running_mean.clone(),
+               var=sd.running_var.clone(), temperature=torch.tensor(quantizer.temperature, dtype=torch.float64),
+               restarts=torch.tensor(quantizer.restarts))
+    return out
+
+
 def _worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a hang fails
@@ -69,14 +90,15 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             vq(data[rank, step])
             plain(data[rank, step])
         torch.manual_seed(5)
-        ddcl = DDCLQuantizer(8, 4)
+        ddcl = DDCLQuantizer(8, 4, recipe="plain")
         torch.manual_seed(200 + rank)
         ddcl(data[rank, 0])  # data initialisation from both ranks' batches
         torch.manual_seed(5)
-        few = DDCLQuantizer(8, 4)
+        few = DDCLQuantizer(8, 4, recipe="plain")
         torch.manual_seed(300 + rank)
         few(data[rank, 0, :3])  # 6 tokens in all for 8 codes: drawn with replacement and jittered
         norm = _latent_norm_steps([_images()[rank, step] for step in range(2)], slice(5 * rank, 5 * rank + 5))
+        recipe = _recipe_steps([data[rank, step] for step in range(3)], slice(64 * rank, 64 * rank + 64), rank)
         same = nn.Linear(3, 2)
         torch.nn.init.constant_(same.weight, 0.5)
         nn.init.zeros_(same.bias)
@@ -108,7 +130,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
                          "ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "usage": vq.usage.clone(),
                          "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
                          "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
-                         **{f"norm_{k}": v for k, v in norm.items()},
+                         **{f"norm_{k}": v for k, v in norm.items()}, **{f"recipe_{k}": v for k, v in recipe.items()},
                          "equal": equal, "differ": differ}
     finally:
         dist.destroy_process_group()
@@ -143,7 +165,7 @@ def test_ema_and_restarts_over_two_ranks_equal_one_process_on_the_whole_batch(tw
 def test_ddcl_data_init_draws_from_both_ranks_as_one_process_would(two_ranks):
     data = _data()
     torch.manual_seed(5)
-    single = DDCLQuantizer(8, 4)
+    single = DDCLQuantizer(8, 4, recipe="plain")
     torch.manual_seed(200)
     both = torch.cat([data[0, 0], data[1, 0]])
     single(both)
@@ -151,7 +173,7 @@ def test_ddcl_data_init_draws_from_both_ranks_as_one_process_would(two_ranks):
     from_rank1 = [bool((data[1, 0] == p).all(1).any()) for p in two_ranks[0]["ddcl"]]
     assert any(from_rank1) and not all(from_rank1)  # this draw mixes both ranks' tokens
     torch.manual_seed(5)
-    few = DDCLQuantizer(8, 4)
+    few = DDCLQuantizer(8, 4, recipe="plain")
     torch.manual_seed(300)
     few(torch.cat([data[0, 0, :3], data[1, 0, :3]]))
     torch.testing.assert_close(two_ranks[0]["few"], few.prototypes.detach())
@@ -188,3 +210,17 @@ def test_non_finite_batch_on_one_rank_stops_both(two_ranks):
     for rank in (0, 1):
         assert two_ranks[rank]["nan"] == ("training batch 7 of epoch 1 (global step 0) holds 1 NaN/Inf pixel value(s) "
                                           "out of 768: the data is corrupt")
+
+
+def test_in_layer_recipe_over_two_ranks_equals_one_process_on_the_whole_batch(two_ranks):
+    """Standardisation statistics, temperature (calibration and control), EMA prototypes, restarts, outputs and input
+    gradients of the default DDCLQuantizer on 2 gloo processes against one process on both batches."""
+    data = _data()
+    single = _recipe_steps([torch.cat([data[0, step], data[1, step]]) for step in range(3)], slice(None))
+    assert int(single["restarts"]) > 0  # the run exercises restarts
+    for key in ("prototypes", "mean", "var", "temperature", "restarts"):
+        torch.testing.assert_close(two_ranks[0][f"recipe_{key}"], single[key], rtol=1e-10, atol=1e-12, msg=key)
+        assert torch.equal(two_ranks[0][f"recipe_{key}"], two_ranks[1][f"recipe_{key}"]), key
+    for key in ("q0", "grad0", "q1", "grad1", "q2", "grad2"):
+        both = torch.cat([two_ranks[0][f"recipe_{key}"], two_ranks[1][f"recipe_{key}"]])
+        torch.testing.assert_close(both, single[key], rtol=1e-9, atol=1e-11, msg=key)

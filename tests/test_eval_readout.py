@@ -121,7 +121,7 @@ def test_readout_benchmark_prints_a_row_per_length_and_checks_linear_growth(tmp_
 @pytest.mark.parametrize("distance", ["euclidean", "cosine"])
 def test_standardize_gives_unit_scale_tokens_and_keeps_the_codebook_assignments(distance):
     torch.manual_seed(0)
-    quantizer = DDCLQuantizer(8, 3, temperature=0.05, distance=distance, init="normal")
+    quantizer = DDCLQuantizer(8, 3, temperature=0.05, distance=distance, init="normal", recipe="plain")
     with torch.no_grad():
         quantizer.prototypes.mul_(0.2).add_(3.0)
     tokens = torch.randn(40, 6, 3) * 0.2 + 3.0

@@ -82,7 +82,7 @@ def test_a_single_level_is_exactly_a_ddcl_quantizer():
     torch.manual_seed(3)
     hier = HierarchicalDDCL([16], 4, **kwargs)
     torch.manual_seed(3)
-    single = DDCLQuantizer(16, 4, **kwargs)
+    single = DDCLQuantizer(16, 4, recipe="plain", **kwargs)
     z = torch.randn(2, 4, 4, 4)
     for step in range(2):  # data init on the first step; dead-code restart from the first step's usage on the second
         z1, z2 = z.clone().requires_grad_(), z.clone().requires_grad_()
@@ -133,7 +133,7 @@ def test_shapes_per_level(shape, codes, pool, grids):
         assert out.inputs[level].shape == (shape[0], *grid, 4)
         assert out.indices[level].shape == (shape[0], *grid) and out.indices[level].dtype == torch.int64
         assert out.probs[level].shape == (shape[0], *grid, k)
-        assert set(out.terms[level]) == {"l_q", "l_ols", "v", "identity_residual"}
+        assert set(out.terms[level]) == {"l_q", "l_ols", "v", "identity_residual", "entropy"}
     decoded = hier.decode_indices(out.indices)
     for level, layer in enumerate(hier.levels):
         assert torch.equal(decoded[level], layer.codebook[out.indices[level]])

@@ -14,7 +14,7 @@ class Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.encoder = nn.Linear(3, 4)
-        self.quantizer = DDCLQuantizer(8, 4)
+        self.quantizer = DDCLQuantizer(8, 4, prototype_update="gradient")
         self.decoder = nn.Linear(4, 3)
 
 
@@ -52,7 +52,8 @@ def test_model_without_ddcl_is_an_error():
 
 
 def test_has_trainable_prototypes_matches_what_param_groups_accepts():
-    ddcl = nn.Sequential(nn.Linear(4, 4), DDCLQuantizer(8, 4))
+    ddcl = nn.Sequential(nn.Linear(4, 4), DDCLQuantizer(8, 4, prototype_update="gradient"))
+    assert not has_trainable_prototypes(nn.Sequential(DDCLQuantizer(8, 4)))  # the default: the layer moves them
     assert has_trainable_prototypes(ddcl)
     hard = nn.Sequential(nn.Linear(4, 4), HardVQ(8, 4))
     assert not has_trainable_prototypes(hard)

@@ -213,7 +213,8 @@ def test_data_init_uses_real_tokens_only():
 
 def test_from_quantizer_copies_the_codebook_and_can_freeze_it():
     torch.manual_seed(11)
-    quantizer = DDCLQuantizer(6, D, temperature=0.4, distance="cosine", commitment_weight=0.5, init="normal")
+    quantizer = DDCLQuantizer(6, D, temperature=0.4, distance="cosine", commitment_weight=0.5, init="normal",
+                              recipe="plain")
     before = quantizer.prototypes.detach().clone()
     tokens = torch.randn(2, 5, D)
     readout = DDCLReadout.from_quantizer(quantizer, freeze=False)
@@ -279,3 +280,16 @@ def test_bad_inputs_raise_clear_errors(tokens, mask, match):
 def test_bad_hyperparameters_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DDCLReadout(**{"num_codes": K, "dim": D, **kwargs})
+
+
+def test_from_a_standardising_quantizer_assigns_as_the_trained_quantizer_evaluates():
+    torch.manual_seed(12)
+    quantizer = DDCLQuantizer(6, D, init="normal")  # the default recipe: in-layer standardisation, EMA, hard output
+    for _ in range(3):
+        quantizer(torch.randn(4, 7, D) * 0.01 + 2.0)  # a few training steps set the running statistics
+    quantizer.eval()
+    tokens = torch.randn(2, 5, D) * 0.01 + 2.0
+    readout = DDCLReadout.from_quantizer(quantizer, freeze=True)  # in training mode, as a downstream task trains it
+    torch.testing.assert_close(readout(tokens).assignments, quantizer(tokens).probs)
+    readout(torch.randn(2, 5, D))  # another distribution: the frozen statistics stay the trained ones
+    assert torch.equal(readout.quantizer.standardizer.running_mean, quantizer.standardizer.running_mean)

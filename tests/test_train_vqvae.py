@@ -161,21 +161,28 @@ def test_help_documents_every_flag(capsys):
 def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_for_hard():
     args = train_vqvae.build_parser().parse_args([])
     ddcl, hard = train_vqvae.model_config(args, "ddcl"), train_vqvae.model_config(args, "hard")
-    assert ddcl["latent_norm"] == "batch" and ddcl["eps"] == 0.01
-    assert ddcl["quantizer_kwargs"] == {"temperature": 4.0, "distance": "euclidean", "codebook_term": "free_energy",
+    assert ddcl["latent_norm"] == "none" and ddcl["target_entropy"] == "auto"  # the layer standardises and holds T
+    assert ddcl["quantizer_kwargs"] == {"temperature": None, "distance": "euclidean", "codebook_term": "free_energy",
                                         "codebook_weight": 1.0, "commitment_term": "l_ols", "commitment_weight": 0.0,
-                                        "init": "data", "dead_code_threshold": 1.0}
+                                        "init": "data", "recipe": "auto"}
     assert hard["latent_norm"] == "none"
     assert hard["quantizer_kwargs"] == {"beta": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}
-    model = VQVAE(**ddcl)  # what the library's own defaults build
-    assert model.quantizer.codebook_term == "free_energy" and model.quantizer.commitment_weight == 0.0
-    assert model.quantizer.dead_code_threshold == 1.0 and model.quantizer.temperature == 4.0
-    assert model.target_entropy == 2.5 and VQVAE(**hard).target_entropy is None
+    model = VQVAE(**ddcl)  # what the library's own defaults build: the layer's recipe
+    layer = model.quantizer
+    assert layer.recipe == "auto" and layer.standardize and layer.hard_output and layer.prototype_update == "ema"
+    assert layer.dead_code_threshold == 1.0 and layer.temperature is None and layer.target_entropy == 2.5
+    assert model.target_entropy is None and VQVAE(**hard).target_entropy is None  # no model-side control
     parse = train_vqvae.build_parser().parse_args
-    assert VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "off"]), "ddcl")).target_entropy is None
-    assert VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "1.5"]), "ddcl")).target_entropy == 1.5
-    annealed = parse(["--temperature-schedule", "cosine", "--temperature-final", "1"])
-    assert VQVAE(**train_vqvae.model_config(annealed, "ddcl")).target_entropy is None  # the schedule sets T
+    off = VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "off"]), "ddcl"))
+    assert off.target_entropy is None and off.quantizer.target_entropy is None
+    assert VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "1.5"]), "ddcl")).quantizer.target_entropy == 1.5
+    annealed = parse(["--temperature", "4", "--temperature-schedule", "cosine", "--temperature-final", "1"])
+    model = VQVAE(**train_vqvae.model_config(annealed, "ddcl"))
+    assert model.target_entropy is None and model.quantizer.target_entropy is None  # the schedule sets T
+    # the paper's layer: the model keeps its issue-4 control of T at 2.5 nats
+    plain = VQVAE(**train_vqvae.model_config(parse(["--recipe", "plain", "--temperature", "4"]), "ddcl"))
+    assert plain.target_entropy == 2.5 and plain.quantizer.target_entropy is None
+    assert plain.quantizer.prototypes.requires_grad and not plain.quantizer.hard_output
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -185,7 +192,7 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     (["--eps", "0"], "--eps: expected a positive finite number"),
     (["--temperature", "-0.5"], "--temperature: expected a positive"),
     (["--ema-decay", "1.5"], "--ema-decay: expected a number in"),
-    (["--temperature-schedule", "cosine"], "needs --temperature-final"),
+    (["--temperature-schedule", "cosine"], "needs --temperature and --temperature-final"),
     (["--target-entropy", "2", "--temperature-schedule", "linear", "--temperature-final", "1"], "choose one"),
     (["--target-entropy", "-1"], "--target-entropy: expected a non-negative"),
     (["--width", "15"], "--width: must be even"),

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from helpers import exact_cdist
 
@@ -64,8 +63,10 @@ def test_encode_and_decode_match_the_parts(name):
 def test_batch_latent_norm_standardises_channels_and_undoes_any_encoder_scale():
     """The DDCL default: the quantizer sees per-channel standardised latents, so the encoder cannot shrink them."""
     torch.manual_seed(1)
-    model = VQVAE("ddcl", quantizer_kwargs={"init": "normal"}, **SMALL)
-    assert model.latent_norm == "batch" and VQVAE("hard", **SMALL).latent_norm == "none"
+    model = VQVAE("ddcl", quantizer_kwargs={"init": "normal", "recipe": "plain"}, latent_norm="batch", **SMALL)
+    # a single DDCL layer standardises its tokens itself; the hierarchy (plain levels) keeps the model's LatentNorm
+    assert VQVAE("ddcl", **SMALL).latent_norm == "none" and VQVAE("hard", **SMALL).latent_norm == "none"
+    assert VQVAE("ddcl", levels=2, level_codes=8, **SMALL).latent_norm == "batch"
     x = torch.rand(6, 3, 32, 32)
     last = model.encoder.net[-1]  # the 1x1 convolution that produces the latents
     with torch.no_grad():
@@ -146,16 +147,22 @@ def test_any_quantizer_module_can_be_plugged_in():
 
 
 def test_optimizer_gives_prototypes_lr_over_eps():
-    ddcl = VQVAE("ddcl", lr=2e-4, eps=0.05, **SMALL).configure_optimizers()
+    ddcl = VQVAE("ddcl", lr=2e-4, eps=0.05, quantizer_kwargs={"prototype_update": "gradient"},
+                 **SMALL).configure_optimizers()
     lrs = {g["name"]: g["lr"] for g in ddcl.param_groups}
     assert lrs == pytest.approx({"model": 2e-4, "prototypes": 4e-3})
+    model = VQVAE("ddcl", **SMALL)  # the default: the layer moves its prototypes, the optimizer never sees them
+    optimized = {id(p) for g in model.configure_optimizers().param_groups for p in g["params"]}
+    assert id(model.quantizer.prototypes) not in optimized and id(model.encoder.net[0].weight) in optimized
     hard = VQVAE("hard", lr=2e-4, **SMALL).configure_optimizers()
     assert len(hard.param_groups) == 1 and hard.param_groups[0]["lr"] == 2e-4
 
 
 def test_epoch_summary_counts_the_whole_epoch(recwarn):
     torch.manual_seed(0)
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05}, target_entropy=None, **SMALL)
+    # a layer without in-forward updates (EMA, restarts, T control), so that the recomputation below repeats the step
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05, "target_entropy": None, "dead_code_threshold": 0.0,
+                                            "prototype_update": "gradient"}, **SMALL)
     model.on_train_epoch_start()
     batches = [torch.rand(5, 3, 32, 32), torch.rand(3, 3, 32, 32), torch.rand(4, 3, 32, 32)]
     indices, sq_errors, terms = [], [], []
@@ -190,8 +197,8 @@ def test_epoch_summary_counts_the_whole_epoch(recwarn):
 
 def test_validation_psnr_is_per_image_and_hard_decode_is_reported():
     torch.manual_seed(1)
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.5, "init": "normal", "init_scale": 0.1},
-                  **SMALL).eval()
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.5, "init": "normal", "init_scale": 0.1,
+                                            "hard_output": False}, **SMALL).eval()
     x = torch.rand(6, 3, 32, 32)
     model.on_validation_epoch_start()
     with torch.no_grad():
@@ -221,8 +228,8 @@ def test_temperature_follows_the_schedule():
 
 def test_entropy_controlled_temperature_follows_the_measured_entropy(recwarn):
     torch.manual_seed(2)
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "init": "normal", "dead_code_threshold": 0.0},
-                  target_entropy=0.5, temperature_rate=0.2, **SMALL)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "init": "normal", "dead_code_threshold": 0.0,
+                                            "recipe": "plain"}, target_entropy=0.5, temperature_rate=0.2, **SMALL)
     for _ in range(3):
         x = torch.rand(4, 3, 32, 32)
         before = model.quantizer.temperature
@@ -231,7 +238,10 @@ def test_entropy_controlled_temperature_follows_the_measured_entropy(recwarn):
         model.training_step((x, torch.zeros(4)), 0)
         assert model.quantizer.temperature == pytest.approx(before * math.exp(0.2 * (0.5 - entropy)), rel=1e-5)
     with pytest.raises(ValueError, match="choose one"):
-        VQVAE("ddcl", target_entropy=1.0, temperature_schedule="linear", temperature_final=0.1, **SMALL)
+        VQVAE("ddcl", target_entropy=1.0, temperature_schedule="linear", temperature_final=0.1,
+              quantizer_kwargs={"recipe": "plain"}, **SMALL)
+    with pytest.raises(ValueError, match="controls its own temperature"):  # the default layer holds its own target
+        VQVAE("ddcl", target_entropy=1.0, **SMALL)
     with pytest.raises(ValueError, match="target_entropy"):
         VQVAE("hard", target_entropy=1.0, **SMALL)
 
@@ -278,6 +288,7 @@ def test_anneal_temperature_errors(args, match):
 def test_build_quantizer_passes_options():
     q = build_quantizer("hard", 8, 4, beta=0.5, ema_decay=0.9)
     assert isinstance(q, softvq.HardVQ) and q.beta == 0.5 and q.ema_decay == 0.9
-    q = build_quantizer("ddcl", 8, 4, temperature=0.3)
-    assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3
-    assert F.mse_loss(q.codebook, q.prototypes.detach()) == 0
+    q = build_quantizer("ddcl", 8, 4, temperature=0.3, prototype_update="soft_ema")
+    assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3 and q.prototype_update == "soft_ema"
+    with pytest.raises(ValueError, match="invalid option for quantizer 'ddcl'"):
+        build_quantizer("ddcl", 8, 4, beta=0.5)

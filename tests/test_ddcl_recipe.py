@@ -1,0 +1,211 @@
+"""DDCLQuantizer's in-layer recipe against by-hand references (float64): hard output with the soft-centroid gradient,
+in-layer standardisation, the EMA prototype update, entropy-controlled temperature, channel-first input, restarts
+and loading state dicts from before the recipe existed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from softvq import DDCLQuantizer
+
+
+def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool):
+    """DESIGN §1 written out with an explicit (N, K, D) difference tensor, plus the recipe's two maps: batch
+    standardisation (biased variance, eps 1e-5 of the mean variance) before, and ``code * std + mean`` after; hard
+    output as ``mu + sg(code - mu)``."""
+    mean = std = None
+    if standardize:
+        mean = z.mean(0)
+        var = ((z - mean) ** 2).mean(0)
+        std = (var + 1e-5 * var.detach().mean()).sqrt()
+        z = (z - mean) / std
+    d = ((z[:, None, :] - p[None, :, :]) ** 2).sum(-1)
+    q = torch.softmax(-d / temperature, dim=1)
+    mu = q @ p
+    idx = d.argmin(1)
+    out = mu + (p[idx] - mu).detach() if hard else mu
+    if standardize:
+        out = out * std + mean
+    entropy = -(q * q.log()).sum(1).mean()
+    return out, idx, q, entropy
+
+
+def layer(k=6, dim=3, **kw) -> DDCLQuantizer:
+    torch.manual_seed(0)
+    kw = {"init": "normal", "temperature": 0.8, "target_entropy": None, "dead_code_threshold": 0.0,
+          "prototype_update": "gradient", **kw}
+    return DDCLQuantizer(k, dim, **kw).double()
+
+
+@pytest.mark.parametrize("standardize", [False, True])
+def test_hard_output_is_the_code_and_its_gradient_the_soft_centroid_jacobian(standardize):
+    quantizer = layer(standardize=standardize)  # recipe auto: hard output on
+    assert quantizer.hard_output
+    z = (torch.randn(20, 3, dtype=torch.float64) * 2 + 0.5).requires_grad_(True)
+    weights = torch.randn(20, 3, dtype=torch.float64)
+    out = quantizer(z)
+    (out.quantized * weights).sum().backward()
+    zr = z.detach().clone().requires_grad_(True)
+    ref, idx, _, _ = reference(zr, quantizer.prototypes.detach(), 0.8, standardize, hard=True)
+    (ref * weights).sum().backward()
+    assert torch.equal(out.indices, idx)
+    torch.testing.assert_close(out.quantized, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z.grad, zr.grad, rtol=1e-10, atol=1e-12)
+    if not standardize:  # the value is exactly the prototype: the decoder sees the code it is tested on
+        assert torch.equal(out.quantized, quantizer.decode_indices(out.indices))
+    quantizer.eval()  # evaluation: the output is the decode of the indices, bit for bit
+    out = quantizer(z.detach())
+    assert torch.equal(out.quantized, quantizer.decode_indices(out.indices))
+
+
+def test_hard_output_jacobian_per_token_is_two_over_t_times_the_assignment_covariance():
+    quantizer = layer(standardize=False)
+    p = quantizer.prototypes.detach()
+    z = torch.randn(1, 3, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda x: quantizer(x).quantized, z).reshape(3, 3)
+    q = torch.softmax(-((z - p) ** 2).sum(1) / 0.8, dim=0)
+    mu = q @ p
+    cov = ((p - mu).T * q) @ (p - mu)  # C_n = sum_k q_k (p_k - mu)(p_k - mu)^T
+    torch.testing.assert_close(jac, 2.0 / 0.8 * cov, rtol=1e-10, atol=1e-12)
+
+
+def test_in_layer_standardisation_matches_float64_by_hand():
+    quantizer = layer(standardize=True)
+    sd = quantizer.standardizer
+    batches = [torch.randn(30, 3, dtype=torch.float64) * torch.tensor([0.01, 2.0, 5.0], dtype=torch.float64) + 3
+               for _ in range(3)]
+    mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    for step, x in enumerate(batches):
+        quantizer(x)
+        m = 1.0 if step == 0 else 0.1  # the first batch sets the running statistics whole
+        mean = (1 - m) * mean + m * x.mean(0)
+        var = (1 - m) * var + m * x.var(0, unbiased=True)
+        torch.testing.assert_close(sd.running_mean, mean, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(sd.running_var, var, rtol=1e-12, atol=1e-14)
+    quantizer.eval()  # evaluation: the running statistics
+    x = torch.randn(7, 3, dtype=torch.float64)
+    out = quantizer(x)
+    std = (var + 1e-5 * var.mean()).sqrt()
+    zs = (x - mean) / std
+    d = ((zs[:, None] - quantizer.prototypes.detach()[None]) ** 2).sum(-1)
+    assert torch.equal(out.indices, d.argmin(1))
+    codes = quantizer.prototypes.detach()[out.indices] * std + mean
+    torch.testing.assert_close(out.quantized, codes, rtol=1e-12, atol=1e-12)
+    # scale-free: the codebook sees the same tokens whatever scale the encoder gives them
+    quantizer.train()
+    a, b = layer(standardize=True), layer(standardize=True)
+    x = torch.randn(40, 3, dtype=torch.float64)
+    assert torch.equal(a(x).indices, b(1e-3 * x).indices)
+
+
+@pytest.mark.parametrize("update", ["ema", "soft_ema"])
+def test_ema_prototype_update_by_hand(update):
+    quantizer = layer(k=3, dim=2, standardize=False, prototype_update=update, ema_decay=0.75, temperature=0.5)
+    assert not quantizer.prototypes.requires_grad  # not the optimizer's: the layer moves them
+    p0 = quantizer.prototypes.detach().clone()
+    z = torch.tensor([[0.0, 0.1], [1.0, 1.0], [1.2, 0.8], [-2.0, 0.5], [-1.8, 0.4]], dtype=torch.float64)
+    out = quantizer(z)
+    d = ((z[:, None] - p0[None]) ** 2).sum(-1)
+    if update == "ema":
+        w = torch.nn.functional.one_hot(d.argmin(1), 3).double()  # k-means: the tokens each prototype wins
+    else:
+        w = torch.softmax(-d / 0.5, dim=1)  # the free-energy M-step: tokens weighted by q
+    mass = 0.75 * 1.0 + 0.25 * w.sum(0)  # one pseudo-token at the initial prototype
+    total = 0.75 * p0 + 0.25 * (w.T @ z)
+    torch.testing.assert_close(quantizer.prototypes.detach(), total / mass[:, None], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out.quantized, p0[d.argmin(1)], rtol=0, atol=0)  # this step used the old ones
+    quantizer.eval()
+    before = quantizer.prototypes.detach().clone()
+    quantizer(z)
+    assert torch.equal(before, quantizer.prototypes.detach())  # evaluation never moves them
+
+
+def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
+    torch.manual_seed(3)
+    quantizer = DDCLQuantizer(160, 4, dead_code_threshold=0.0, prototype_update="gradient").double()
+    assert quantizer.temperature is None and quantizer.target_entropy == 2.5  # min(2.5, log(160) / 2)
+    batches = [torch.randn(400, 4, dtype=torch.float64) for _ in range(6)]
+    out = quantizer(batches[0])
+    first = quantizer.temperature  # already one control step after the calibrated value
+    t0 = first / math.exp(0.01 * (2.5 - float(out.terms["entropy"])))
+    _, _, _, h0 = reference(batches[0], quantizer.prototypes.detach(), t0, standardize=True, hard=True)
+    assert abs(float(h0) - 2.5) < 1e-6  # the calibrated T gives the target entropy on the first batch
+    for x in batches[1:]:
+        t = quantizer.temperature
+        out = quantizer(x)
+        _, _, _, h = reference(x, quantizer.prototypes.detach(), t, standardize=True, hard=True)
+        torch.testing.assert_close(out.terms["entropy"], h, rtol=1e-10, atol=1e-12)
+        assert quantizer.temperature == pytest.approx(t * math.exp(0.01 * (2.5 - float(h))), rel=1e-12)
+    state = quantizer.state_dict()
+    clone = DDCLQuantizer(160, 4).double()
+    clone.load_state_dict(state)
+    assert clone.temperature == quantizer.temperature  # checkpointed
+
+
+def test_channel_first_equals_permuted_channel_last():
+    first = layer(k=8, dim=4, standardize=True, channel_first=True)
+    last = layer(k=8, dim=4, standardize=True)
+    x = torch.randn(2, 4, 3, 5, dtype=torch.float64, requires_grad=True)
+    y = x.detach().permute(0, 2, 3, 1).clone().requires_grad_(True)
+    a, b = first(x), last(y)
+    torch.testing.assert_close(a.quantized, b.quantized.permute(0, 3, 1, 2), rtol=0, atol=0)
+    assert torch.equal(a.indices, b.indices) and a.indices.shape == (2, 3, 5)
+    torch.testing.assert_close(a.probs, b.probs, rtol=0, atol=0)
+    (a.quantized.square().sum() + a.loss).backward()
+    (b.quantized.square().sum() + b.loss).backward()
+    torch.testing.assert_close(x.grad, y.grad.permute(0, 3, 1, 2), rtol=1e-12, atol=1e-12)
+    first.eval()
+    assert first.decode_indices(a.indices).shape == (2, 4, 3, 5)
+    with pytest.raises(ValueError, match=r"\(B, 4, \.\.\.\), got \(2, 3, 4\)"):
+        first(torch.randn(2, 3, 4, dtype=torch.float64))
+
+
+def test_restart_never_moves_a_live_code_in_a_small_batch():
+    torch.manual_seed(0)  # 16 tokens a batch for 64 codes: the threshold of 1 token per batch is capped at 1/16
+    quantizer = DDCLQuantizer(64, 2, standardize=False, init="normal", prototype_update="gradient")
+    z = quantizer.prototypes.detach()[:16].clone()  # every batch: one token on each of the first 16 codes
+    for _ in range(30):
+        quantizer(z)
+    assert torch.equal(quantizer.prototypes.detach()[:16], z)  # the codes in use were never moved
+    assert quantizer.restarts >= 48  # the 48 that win nothing were
+
+
+def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
+    torch.manual_seed(0)
+    old = DDCLQuantizer(8, 3, temperature=0.7, recipe="plain")
+    old(torch.randn(40, 3))  # data initialisation
+    state = old.state_dict()
+    for key in ("ema_mass", "ema_sum", "standardizer.running_mean", "standardizer.running_var",
+                "standardizer.num_batches_tracked"):
+        del state[key]  # a version-1 layer had none of these
+    state["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "version"}
+    new = DDCLQuantizer(8, 3, temperature=0.7)  # today's defaults
+    new.load_state_dict(state)
+    assert new.recipe == "plain" and not new.standardize and not new.hard_output
+    assert new.prototype_update == "gradient" and new.prototypes.requires_grad
+    z = torch.randn(10, 3)
+    new.eval(), old.eval()
+    a, b = new(z), old(z)
+    assert torch.equal(a.quantized, b.quantized) and torch.equal(a.indices, b.indices)
+    state["_extra_state"] = {"temperature": "hot", "initialized": True}
+    with pytest.raises(ValueError, match="temperature"):
+        DDCLQuantizer(8, 3).load_state_dict(state)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"recipe": "fast"}, "recipe"),
+    ({"prototype_update": "adam"}, "prototype_update"),
+    ({"ema_decay": 1.0}, "ema_decay"),
+    ({"hard_output": 1}, "hard_output"),
+    ({"standardize": "yes"}, "standardize"),
+    ({"channel_first": None}, "channel_first"),
+    ({"target_entropy": 2.1}, r"log\(num_codes\)"),  # K = 8: log 8 = 2.08 nats is uniform
+    ({"target_entropy": -1.0}, "target_entropy"),
+    ({"commitment_term": "soft"}, "commitment_term"),
+])
+def test_invalid_recipe_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DDCLQuantizer(8, 4, **kwargs)
