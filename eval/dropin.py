@@ -1,0 +1,232 @@
+"""The foreign-model check: each quantizer dropped into a small autoencoder it was not tuned for, with its library's
+defaults and nothing else changed; ``reports/dropin/``.
+
+Usage:
+    pip install -e ".[bench]"          # vector-quantize-pytorch, a benchmark-only extra
+    python -m eval.dropin --data-root ../shared/data/cifar10-jpeg.tar.gz
+    python -m eval.dropin --quick --data-root ../shared/data/cifar10-jpeg.tar.gz    # seconds
+
+The model has the shape of vector-quantize-pytorch's own autoencoder example (written here, not copied): conv 16 ->
+max-pool -> GELU -> conv 32 -> max-pool -> quantizer (D = 32 on an 8x8 grid of a 32x32 image) -> upsample -> conv 16
+-> GELU -> upsample -> conv 3. Loss ``L1(reconstruction, x) + 10 * quantizer loss``, plain
+``torch.optim.Adam(model.parameters(), lr=3e-4)``, a fixed number of steps on CIFAR-10 training images. No
+BatchNorm is added, no parameter groups, no temperature code: the only line that differs between methods is the
+quantizer's constructor, each with its library's defaults:
+
+    ddcl          softvq.DDCLQuantizer(num_codes=K, dim=32, channel_first=True)
+    hard          softvq.HardVQ(K, 32)                        (channel-last only: the model permutes around it)
+    vqp_vq        VectorQuantize(dim=32, codebook_size=K, accept_image_fmap=True)
+    vqp_fsq       FSQ(levels=[8, 6, 5], dim=32, channel_first=True)   (the FSQ paper's set for ~2^8 codes: 240)
+    vqp_simvq     SimVQ(dim=32, codebook_size=K, channel_first=True)
+
+Scored on the official test split: PSNR of the images decoded from the hard indices alone (each library's own
+index -> code function), utilization, dead codes and perplexity of those indices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+from torchmetrics.image import PeakSignalNoiseRatio
+
+import softvq
+from eval._peers_report import mean_std, test_table, values
+from models.callbacks import write_atomic
+from models.cli import run_command
+from softvq.datasets.cifar10 import CIFAR10DataModule
+
+LABELS = {"ddcl": "softvq DDCLQuantizer(K, D), defaults", "hard": "softvq HardVQ(K, D), defaults",
+          "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults"}
+METHODS = tuple(LABELS)
+DIM = 32
+
+
+def make_quantizer(method: str, num_codes: int) -> tuple[nn.Module, int]:
+    """The quantizer as its library's documentation constructs it, and its codebook size."""
+    if method == "ddcl":
+        return softvq.DDCLQuantizer(num_codes=num_codes, dim=DIM, channel_first=True), num_codes
+    if method == "hard":
+        return softvq.HardVQ(num_codes, DIM), num_codes
+    try:
+        import vector_quantize_pytorch as vqp
+    except ImportError as err:
+        raise SystemExit("vector-quantize-pytorch is not installed: pip install -e '.[bench]'") from err
+    if method == "vqp_vq":
+        return vqp.VectorQuantize(dim=DIM, codebook_size=num_codes, accept_image_fmap=True), num_codes
+    if method == "vqp_fsq":
+        return vqp.FSQ(levels=[8, 6, 5], dim=DIM, channel_first=True), 240
+    if method == "vqp_simvq":
+        return vqp.SimVQ(dim=DIM, codebook_size=num_codes, channel_first=True), num_codes
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+class SmallAutoencoder(nn.Module):
+    """The foreign model: two conv + max-pool stages down, the quantizer on ``(B, 32, 8, 8)``, two up."""
+
+    def __init__(self, method: str, num_codes: int) -> None:
+        super().__init__()
+        self.method = method
+        self.down = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.GELU(),
+                                  nn.Conv2d(16, DIM, 3, padding=1), nn.MaxPool2d(2))
+        self.quantizer, self.num_codes = make_quantizer(method, num_codes)
+        self.up = nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(DIM, 16, 3, padding=1), nn.GELU(),
+                                nn.Upsample(scale_factor=2), nn.Conv2d(16, 3, 3, padding=1))
+
+    def quantize(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(quantized (B, D, h, w), indices (B, h, w), loss)`` in each library's calling convention."""
+        if self.method == "hard":
+            out = self.quantizer(rearrange(z, "b d h w -> b h w d"))
+            return rearrange(out.quantized, "b h w d -> b d h w"), out.indices, out.loss
+        if self.method == "ddcl":
+            out = self.quantizer(z)
+            return out.quantized, out.indices, out.loss
+        if self.method == "vqp_fsq":
+            quantized, indices = self.quantizer(z)
+            return quantized, indices, z.new_zeros(())
+        quantized, indices, loss = self.quantizer(z)
+        return quantized, indices, loss.sum()
+
+    def decode_indices(self, indices: Tensor) -> Tensor:
+        """Images from hard indices ``(B, h, w)`` alone, through each library's own index -> code function."""
+        if self.method in ("hard", "ddcl"):
+            codes = self.quantizer.decode_indices(indices)
+            codes = rearrange(codes, "b h w d -> b d h w") if self.method == "hard" else codes
+        elif self.method == "vqp_vq":
+            codes = self.quantizer.get_output_from_indices(indices)
+        else:  # FSQ and SimVQ, channel_first: (B, D, h, w)
+            codes = self.quantizer.indices_to_codes(indices)
+        return self.up(codes)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        quantized, indices, loss = self.quantize(self.down(x))
+        return self.up(quantized), indices, loss
+
+
+def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
+    L.seed_everything(seed, verbose=False)
+    model = SmallAutoencoder(method, args.num_codes)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    loader = data.train_dataloader()
+    step, start = 0, time.perf_counter()
+    model.train()
+    epoch = 0
+    while step < args.steps:
+        loader.sampler.set_epoch(epoch)  # a new order every pass, as a training loop would
+        epoch += 1
+        for x, _ in loader:
+            reconstruction, _, loss = model(x)
+            total = (reconstruction - x).abs().mean() + args.alpha * loss
+            optimizer.zero_grad(set_to_none=True)
+            total.backward()
+            optimizer.step()
+            step += 1
+            if step >= args.steps:
+                break
+    train_s = time.perf_counter() - start
+    model.eval()
+    psnr = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))  # per image, then averaged
+    counts = torch.zeros(model.num_codes, dtype=torch.long)
+    seen = 0
+    with torch.no_grad():
+        for x, _ in data.test_dataloader():
+            _, indices, _ = model(x)
+            psnr.update(model.decode_indices(indices).clamp(0.0, 1.0), x)
+            counts += torch.bincount(indices.reshape(-1).long(), minlength=model.num_codes)
+            seen += x.shape[0]
+            if args.test_limit and seen >= args.test_limit:
+                break
+    usage = softvq.functional.usage_from_counts(counts)
+    return {"method": method, "seed": seed, "train_s": train_s,
+            "test": {"psnr_hard": float(psnr.compute()), "utilization": float(usage["utilization"]),
+                     "dead_codes": int(usage["dead_codes"]), "perplexity": float(usage["perplexity"]),
+                     "num_codes": model.num_codes, "images": seen}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps per model")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--num-codes", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--alpha", type=float, default=10.0, help="weight of the quantizer's loss")
+    p.add_argument("--test-limit", type=int, default=0, help="score on this many test images (0: all)")
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("reports/dropin"))
+    p.add_argument("--quick", action="store_true", help="a smoke test: 20 steps, 2 seeds, 512 test images")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds, args.test_limit = 20, args.seeds[:2], 512
+    if args.steps < 1 or args.batch_size < 1 or args.num_codes < 2:
+        p.error("--steps and --batch-size must be positive and --num-codes at least 2")
+    args.command = "python -m eval.dropin " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=0, num_workers=args.num_workers)
+    data.setup("fit")
+    data.setup("test")
+    runs = []
+    for seed in args.seeds:
+        for method in args.methods:
+            run = train_and_score(method, seed, args, data)
+            print(f"[dropin] {method} seed {seed}: hard PSNR {run['test']['psnr_hard']:.2f} dB, utilization "
+                  f"{100 * run['test']['utilization']:.1f}%, perplexity {run['test']['perplexity']:.0f} "
+                  f"({run['train_s']:.0f} s)", flush=True)
+            runs.append(run)
+    return write_report(runs, args)
+
+
+def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(run["method"], []).append(run)
+    columns = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0),
+               ("utilization", "test util %", "{:.1f}", 100.0), ("dead_codes", "dead", "{:.0f}", 1.0),
+               ("perplexity", "perplexity", "{:.0f}", 1.0), ("num_codes", "K", "{:.0f}", 1.0))
+    verdict = []
+    if "ddcl" in groups:
+        m0, s0 = (float(v) for v in mean_std(values(groups["ddcl"], "psnr_hard")))
+        util = float(values(groups["ddcl"], "utilization").min()) * 100
+        for key, group_runs in groups.items():
+            if key != "ddcl":
+                m, s = (float(v) for v in mean_std(values(group_runs, "psnr_hard")))
+                side = "ahead of" if m0 >= m else "behind"
+                spread = "beyond" if abs(m0 - m) > s0 + s else "within"
+                verdict.append(f"- DDCL {side} {LABELS[key]} by {abs(m0 - m):.2f} dB ({m0:.2f} vs {m:.2f}), {spread} "
+                               f"the seed spread ({s0:.2f} + {s:.2f}).")
+        verdict.append(f"- DDCL test utilization, lowest seed: {util:.1f}% (target ≥ 99%).")
+    lines = ["# Drop-in check: each quantizer in a foreign autoencoder, with its library's defaults", "",
+             f"Regenerate: `{args.command}`", "",
+             f"vector-quantize-pytorch's example shape on CIFAR-10 (D = {DIM}, 8x8 grid), {args.steps} steps of "
+             f"{args.batch_size} images, L1 + {args.alpha:g}·quantizer loss, Adam({args.lr:g}) on "
+             f"`model.parameters()`, seeds {args.seeds}; test split ({args.test_limit or 10000} images), "
+             f"images decoded from the hard indices alone. See the module docstring of `eval/dropin.py` for each "
+             f"constructor.", "", *test_table(groups, LABELS, columns), "", *verdict, ""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "report.md", "\n".join(lines))
+    summary = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}
+    write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
+    return summary
+
+
+def cli(argv: list[str] | None = None) -> int:
+    return run_command(main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())
+

@@ -1,0 +1,305 @@
+"""DDCL against its peers in the project's VQ-VAE: the same encoder, decoder, data, epochs and seeds, only the
+bottleneck changes; ``reports/peers/`` with the test-split figures of the codes a VQ user keeps.
+
+Usage (the full setting: 5 methods x 3 seeds x 5 epochs on 10,000 images; its run time is in the report):
+    pip install -e ".[bench]"          # vector-quantize-pytorch, a benchmark-only extra
+    python -m eval.peers --data-root ../shared/data/cifar10-jpeg.tar.gz
+    python -m eval.peers --quick --data-root ../shared/data/cifar10-jpeg.tar.gz    # a minute, small model
+
+Methods (each configured as its own documentation recommends, wrapped by :class:`PeerAdapter` where it is not a
+softvq layer; ``--methods`` picks some):
+    ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto")
+    hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, dead_code_threshold=1.0)``
+    vqp_vq      vector-quantize-pytorch ``VectorQuantize(kmeans_init=True, threshold_ema_dead_code=2,
+                rotation_trick=True)``, the recipe its README gives against dead codes
+    vqp_fsq     vector-quantize-pytorch ``FSQ(levels=[8, 8, 8])`` (512 implicit codes) with its input/output projection
+    vqp_simvq   vector-quantize-pytorch ``SimVQ``, its defaults (rotation trick, frozen codebook + learned projection)
+
+Every run trains in this process (one at a time: the cores are not shared between runs, so images/s compare) into
+``--runs/<method>/seed<S>/`` (``history.jsonl`` and ``result.json``). A run whose ``result.json`` has the same settings
+is read, not retrained. Codebooks are judged on the validation split per epoch and on the official test split at the
+end: training-epoch utilization counts codes that a dead-code restart moved during the epoch, so restarts are
+reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import softvq
+from eval._peers_report import write_report
+from models import VQVAE
+from models.callbacks import HistoryWriter, write_atomic
+from models.cli import run_command
+from softvq.datasets.cifar10 import CIFAR10DataModule
+from softvq.types import QuantizerOutput
+
+log = logging.getLogger("eval.peers")
+
+LABELS = {
+    "ddcl": "softvq DDCL, defaults",
+    "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
+    "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
+    "vqp_fsq": "vqp FSQ [8,8,8]",
+    "vqp_simvq": "vqp SimVQ, defaults",
+}
+METHODS = tuple(LABELS)
+
+
+def _vqp() -> Any:
+    try:
+        import vector_quantize_pytorch
+    except ImportError as err:
+        raise SystemExit("vector-quantize-pytorch is not installed: pip install -e '.[bench]'") from err
+    return vector_quantize_pytorch
+
+
+class PeerAdapter(nn.Module):
+    """A vector-quantize-pytorch quantizer behind softvq's interface: channel-last tokens ``(..., D)`` in, a
+    :class:`~softvq.QuantizerOutput` out (``probs`` one-hot), ``decode_indices``, ``codebook`` and ``restarts``.
+
+    It only reshapes and renames; the wrapped module computes everything (its own loss, straight-through or rotation
+    gradient, EMA and dead-code replacement).
+    """
+
+    def __init__(self, module: nn.Module, kind: str, num_codes: int, dim: int) -> None:
+        super().__init__()
+        self.module, self.kind, self.num_codes, self.dim = module, kind, num_codes, dim
+        self._restarts = 0
+        codebook = getattr(module, "_codebook", None)
+        if kind == "vq" and codebook is not None and hasattr(codebook, "replace"):
+            replace = codebook.replace
+
+            def counting_replace(batch_samples: Tensor, batch_mask: Tensor, *args: Any, **kwargs: Any) -> Any:
+                self._restarts += int(batch_mask.sum())  # codes the library moves onto batch samples
+                return replace(batch_samples, batch_mask, *args, **kwargs)
+
+            codebook.replace = counting_replace
+
+    @property
+    def restarts(self) -> int:
+        """Dead codes the wrapped module replaced so far (0 for methods without replacement)."""
+        return self._restarts
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        lead = z.shape[:-1]
+        flat = z.reshape(z.shape[0], -1, self.dim)  # (B, N, D): the libraries' sequence layout
+        if self.kind == "fsq":
+            quantized, indices = self.module(flat)
+            loss = flat.new_zeros(())
+        else:
+            quantized, indices, loss = self.module(flat)
+            loss = loss.sum()
+        indices = indices.reshape(lead).long()
+        probs = F.one_hot(indices, self.num_codes).float()
+        return QuantizerOutput(quantized.reshape(z.shape), indices, probs, loss, {})
+
+    @torch.no_grad()
+    def decode_indices(self, indices: Tensor) -> Tensor:
+        flat = indices.reshape(indices.shape[0], -1)
+        if self.kind == "vq":
+            codes = self.module.get_output_from_indices(flat)
+        else:
+            codes = self.module.indices_to_codes(flat)
+        return codes.reshape(*indices.shape, self.dim)
+
+    @property
+    def codebook(self) -> Tensor:
+        """``(K, D)``, the codes in the space the decoder sees."""
+        return self.decode_indices(torch.arange(self.num_codes, device=self._device())[None]).reshape(-1, self.dim)
+
+    def _device(self) -> torch.device:
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        return tensors[0].device if tensors else torch.device("cpu")
+
+
+def build(method: str, num_codes: int, dim: int) -> nn.Module:
+    """The bottleneck ``method`` for ``num_codes`` codes of dimension ``dim``."""
+    if method == "ddcl":
+        return softvq.DDCLQuantizer(num_codes, dim)
+    if method == "hard_ema":
+        return softvq.HardVQ(num_codes, dim, ema_decay=0.99, dead_code_threshold=1.0)
+    vqp = _vqp()
+    if method == "vqp_vq":
+        return PeerAdapter(vqp.VectorQuantize(dim=dim, codebook_size=num_codes, kmeans_init=True,
+                                              threshold_ema_dead_code=2, rotation_trick=True), "vq", num_codes, dim)
+    if method == "vqp_fsq":
+        levels = fsq_levels(num_codes)
+        return PeerAdapter(vqp.FSQ(levels=levels, dim=dim), "fsq", int(np.prod(levels)), dim)
+    if method == "vqp_simvq":
+        return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes), "simvq", num_codes, dim)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def fsq_levels(num_codes: int) -> list[int]:
+    """FSQ levels whose product is ``num_codes``, from the FSQ paper's recommended sets where it has one."""
+    table = {64: [4, 4, 4], 256: [8, 8, 4], 512: [8, 8, 8], 1024: [8, 5, 5, 5], 4096: [7, 5, 5, 5, 5]}
+    if num_codes not in table:
+        raise ValueError(f"FSQ needs a codebook size with known levels {sorted(table)}, got {num_codes}")
+    return table[num_codes]
+
+
+class Throughput(L.Callback):
+    """Training images per second of each epoch: the training loop alone (data loading included, validation not)."""
+
+    def __init__(self) -> None:
+        self.per_epoch: list[float] = []
+        self._start = 0.0
+        self._images = 0
+        self._open = False
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start, self._images, self._open = time.perf_counter(), 0, True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._images += batch[0].shape[0]
+
+    def _close(self) -> None:
+        if self._open:
+            self.per_epoch.append(self._images / max(time.perf_counter() - self._start, 1e-9))
+            self._open = False
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._close()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close()
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run's result depends on (besides method and seed); a stored run with other settings is retrained."""
+    return {"epochs": args.epochs, "train_subset": args.train_subset, "val_size": args.val_size,
+            "batch_size": args.batch_size, "num_codes": args.num_codes, "code_dim": args.code_dim,
+            "width": args.width, "res_blocks": args.res_blocks, "res_hidden": args.res_hidden, "lr": args.lr,
+            "test_limit": args.test_limit, "data": str(args.data_root)}
+
+
+def train_run(method: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Train one VQ-VAE with bottleneck ``method`` and score it on the test split; ``result.json`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "history.jsonl").unlink(missing_ok=True)
+    L.seed_everything(seed, workers=True, verbose=False)
+    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
+                             train_subset=args.train_subset, num_workers=args.num_workers, seed=seed)
+    quantizer = build(method, args.num_codes, args.code_dim)
+    # The same encoder and decoder weights for every method: the bottlenecks draw different amounts of randomness.
+    L.seed_everything(seed, workers=True, verbose=False)
+    model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
+                  res_hidden=args.res_hidden, lr=args.lr)
+    L.seed_everything(seed, workers=True, verbose=False)
+    speed = Throughput()
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=not args.no_progress_bar, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[HistoryWriter(out / "history.jsonl", echo=False), speed],
+                        limit_test_batches=(args.test_limit // args.batch_size) or 1 if args.test_limit else 1.0)
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    trainer.test(model, datamodule=data, verbose=False)
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines() if line.strip()]
+    for row, speed_row in zip(history, speed.per_epoch, strict=False):
+        row["train_images_per_s"] = speed_row
+    test = {k.removeprefix("test_"): v for k, v in model.test_summary.items()}
+    test["num_codes"] = model.num_codes
+    result = {"method": method, "seed": seed, "settings": settings_of(args), "history": history, "test": test,
+              "wall_s": time.perf_counter() - start}
+    write_atomic(out / "result.json", json.dumps(result, indent=1))
+    return result
+
+
+def load_or_train(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    out = args.runs / method / f"seed{seed}"
+    path = out / "result.json"
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            stored = {}
+        if stored.get("settings") == settings_of(args):
+            log.info("%s seed %d: read %s", method, seed, path)
+            return stored
+        if args.no_train:
+            raise ValueError(f"{path} was made with other settings; rerun without --no-train to retrain it")
+    elif args.no_train:
+        raise FileNotFoundError(f"{method} seed {seed} has no result in {out} and --no-train forbids training")
+    print(f"[peers] training {method} seed {seed} -> {out}", flush=True)
+    return train_run(method, seed, args, out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="bottlenecks to compare")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every method")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--train-subset", type=int, default=10_000)
+    p.add_argument("--val-size", type=int, default=5000)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--num-codes", type=int, default=512)
+    p.add_argument("--code-dim", type=int, default=64)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--res-blocks", type=int, default=2)
+    p.add_argument("--res-hidden", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--test-limit", type=int, default=0, help="score on this many test images (0: all 10,000)")
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--runs", type=Path, default=Path("runs/peers"), help="where the runs are kept")
+    p.add_argument("--out", type=Path, default=Path("reports/peers"), help="report directory")
+    p.add_argument("--no-train", action="store_true", help="only read finished runs")
+    p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="a small setting for a smoke test: 1 epoch on 512 images, K=64, D=16, width 32, 2 seeds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.epochs, args.train_subset, args.val_size, args.num_codes, args.code_dim = 1, 512, 256, 64, 16
+        args.width, args.res_blocks, args.res_hidden, args.test_limit = 32, 1, 8, 512
+        args.seeds = args.seeds[:2]
+    for name in ("epochs", "train_subset", "batch_size", "num_codes", "code_dim", "width"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds repeats a seed: {args.seeds}")
+    if "vqp_fsq" in args.methods:
+        try:
+            fsq_levels(args.num_codes)
+        except ValueError as err:
+            p.error(str(err))
+    args.command = "python -m eval.peers " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    runs = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        for seed in args.seeds:  # seed-major: an interrupted comparison has every method at the first seeds
+            for method in args.methods:
+                runs.append(load_or_train(method, seed, args))
+    return write_report(runs, {**settings_of(args), "seeds": args.seeds, "command": args.command}, args.out,
+                        LABELS)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    return run_command(main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())
+

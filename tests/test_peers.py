@@ -1,0 +1,89 @@
+"""eval.peers and eval.dropin: the adapter against the wrapped library, the runs end to end on a tiny data set, the
+report's statistics by hand, and reuse of finished runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eval import dropin, peers
+from eval._compare_report import mean_std
+
+vqp = pytest.importorskip("vector_quantize_pytorch")
+
+TINY = ["--train-subset", "64", "--val-size", "32", "--batch-size", "16", "--num-codes", "64",
+        "--code-dim", "8", "--width", "8", "--res-blocks", "1", "--res-hidden", "4", "--test-limit", "32",
+        "--num-workers", "0", "--no-progress-bar"]
+
+
+@pytest.mark.parametrize("method", ["vqp_vq", "vqp_fsq", "vqp_simvq"])
+def test_adapter_passes_the_library_output_through_and_decodes_its_indices(method):
+    torch.manual_seed(0)
+    adapter = peers.build(method, 64, 8)
+    z = torch.randn(3, 4, 4, 8)
+    adapter.train()
+    out = adapter(z)
+    assert out.quantized.shape == z.shape and out.indices.shape == (3, 4, 4)
+    assert torch.equal(out.probs.argmax(-1), out.indices) and torch.equal(out.probs.sum(-1), torch.ones(3, 4, 4))
+    adapter.eval()
+    out = adapter(z)
+    # in evaluation every peer outputs its code: the decode of the indices, through the library's own function
+    torch.testing.assert_close(out.quantized, adapter.decode_indices(out.indices), rtol=1e-5, atol=1e-5)
+    assert adapter.codebook.shape == (64, 8)
+
+
+def test_adapter_counts_the_library_dead_code_replacements():
+    torch.manual_seed(0)
+    module = vqp.VectorQuantize(dim=4, codebook_size=16, threshold_ema_dead_code=1e9)  # every code expires
+    adapter = peers.PeerAdapter(module, "vq", 16, 4)
+    for _ in range(3):
+        adapter(torch.randn(2, 32, 4))
+    assert adapter.restarts == 3 * 16
+
+
+def test_peers_end_to_end_reuses_finished_runs(tmp_path, tiny_cifar):
+    argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "hard_ema", "vqp_vq", "--seeds", "0", "1",
+            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "report"), *TINY]
+    argv_epochs = [*argv, "--epochs", "1"]
+    summary = peers.main(argv_epochs)
+    assert len(summary["runs"]) == 6
+    text = (tmp_path / "report" / "report.md").read_text()
+    for part in ("## Test split", "## Margins", "## Targets", "PSNR from hard indices", "python -m eval.peers"):
+        assert part in text
+    for png in ("health.png", "test.png"):
+        assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ddcl = [r for r in summary["runs"] if r["method"] == "ddcl"]
+    mean, std = mean_std(np.array([r["test"]["psnr_hard"] for r in ddcl]))
+    assert f"{float(mean):.2f} ± {float(std):.2f}" in text  # the table is the mean and sample std of the seeds
+    for run in summary["runs"]:
+        assert run["test"]["psnr_hard"] == run["test"]["psnr"] or run["method"] != "ddcl"  # hard output: one decode
+        assert len(run["history"]) == 1 and run["history"][0]["train_images_per_s"] > 0
+    result = tmp_path / "runs" / "ddcl" / "seed0" / "result.json"
+    stamp = result.stat().st_mtime_ns
+    again = peers.main([*argv_epochs, "--no-train"])  # read, not retrained
+    assert result.stat().st_mtime_ns == stamp
+    assert json.loads(result.read_text())["test"] == again["runs"][0]["test"]
+    with pytest.raises(ValueError, match="other settings"):
+        peers.main([*argv, "--epochs", "2", "--no-train"])  # 2 epochs: another run
+
+
+def test_dropin_models_decode_their_indices_to_what_they_output(tiny_cifar, tmp_path):
+    for method in dropin.METHODS:
+        torch.manual_seed(0)
+        model = dropin.SmallAutoencoder(method, 64).eval()
+        x = torch.rand(2, 3, 32, 32)
+        with torch.no_grad():
+            reconstruction, indices, _ = model(x)
+            torch.testing.assert_close(model.decode_indices(indices), reconstruction, rtol=1e-5, atol=1e-5)
+        assert indices.shape == (2, 8, 8)
+    summary = dropin.main(["--data-root", str(tiny_cifar["folder"]), "--steps", "3", "--seeds", "0", "--batch-size",
+                           "16", "--num-codes", "64", "--test-limit", "16", "--num-workers", "0",
+                           "--methods", "ddcl", "hard", "--out", str(tmp_path / "dropin")])
+    assert [r["method"] for r in summary["runs"]] == ["ddcl", "hard"]
+    text = (tmp_path / "dropin" / "report.md").read_text()
+    assert "DDCL" in text and "PSNR from hard indices" in text
+    for run in summary["runs"]:
+        assert 0 < run["test"]["utilization"] <= 1 and run["test"]["images"] == 16
