@@ -604,8 +604,8 @@ class DDCLQuantizer(nn.Module):
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:
         """Before a training step: prototypes whose running argmax count per batch fell below the threshold (the
-        recipe's: at most a quarter of the mean tokens per code) move onto random tokens of this batch (before the forward pass, so no
-        tensor saved for backward changes); their EMA statistics restart from that token."""
+        recipe's: at most a quarter of the mean tokens per code) move onto random tokens of this batch (before the
+        forward pass, so no tensor saved for backward changes); their EMA statistics restart from that token."""
         if bool((self.usage < 0).any()):
             return
         threshold = self.dead_code_threshold
