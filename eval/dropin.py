@@ -164,6 +164,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-limit", type=int, default=0, help="score on this many test images (0: all)")
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("reports/dropin"))
+    p.add_argument("--runs", type=Path, default=Path("runs/dropin"),
+                   help="one result file per run; a run whose file has the same settings is read, not retrained")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="a smoke test: 20 steps, 2 seeds, 512 test images")
     args = p.parse_args(argv)
     if args.quick:
@@ -176,16 +179,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=0, num_workers=args.num_workers)
     data.setup("fit")
     data.setup("test")
     runs = []
+    settings = {k: getattr(args, k) for k in ("steps", "batch_size", "num_codes", "lr", "alpha", "test_limit")}
     for seed in args.seeds:
         for method in args.methods:
-            run = train_and_score(method, seed, args, data)
+            path = args.runs / method / f"seed{seed}.json"
+            stored = json.loads(path.read_text()) if path.is_file() else {}
+            if stored.get("settings") == settings:
+                runs.append(stored)
+                continue
+            run = {**train_and_score(method, seed, args, data), "settings": settings}
             print(f"[dropin] {method} seed {seed}: hard PSNR {run['test']['psnr_hard']:.2f} dB, utilization "
                   f"{100 * run['test']['utilization']:.1f}%, perplexity {run['test']['perplexity']:.0f} "
                   f"({run['train_s']:.0f} s)", flush=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(run, indent=1))
             runs.append(run)
     return write_report(runs, args)
 

@@ -183,6 +183,7 @@ class Throughput(L.Callback):
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     """What a run's result depends on (besides method and seed); a stored run with other settings is retrained."""
     return {"epochs": args.epochs, "train_subset": args.train_subset, "val_size": args.val_size,
+            "threads": args.threads,
             "batch_size": args.batch_size, "num_codes": args.num_codes, "code_dim": args.code_dim,
             "width": args.width, "res_blocks": args.res_blocks, "res_hidden": args.res_hidden, "lr": args.lr,
             "test_limit": args.test_limit, "data": str(args.data_root)}
@@ -257,6 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--test-limit", type=int, default=0, help="score on this many test images (0: all 10,000)")
     p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per run (default: torch's); 1 lets another job use the second core")
     p.add_argument("--runs", type=Path, default=Path("runs/peers"), help="where the runs are kept")
     p.add_argument("--out", type=Path, default=Path("reports/peers"), help="report directory")
     p.add_argument("--no-train", action="store_true", help="only read finished runs")
@@ -285,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     runs = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")

@@ -252,6 +252,8 @@ class DDCLQuantizer(nn.Module):
             for ``"plain"``.
         temperature_rate: gain of the temperature control per step.
         standardize: standardise tokens inside the layer (``recipe`` default: on for ``"auto"``).
+        output_scale: with ``standardize``, return codes on the input's scale (``"input"``: ``code * std + mean``) or
+            in the standardised space the codebook lives in (``"standardized"``: unit variance per dimension).
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
@@ -294,6 +296,7 @@ class DDCLQuantizer(nn.Module):
         target_entropy: float | Literal["auto"] | None = "auto",
         temperature_rate: float = 0.01,
         standardize: bool | None = None,
+        output_scale: Literal["input", "standardized"] = "input",
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
         ema_decay: float = 0.99,
         hard_output: bool | None = None,
@@ -324,6 +327,7 @@ class DDCLQuantizer(nn.Module):
         self.check_finite = bool(check_finite)
         self.channel_first = _check_bool("channel_first", channel_first)
         self.standardize = _check_bool("standardize", auto if standardize is None else standardize)
+        self.output_scale = check_choice("output_scale", output_scale, ("input", "standardized"))
         self.hard_output = _check_bool("hard_output", auto if hard_output is None else hard_output)
         self.prototype_update = check_choice("prototype_update", prototype_update or ("ema" if auto else "gradient"),
                                              ("ema", "soft_ema", "gradient"))
@@ -430,7 +434,7 @@ class DDCLQuantizer(nn.Module):
     def codebook(self) -> Tensor:
         """``(K, D)``, the codes as the layer outputs them in evaluation (on the input's scale)."""
         p = self._unit_codebook()
-        if self.standardize:
+        if self.standardize and self.output_scale == "input":
             p = p * self.standardizer.running_std().to(p.dtype) + self.standardizer.running_mean.to(p.dtype)
         return p
 
@@ -521,7 +525,7 @@ class DDCLQuantizer(nn.Module):
                     out = mu + (codes - mu).detach()  # the code in value, the soft centroid's Jacobian
                 if self.commitment_term == "hard" and self.commitment_weight > 0:
                     loss = loss + self.commitment_weight * F.mse_loss(zf, codes)
-            if std is not None:
+            if std is not None and self.output_scale == "input":
                 out = out * std + mean
         l_q, l_ols, v, entropy = stats.unbind()
         if self.training:

@@ -81,7 +81,8 @@ def test_dropin_models_decode_their_indices_to_what_they_output(tiny_cifar, tmp_
         assert indices.shape == (2, 8, 8)
     summary = dropin.main(["--data-root", str(tiny_cifar["folder"]), "--steps", "3", "--seeds", "0", "--batch-size",
                            "16", "--num-codes", "64", "--test-limit", "16", "--num-workers", "0",
-                           "--methods", "ddcl", "hard", "--out", str(tmp_path / "dropin")])
+                           "--methods", "ddcl", "hard", "--out", str(tmp_path / "dropin"),
+                           "--runs", str(tmp_path / "dropin-runs")])
     assert [r["method"] for r in summary["runs"]] == ["ddcl", "hard"]
     text = (tmp_path / "dropin" / "report.md").read_text()
     assert "DDCL" in text and "PSNR from hard indices" in text
