@@ -119,6 +119,12 @@ def test_corrupt_image_file(capsys, tmp_path):
     assert f"cannot decode image {bad}" in fails(capsys, [], tmp_path / "data", tmp_path / "new")
 
 
+def test_corrupt_image_file_read_by_a_loader_worker_is_one_line(capsys, tmp_path):
+    bad = corrupt_image(tmp_path / "data")
+    err = fails(capsys, ["--num-workers", "1"], tmp_path / "data", tmp_path / "new")
+    assert err.startswith(f"error: cannot decode image {bad}") and err.count("\n") == 1, err  # not the traceback
+
+
 def test_empty_dataset(capsys, tmp_path):
     folder = empty_folder(tmp_path / "data")
     assert f"{folder} holds no images" in fails(capsys, [], tmp_path / "data", tmp_path / "new")
