@@ -344,3 +344,21 @@ def test_tokens_too_large_for_squared_distances(make):
     assert all(torch.isfinite(v) for v in out.terms.values())
     reference = torch.cdist(z.double(), codes.double()).argmin(1)  # exact nearest codes in float64
     assert torch.equal(out.indices, reference)
+
+
+# ---- issue 18, item 5: classes -----------------------------------------------------------------------------------
+def test_a_class_missing_from_test_is_refused_before_training(capsys, tmp_path):
+    write_image_folder(tmp_path / "data", per_class_train=12, per_class_test=1)
+    shutil.rmtree(tmp_path / "data" / "test" / "ship")
+    err = fails(capsys, [], tmp_path / "data", tmp_path / "new")
+    assert err.count("\n") == 1 and "only in" in err and "train: ['ship']; only in" in err and "test: none" in err
+    assert not (tmp_path / "new").exists()  # checked before anything was written
+
+
+def test_resume_on_data_with_other_classes_is_refused(capsys, tmp_path, tiny_cifar, previous):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_cifar["folder"], other)
+    for split in ("train", "test"):
+        (other / split / "frog").rename(other / split / "toad")
+    err = fails(capsys, ["--resume", "--epochs", "2"], other, previous)
+    assert "only in checkpoint" in err and "['frog']; only in the data at" in err and "['toad']" in err
