@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -43,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from models.callbacks import HistoryWriter, read_history, write_atomic
 from models.checkpoint_io import load_torch_file
-from models.cli import run_command
+from models.cli import GracefulStop, Interrupted, run_command
 from models.codes import CodeSet, code_splits
 from models.prior import (
     CodePrior,
@@ -56,6 +57,7 @@ from models.prior import (
 from models.transformer import PriorConfig
 from models.vqvae import load_vqvae
 from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256, check_same_classes
+from softvq.io import RunLock
 from train_vqvae import (
     _non_negative_float,
     _non_negative_int,
@@ -192,6 +194,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args, parser)
+    # One run per --out (a second is refused naming the holder's pid); SIGTERM/SIGINT stop at the next batch and
+    # exit 143/130 with the last checkpoint kept (README: Run directories, resuming, exit codes).
+    with GracefulStop() as stop, RunLock(args.out):
+        return train(args, stop)
+
+
+def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
+    """The prior run of :func:`main`'s flags, with ``args.out``'s lock held."""
     vqvae = load_vqvae(args.vqvae)  # FileNotFoundError / ValueError naming the file
     sha256 = _sha256(args.vqvae)
     data = CIFAR10DataModule(args.data_root, batch_size=args.encode_batch_size, val_size=args.val_size,
@@ -240,9 +250,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
         warnings.filterwarnings("ignore", message=".*no `val_dataloader`")  # --val-size 0
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
-        trainer.fit(prior, loader(splits["train"], args.batch_size, shuffle=True),
-                    loader(splits["val"], 500, shuffle=False) if has_val else None,
-                    ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+        stop.trainer = trainer
+        try:
+            trainer.fit(prior, loader(splits["train"], args.batch_size, shuffle=True),
+                        loader(splits["val"], 500, shuffle=False) if has_val else None,
+                        ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+        except (Exception, SystemExit) as err:  # Lightning ends a stopped fit with SystemExit (SIGTERMException)
+            if stop.signum is None:
+                raise
+            last = args.out / "checkpoints" / "last.ckpt"
+            kept = (f"its last checkpoint, {last}, is kept: run the same command with --resume" if last.is_file()
+                    else "it had saved no checkpoint yet")
+            raise Interrupted(stop.signum, f"{signal.Signals(stop.signum).name} stopped the training of {args.out} "
+                                           f"in epoch {trainer.current_epoch + 1}; {kept}") from err
+        finally:
+            stop.trainer = None
     fit_seconds = time.perf_counter() - fit_begin
     history = read_history(args.out / "history.jsonl")
     results = {"vqvae": asdict(record),

@@ -217,3 +217,11 @@ def test_prior_refuses_data_with_other_classes_than_its_vqvae_and_records_them(t
         train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(other),
                           "--out", str(tmp_path / "run"), "--epochs", "1", "--cache-dir", str(tmp_path / "cache")])
     assert not (tmp_path / "run").exists()
+
+
+def test_train_prior_refuses_an_out_in_use(vqvaes, tiny_cifar, tmp_path):
+    from softvq.io import RunLock, RunLockedError
+
+    with RunLock(tmp_path / "run"), pytest.raises(RunLockedError, match=r"is in use by another run \(pid \d+"):
+        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),
+                          "--out", str(tmp_path / "run"), "--epochs", "1"])
