@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
@@ -30,10 +31,11 @@ class Interrupted(BaseException):
 
 
 class GracefulStop:
-    """While entered (in the main thread), SIGTERM and SIGINT ask the Lightning trainer in :attr:`trainer` to stop
+    """While entered in the main thread, SIGTERM and SIGINT ask the Lightning trainer in :attr:`trainer` to stop
     after its current batch, Lightning's own SIGTERM path: nothing is half-written and the last checkpoint is kept.
     With no trainer running, or at a second signal, :class:`Interrupted` is raised at once. :attr:`signum` records the
-    first signal, so the caller can tell a stop from a normal end of ``trainer.fit``.
+    first signal, so the caller can tell a stop from a normal end of ``trainer.fit``. Entered in another thread
+    (``eval.compare``'s job threads) it does nothing: only the main thread receives signals and may set handlers.
     """
 
     def __init__(self) -> None:
@@ -57,6 +59,8 @@ class GracefulStop:
         raise Interrupted(signum)
 
     def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers (and receives signals): a no-op in worker threads
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
