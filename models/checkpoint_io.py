@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,19 @@ class UnsafeCheckpointError(ValueError):
 
 
 def _one_line(err: BaseException) -> str:
+    """The error's message on one line, without torch's weights_only boilerplate around the actual reason."""
     text = " ".join(str(err).split())
+    reason = (re.search(r"WeightsUnpickler error: (.*?) Check the documentation", text)
+              or re.search(r"trusted source\. (.*?) Check the documentation", text))
+    text = reason.group(1) if reason else text
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _builds_objects(err: pickle.UnpicklingError) -> bool:
+    """Whether torch's weights-only unpickler refused the file for naming a function or class to call (a GLOBAL
+    such as ``os.system``, or an object to construct): an unsafe file, as opposed to an unreadable one."""
+    text = str(err)
+    return "Weights only load failed" in text and ("GLOBAL" in text or "Can only" in text)
 
 
 def load_torch_file(path: str | os.PathLike, what: str = "checkpoint",
@@ -56,12 +68,12 @@ def load_torch_file(path: str | os.PathLike, what: str = "checkpoint",
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        if "weights only load failed" not in str(err).lower():
+        if not _builds_objects(err):  # garbage, or a pickle that is not a torch.save file: refused all the same
             raise ValueError(f"{what} {path} is truncated or corrupt ({type(err).__name__}: {_one_line(err)})") \
                 from err
         raise UnsafeCheckpointError(
-            f"{what} {path} is unsafe to load: it holds Python objects other than tensors and plain containers, "
-            f"which loading would construct and which could run code; refused (this project writes none: load only "
-            f"files it wrote)") from err
+            f"{what} {path} is unsafe to load: it holds Python objects other than tensors and plain containers "
+            f"({_one_line(err)}), which loading would construct and which could run code; refused, nothing in it ran "
+            f"(this project writes no such files)") from err
     except Exception as err:  # truncated zip, not a torch file, ...
         raise ValueError(f"{what} {path} is truncated or corrupt ({type(err).__name__}: {_one_line(err)})") from err
