@@ -56,6 +56,25 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     return stale
 
 
+_HELD_LOCKS: set[int] = set()  # file descriptors of the RunLocks this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker): close the inherited lock descriptors without unlocking them. A flock
+    belongs to the open file, which the fork shares: a worker that outlived a SIGKILLed parent would otherwise keep
+    the run locked until it noticed."""
+    for fd in _HELD_LOCKS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class RunLockedError(FileExistsError):
     """Another live process holds the run directory's lock."""
 
@@ -66,8 +85,10 @@ class RunLock:
 
     The lock is ``fcntl.flock`` on ``<directory>/.lock``, which also holds the holder's pid. The kernel drops a flock
     when its process dies, however it dies (SIGKILL included): the file a killed run leaves behind is stale, and the
-    next run takes it over (:attr:`stale_pid` then names the dead holder). The directory is created if needed and, if
-    the lock created it and it is still empty on release, removed again; the lock file is removed on release.
+    next run takes it over (:attr:`stale_pid` then names the dead holder). Forked children (DataLoader workers) close
+    their copy of the descriptor, so they never hold the lock; exec'd ones do not inherit it. The directory is created
+    if needed and, if the lock created it and it is still empty on release, removed again; the lock file is removed on
+    release.
     """
 
     NAME = ".lock"
@@ -123,12 +144,17 @@ class RunLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         os.fsync(fd)
         self._fd = fd
+        _HELD_LOCKS.add(fd)
         return self
 
     def release(self) -> None:
         if self._fd is None:
             return
+        if self._fd not in _HELD_LOCKS:  # a forked child's copy, already closed: the parent still holds the lock
+            self._fd = None
+            return
         self.path.unlink(missing_ok=True)  # before closing: whoever opens the path next makes a fresh file
+        _HELD_LOCKS.discard(self._fd)
         os.close(self._fd)
         self._fd = None
         self._remove_created()

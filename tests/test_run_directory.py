@@ -98,6 +98,27 @@ def test_a_lock_left_by_a_killed_run_is_stale_and_recovered(tmp_path):
         assert (run / ".lock").read_text() == f"{os.getpid()}\n"
 
 
+def test_a_forked_child_outliving_a_killed_holder_does_not_hold_the_lock(tmp_path):
+    """A DataLoader worker is a fork: it shares the open lock file. SIGKILL the holder while its child lives on (as a
+    worker does for a few seconds): the lock must be free at once, or --resume right after a kill is refused."""
+    run = tmp_path / "run"
+    code = ("import os, signal, sys, time; from softvq.io import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "child = os.fork()\n"
+            "if child == 0:\n"
+            "    null = os.open(os.devnull, os.O_WRONLY); os.dup2(null, 1); os.dup2(null, 2)\n"
+            "    time.sleep(60); os._exit(0)\n"
+            "print(child, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    holder = subprocess.run([sys.executable, "-c", code, str(run)], env=env(), capture_output=True, text=True,
+                            timeout=120)
+    orphan = int(holder.stdout)
+    try:
+        os.kill(orphan, 0)  # the forked child is still alive
+        with RunLock(run) as lock:
+            assert lock.stale_pid is not None
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+
+
 def test_two_runs_started_together_into_one_out(tmp_path, tiny_cifar):
     data = tiny_cifar["folder"]
     args = [*SMALL, "--epochs", "2", "--quantizer", "hard"]
