@@ -207,7 +207,7 @@ def test_non_finite_values_in_training(capsys, monkeypatch, tmp_path, tiny_cifar
     assert message in err and "global step 6" in err
     last = out / "checkpoints" / "last.ckpt"
     assert f"the last good checkpoint, {last} (end of epoch 1), is kept" in err
-    assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0
+    assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == 0
     assert [r["epoch"] for r in train_vqvae.read_history(out / "history.jsonl")] == [1]
     monkeypatch.undo()  # the data is fixed: the run continues from the kept checkpoint
     assert train_vqvae.cli([*argv, "--resume"]) == 0
@@ -241,7 +241,7 @@ def test_non_finite_tokens_in_training(capsys, monkeypatch, tmp_path, tiny_cifar
     assert "the encoder produced" in err and "NaN/Inf latent value(s)" in err
     assert "in training batch 2 of epoch 2 (global step 8): training diverged" in err
     assert f"the last good checkpoint, {out / 'checkpoints' / 'last.ckpt'} (end of epoch 1), is kept" in err
-    assert torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["epoch"] == 0
+    assert torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 0
 
 
 # ---- the library API --------------------------------------------------------------------------------------------
