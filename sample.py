@@ -54,16 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sample_labels(n: int, label: str | None, num_classes: int) -> torch.Tensor | None:
-    """The ``(n,)`` labels to condition on: ``label`` for every image, or every class in contiguous blocks;
-    ``None`` for an unconditional prior (``num_classes == 0``)."""
+def sample_labels(n: int, label: str | None, num_classes: int,
+                  classes: tuple[str, ...] = CLASSES) -> torch.Tensor | None:
+    """The ``(n,)`` labels to condition on: ``label`` (a name of ``classes`` or an index) for every image, or every
+    class in contiguous blocks; ``None`` for an unconditional prior (``num_classes == 0``)."""
     if num_classes == 0:
         if label is not None:
             raise ValueError(f"--class {label!r} given, but this prior is unconditional (trained without "
                              f"--class-conditional)")
         return None
     if label is not None:
-        return torch.full((n,), class_index(label, CLASSES[:num_classes]), dtype=torch.long)
+        return torch.full((n,), class_index(label, classes[:num_classes]), dtype=torch.long)
     return torch.arange(n) * num_classes // n
 
 
@@ -73,7 +74,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prior = load_prior(args.prior, map_location=device)
     if args.top_k is not None and args.top_k > prior.num_codes:
         raise ValueError(f"--top-k must be at most K = {prior.num_codes} (the prior's codebook size), got {args.top_k}")
-    labels = sample_labels(args.n, args.label, prior.config.num_classes)
+    # the class names the prior's training data had (recorded since issue 18), else CIFAR-10's
+    classes = tuple(prior.vqvae.classes) if prior.vqvae is not None and prior.vqvae.classes else CLASSES
+    labels = sample_labels(args.n, args.label, prior.config.num_classes, classes)
     vqvae_path = args.vqvae if args.vqvae is not None else Path(prior.vqvae.path) if prior.vqvae else None
     if vqvae_path is None:
         raise ValueError("this prior records no VQ-VAE; pass --vqvae")
@@ -88,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     save_image(make_grid(images, nrow=nrow, padding=2, pad_value=1.0), args.out)
     used = int(torch.unique(codes).numel())
     print(f"wrote {args.n} samples to {args.out} ({used} distinct codes of {prior.num_codes} in the draws"
-          + ("" if labels is None else f"; classes {sorted({CLASSES[i] for i in labels.tolist()})}") + ")")
+          + ("" if labels is None else f"; classes {sorted({classes[i] for i in labels.tolist()})}") + ")")
     return {"codes": codes.cpu(), "labels": labels, "images": images, "out": args.out}
 
 

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -42,7 +43,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from models.callbacks import HistoryWriter, read_history, write_atomic
-from models.cli import run_command
+from models.checkpoint_io import load_torch_file
+from models.cli import GracefulStop, Interrupted, run_command
 from models.codes import CodeSet, code_splits
 from models.prior import (
     CodePrior,
@@ -54,7 +56,8 @@ from models.prior import (
 )
 from models.transformer import PriorConfig
 from models.vqvae import load_vqvae
-from softvq.datasets.cifar10 import CLASSES, CIFAR10DataModule, _sha256
+from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256, check_same_classes
+from softvq.io import RunLock
 from train_vqvae import (
     _non_negative_float,
     _non_negative_int,
@@ -129,10 +132,7 @@ def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None
     """A readable checkpoint of a prior with this ``config`` over codes of this VQ-VAE; else a clear error."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, pickle error, ...
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {err})") from err
+    ckpt = load_torch_file(path, "checkpoint")  # weights_only=True; UnsafeCheckpointError / ValueError naming it
     saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if "config" not in saved or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint of train_prior.py (no prior config in it)")
@@ -194,6 +194,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args, parser)
+    # One run per --out (a second is refused naming the holder's pid); SIGTERM/SIGINT stop at the next batch and
+    # exit 143/130 with the last checkpoint kept (README: Run directories, resuming, exit codes).
+    with GracefulStop() as stop, RunLock(args.out):
+        return train(args, stop)
+
+
+def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
+    """The prior run of :func:`main`'s flags, with ``args.out``'s lock held."""
     vqvae = load_vqvae(args.vqvae)  # FileNotFoundError / ValueError naming the file
     sha256 = _sha256(args.vqvae)
     data = CIFAR10DataModule(args.data_root, batch_size=args.encode_batch_size, val_size=args.val_size,
@@ -201,12 +209,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     begin = time.perf_counter()
     splits = code_splits(vqvae, sha256, data, args.cache_dir, args.encode_batch_size, not args.no_progress_bar)
     encode_seconds = time.perf_counter() - begin
-    record = vqvae_record(vqvae, args.vqvae, sha256, image_size=int(data.test_set[0][0].shape[-1]))
+    if vqvae.class_names is not None:  # the labels of the codes must mean the classes the VQ-VAE was trained on
+        check_same_classes(vqvae.class_names, data.classes, f"--vqvae {args.vqvae}", f"the data at {args.data_root}")
+    record = vqvae_record(vqvae, args.vqvae, sha256, image_size=int(data.test_set[0][0].shape[-1]),
+                          classes=data.classes)
     if tuple(splits["train"].codes.shape[1:]) != (record.height, record.width):
         raise ValueError(f"the VQ-VAE encodes these images into {tuple(splits['train'].codes.shape[1:])} grids, "
                          f"not the {record.height}x{record.width} its downsampling implies")
     config = PriorConfig(num_codes=record.num_codes, height=record.height, width=record.width,
-                         num_classes=len(CLASSES) if args.class_conditional else 0, layers=args.layers,
+                         num_classes=len(data.classes) if args.class_conditional else 0, layers=args.layers,
                          heads=args.heads, dim=args.dim, mlp_ratio=args.mlp_ratio, dropout=args.dropout)
     ckpt_path = None
     if args.resume is not None:
@@ -239,9 +250,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
         warnings.filterwarnings("ignore", message=".*no `val_dataloader`")  # --val-size 0
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
-        trainer.fit(prior, loader(splits["train"], args.batch_size, shuffle=True),
-                    loader(splits["val"], 500, shuffle=False) if has_val else None,
-                    ckpt_path=str(ckpt_path) if ckpt_path else None)
+        stop.trainer = trainer
+        try:
+            trainer.fit(prior, loader(splits["train"], args.batch_size, shuffle=True),
+                        loader(splits["val"], 500, shuffle=False) if has_val else None,
+                        ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+        except (Exception, SystemExit) as err:  # Lightning ends a stopped fit with SystemExit (SIGTERMException)
+            if stop.signum is None:
+                raise
+            last = args.out / "checkpoints" / "last.ckpt"
+            kept = (f"its last checkpoint, {last}, is kept: run the same command with --resume" if last.is_file()
+                    else "it had saved no checkpoint yet")
+            raise Interrupted(stop.signum, f"{signal.Signals(stop.signum).name} stopped the training of {args.out} "
+                                           f"in epoch {trainer.current_epoch + 1}; {kept}") from err
+        finally:
+            stop.trainer = None
     fit_seconds = time.perf_counter() - fit_begin
     history = read_history(args.out / "history.jsonl")
     results = {"vqvae": asdict(record),

@@ -18,9 +18,14 @@ written to ``<out>/comparison.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
+import logging
 import math
+import os
 import shutil
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -28,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
@@ -43,13 +47,20 @@ from models.callbacks import (
     remove_stale_temporaries,
     write_atomic,
 )
-from models.cli import run_command
-from softvq.datasets.cifar10 import CIFAR10DataModule
+from models.checkpoint_io import checkpoint_classes, load_torch_file
+from models.cli import GracefulStop, Interrupted, run_command
+from softvq.datasets.cifar10 import CIFAR10DataModule, check_same_classes
+from softvq.io import RunLock
 from softvq.schedule import SCHEDULES
 
-# Hyperparameters that define the model: a checkpoint must match them to be resumed.
-MODEL_KEYS = ("quantizer", "num_codes", "code_dim", "in_channels", "width", "res_hidden", "res_blocks", "downsamples",
-              "latent_norm", "levels", "level_codes", "level_pool")
+log = logging.getLogger("softvq")
+
+# Flags that may differ when a run is resumed: they extend it (--epochs), say where the run and the same data are
+# (a moved directory) or how to run it, and change no result. Every other flag must be as the run's config.json
+# records it (README: Resuming).
+RESUME_SAFE = ("epochs", "resume", "overwrite", "out", "data_root", "download", "num_workers", "no_progress_bar",
+               "check_replicas", "accelerator", "strategy")
+INVOCATIONS = "invocations.jsonl"  # one line per start or resume of a run: when, which pid, the argv, what changed
 
 
 def _int_check(minimum: int):
@@ -276,43 +287,95 @@ def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
             "level_codes": args.level_codes[0] if len(args.level_codes) == 1 else args.level_codes}
 
 
-def check_checkpoint(path: Path, config: dict[str, Any]) -> None:
-    """A readable Lightning checkpoint whose model hyperparameters match ``config``; else a clear error."""
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; tuples as lists, so a saved and a fresh config compare alike."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def check_checkpoint(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """A readable Lightning checkpoint (loaded with ``weights_only=True``: nothing in it runs) whose model
+    hyperparameters match ``config``; returns it, else a clear error with the per-key differences."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # truncated zip, pickle error, ...
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {err})") from err
+    ckpt = load_torch_file(path, "checkpoint")  # UnsafeCheckpointError / ValueError naming the file
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a Lightning checkpoint of this trainer (no state_dict)")
-    saved = ckpt.get("hyper_parameters", {})
-    diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {config.get(k)!r}" for k in MODEL_KEYS
-            if k in saved and saved.get(k) != config.get(k, saved.get(k))]
+    saved, now = _flat(ckpt.get("hyper_parameters") or {}), _flat(config)
+    diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
     if diff:
         raise ValueError(f"checkpoint {path} was trained with another model configuration; pass the same "
                          f"flags to resume it:\n  " + "\n  ".join(diff))
+    return ckpt
 
 
-def prepare_out(args: argparse.Namespace, quantizer: str, out: Path) -> None:
-    """Refuse to start afresh over an old run (unless --overwrite, which clears it); write config.json."""
+def run_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
+    """What config.json records of one run: every flag, with this run's quantizer, as JSON values."""
+    return json.loads(json.dumps({**vars(args), "quantizer": quantizer}, default=str))
+
+
+def resume_changes(args: argparse.Namespace, quantizer: str, out: Path) -> dict[str, list[Any]]:
+    """The flags that differ from the run's config.json, ``{flag: [recorded, now]}``; only :data:`RESUME_SAFE` ones
+    may. A run without config.json (resumed from a checkpoint file into a new --out) has none to compare.
+
+    Raises:
+        ValueError: a flag outside :data:`RESUME_SAFE` differs (listing every difference), or config.json is unreadable.
+    """
+    path = out / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is unreadable ({err}); the run's settings cannot be checked") from err
+    now = run_config(args, quantizer)
+    changed = {k: [recorded[k], v] for k, v in now.items()
+               if k in recorded and recorded[k] != v and k not in ("resume", "overwrite")}
+    refused = {k: v for k, v in changed.items() if k not in RESUME_SAFE}
+    if refused:
+        lines = [f"--{k.replace('_', '-')}: run {old!r} vs now {new!r}" for k, (old, new) in refused.items()]
+        safe = ", ".join(f"--{k.replace('_', '-')}" for k in RESUME_SAFE if k not in ("resume", "overwrite", "out"))
+        raise ValueError(f"--resume would change settings of the run in {out} (its config.json), so it would no "
+                         f"longer describe the epochs already trained; nothing was written. Resume with the run's "
+                         f"settings (only {safe} may change) or start a new run in another --out:\n  "
+                         + "\n  ".join(lines))
+    return changed
+
+
+def prepare_out(args: argparse.Namespace, quantizer: str, out: Path, changed: dict[str, list[Any]] | None = None,
+                argv: Sequence[str] | None = None) -> None:
+    """Refuse to start afresh over an old run (unless --overwrite, which clears it); write config.json for a new run
+    (a resumed one keeps its own) and append this invocation to invocations.jsonl. Call with the run's lock held."""
     if args.resume is None and not args.overwrite and ((out / "history.jsonl").exists()
                                                        or (out / "checkpoints").exists()):
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
                               f"start afresh (or choose another --out)")
     for directory in (out, out / "checkpoints"):  # a killed run's half-written temporaries, never its outputs
         remove_stale_temporaries(directory)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "config.json", json.dumps({**vars(args), "quantizer": quantizer}, default=str, indent=2))
-    except OSError as err:
-        raise OSError(f"cannot write to the output directory {out}: {err}") from err
     if args.overwrite and args.resume is None:  # the previous run's artefacts would mix with the new ones
-        (out / "history.jsonl").unlink(missing_ok=True)
+        for stale_file in (out / "history.jsonl", out / INVOCATIONS):
+            stale_file.unlink(missing_ok=True)
         for stale in (out / "checkpoints", out / "tb"):
             shutil.rmtree(stale, ignore_errors=True)
         for png in out.glob("recon_epoch*.png"):
             png.unlink()
+    record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "pid": os.getpid(), "argv": list(sys.argv[1:] if argv is None else argv),
+              "resume": args.resume, "changed": changed or {}}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if args.resume is None or not (out / "config.json").exists():
+            write_atomic(out / "config.json", json.dumps(run_config(args, quantizer), indent=2))
+        log_path = out / INVOCATIONS
+        previous = log_path.read_bytes() if log_path.exists() else b""
+        write_atomic(log_path, previous + (json.dumps(record) + "\n").encode())
+    except OSError as err:
+        raise OSError(f"cannot write to the output directory {out}: {err}") from err
 
 
 def checkpoint_callbacks(dirpath: Path, validation: bool) -> list[ModelCheckpoint]:
@@ -347,25 +410,42 @@ def build_trainer(args: argparse.Namespace, out: Path, validation: bool, steps_p
         log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_progress_bar=not args.no_progress_bar)
 
 
-def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[str, Any]]:
+def train_one(args: argparse.Namespace, quantizer: str, out: Path, stop: GracefulStop | None = None,
+              argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Train (or resume) one VQ-VAE into ``out``; returns its history records.
+
+    Everything is checked (the checkpoint, the flags against the run's config.json, the data and its classes) before
+    anything is written. Call with ``out``'s :class:`~softvq.io.RunLock` held.
 
     Raises:
         FloatingPointError: NaN/Inf in a batch, the latents or the loss; the message names the step and the last
             good checkpoint, which is kept.
+        Interrupted: SIGTERM/SIGINT (``stop``) ended training; the last good checkpoint is kept.
     """
     config = model_config(args, quantizer)
-    ckpt_path = None
+    ckpt_path, ckpt, changed = None, None, {}
     if args.resume is not None:
         ckpt_path = out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
-        check_checkpoint(ckpt_path, config)
-    if rank_zero_only.rank == 0:  # under DDP the other processes re-run this script: one process owns --out
-        prepare_out(args, quantizer, out)
+        if args.resume == "last" and not ckpt_path.exists() and not (out / "history.jsonl").exists():
+            # Stopped before its first checkpoint, or (several quantizers) never started: nothing to resume.
+            log.warning("%s holds no checkpoint to resume: this run starts from the beginning", out)
+            ckpt_path = None
+        else:
+            ckpt = check_checkpoint(ckpt_path, config)
+        changed = resume_changes(args, quantizer, out)
 
     L.seed_everything(args.seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, download=args.download,
                              seed=args.seed)
+    data.prepare_data()
+    data.setup("fit")  # bad or missing data, and train/ and test/ with other classes, fail here, before any write
+    saved_classes = checkpoint_classes(ckpt) if ckpt is not None else None
+    if saved_classes is not None:
+        check_same_classes(saved_classes, data.classes, f"checkpoint {ckpt_path}", f"the data at {args.data_root}")
+    if rank_zero_only.rank == 0:  # under DDP the other processes re-run this script: one process owns --out
+        prepare_out(args, quantizer, out, changed, argv)
+
     model = VQVAE(**config)
     # Lightning's DDP strategies re-seed the global random state when fit starts (reset_seed); do the same in one
     # process, so data initialisation and dead-code restarts draw alike whatever the number of processes.
@@ -381,24 +461,42 @@ def train_one(args: argparse.Namespace, quantizer: str, out: Path) -> list[dict[
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
         # Lightning's pytree helper against newer torch; harmless.
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        if stop is not None:
+            stop.trainer = trainer
         try:
-            trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+            # weights_only=True: resuming never runs code from the checkpoint (AtomicCheckpointIO enforces it too)
+            trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
         except FloatingPointError as err:
             raise FloatingPointError(f"{err}\n{last_good_checkpoint(out)}") from err
+        except (Exception, SystemExit) as err:  # Lightning ends a stopped fit with SystemExit (SIGTERMException)
+            if stop is None or stop.signum is None:
+                raise
+            kept = last_good_checkpoint(out, "run the same command with --resume")
+            raise Interrupted(stop.signum, f"{stop_name(stop.signum)} stopped the training of {out} in epoch "
+                                           f"{trainer.current_epoch + 1}. {kept}") from err
+        finally:
+            if stop is not None:
+                stop.trainer = None
+    if stop is not None and stop.signum is not None:  # the signal came as the last epoch ended: it is complete
+        raise Interrupted(stop.signum, f"{stop_name(stop.signum)} arrived as {out} finished its last epoch; the run "
+                                       f"is complete.")
     return read_history(out / "history.jsonl")
 
 
-def last_good_checkpoint(out: Path) -> str:
+def stop_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def last_good_checkpoint(out: Path, advice: str = "fix the cause and continue with --resume") -> str:
     """Where a failed run can continue from: its ``last.ckpt`` (untouched by the failure), or that there is none."""
     last = out / "checkpoints" / "last.ckpt"
     if not last.is_file():
         return f"Training stopped before its first checkpoint; nothing was saved in {out / 'checkpoints'}."
     try:
-        epoch = int(torch.load(last, map_location="cpu", weights_only=False)["epoch"]) + 1
-    except Exception:  # noqa: BLE001 - a message, not a check
-        return f"Training stopped; the last checkpoint is {last}."
-    return (f"Training stopped; the last good checkpoint, {last} (end of epoch {epoch}), is kept: fix the cause and "
-            f"continue with --resume.")
+        epoch = int(load_torch_file(last, "checkpoint")["epoch"]) + 1
+    except Exception as err:  # noqa: BLE001 - a message, not a check
+        return f"Training stopped; the last checkpoint is {last}, but it cannot be read: {err}"
+    return f"Training stopped; the last good checkpoint, {last} (end of epoch {epoch}), is kept: {advice}."
 
 
 def _devices(text: str) -> int | str | list[int]:
@@ -428,15 +526,42 @@ def comparison_table(histories: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_locks(args: argparse.Namespace) -> contextlib.ExitStack:
+    """The exclusive :class:`~softvq.io.RunLock` of every run directory (and of --out itself with several
+    quantizers, for comparison.md), taken at once, before anything is read or written; none under DDP's other
+    processes, whose rank 0 holds them."""
+    stack = contextlib.ExitStack()
+    if rank_zero_only.rank != 0:
+        return stack
+    several = len(args.quantizer) > 1
+    directories = ([args.out] if several else []) + [args.out / q if several else args.out for q in args.quantizer]
+    with stack:
+        for directory in directories:
+            lock = stack.enter_context(RunLock(directory))
+            if lock.stale_pid is not None:
+                log.warning("%s: recovered the lock of run pid %d, which ended without releasing it", directory,
+                            lock.stale_pid)
+        return stack.pop_all()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args, parser)
     several = len(args.quantizer) > 1
     histories = {}
-    for quantizer in args.quantizer:
-        out = args.out / quantizer if several else args.out
-        histories[quantizer] = train_one(args, quantizer, out)
+    with GracefulStop() as stop, run_locks(args):
+        for i, quantizer in enumerate(args.quantizer):
+            out = args.out / quantizer if several else args.out
+            try:
+                histories[quantizer] = train_one(args, quantizer, out, stop, argv)
+            except Interrupted as err:
+                if not several:
+                    raise
+                unfinished = ", ".join(f"{q} ({'interrupted' if j == i else 'not started'})"
+                                       for j, q in enumerate(args.quantizer) if j >= i)
+                raise Interrupted(err.signum, f"{err} Runs not finished: {unfinished}; run the same command with "
+                                              f"--resume to finish them.") from err
     table = comparison_table(histories)
     if rank_zero_only.rank != 0:
         return histories
@@ -447,8 +572,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    """:func:`main` as a command: expected failures (missing or bad data, a bad checkpoint, an unusable --out,
-    NaN/Inf in training) print one ``error:`` message and return 2; bad flags exit 2 through argparse."""
+    """:func:`main` as a command: expected failures (missing or bad data, a bad checkpoint, an unusable or busy
+    --out, NaN/Inf in training) print one ``error:`` message and return 2; bad flags exit 2 through argparse;
+    SIGTERM / SIGINT stop it at the next batch, keep the last good checkpoint and return 143 / 130."""
     return run_command(main, argv)
 
 

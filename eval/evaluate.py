@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -26,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from torch.utils.data import Subset
 
 from models.callbacks import write_atomic
+from models.checkpoint_io import load_torch_file
 from models.cli import run_command
 from models.vqvae import load_vqvae
-from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256
+from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256, check_same_classes
 
 log = logging.getLogger("eval.evaluate")
 METRICS = ("mse", "psnr", "ssim", "mse_hard", "psnr_hard", "ssim_hard", "utilization", "dead_codes", "perplexity")
@@ -52,7 +53,7 @@ def quiet_lightning() -> Iterator[None]:
 
 def checkpoint_epochs(path: Path) -> tuple[int, int]:
     """(training epochs completed, optimizer steps) recorded in a Lightning checkpoint saved at an epoch's end."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_torch_file(path, "checkpoint")  # weights_only=True: nothing in the file runs
     return int(ckpt.get("epoch", -1)) + 1, int(ckpt.get("global_step", 0))
 
 
@@ -87,7 +88,8 @@ def evaluate(
 
     Raises:
         FileNotFoundError: the checkpoint or the data is missing (naming it).
-        ValueError: the checkpoint is truncated or not a VQVAE checkpoint (naming it); ``limit`` < 1.
+        ValueError: the checkpoint is unsafe to load, truncated or not a VQVAE checkpoint (naming it); the data's
+            classes differ from those the checkpoint records; ``limit`` < 1.
     """
     checkpoint = Path(checkpoint)
     if limit is not None and limit < 1:
@@ -99,6 +101,8 @@ def evaluate(
                              download=download)
     data.prepare_data()
     data.setup("test")
+    if model.class_names is not None:  # labels and codes must mean the classes the model was trained on
+        check_same_classes(model.class_names, data.classes, f"checkpoint {checkpoint}", f"the data at {data_root}")
     if limit is not None:
         data.test_set = Subset(data.test_set, range(min(limit, len(data.test_set))))
     images = len(data.test_set)
@@ -120,6 +124,20 @@ def evaluate(
     result["seconds"] = round(time.perf_counter() - start, 2)
     result["code_counts"] = [int(c) for c in model.test_code_counts]
     return result
+
+
+def check_output_file(path: Path) -> None:
+    """Refuse an ``--out`` that cannot become a file before the evaluation runs, not after: a directory, a path below a
+    file, or an unwritable folder (naming it)."""
+    if path.is_dir():
+        raise IsADirectoryError(f"--out {path} is a directory; give a file name, e.g. {path / 'test_metrics.json'}")
+    parent = path.parent
+    while not parent.exists():  # the folders that mkdir would create
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"--out {path} cannot be written: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {path} cannot be written: no write permission in {parent}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    if args.out is not None:
+        check_output_file(args.out)
     result = evaluate(args.checkpoint, args.data_root, batch_size=args.batch_size, limit=args.limit,
                       num_workers=args.num_workers, download=args.download, accelerator=args.accelerator,
                       progress=not args.no_progress_bar)

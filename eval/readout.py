@@ -42,10 +42,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
+from models.checkpoint_io import load_torch_file
 from models.cli import run_command
 from models.vqvae import VQVAE, load_vqvae
 from softvq import DDCLQuantizer, assignment_entropy
-from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256, default_cache_dir
+from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256, check_same_classes, default_cache_dir
 
 log = logging.getLogger("eval.readout")
 CLASSES = 10
@@ -71,6 +72,9 @@ def latents(args: argparse.Namespace, model: VQVAE, digest: str, device: torch.d
     data = CIFAR10DataModule(args.data_root, batch_size=256, val_size=0, train_subset=args.train_subset,
                              num_workers=args.num_workers)
     data.setup()  # resolves (and extracts) the data; raises with instructions when there is none
+    if model.class_names is not None:  # the readout's labels must mean the classes the model was trained on
+        check_same_classes(model.class_names, data.classes, f"checkpoint {args.checkpoint}",
+                           f"the data at {args.data_root}")
     test_set: Dataset = data.test_set
     if args.test_subset is not None and args.test_subset < len(test_set):
         order = torch.randperm(len(test_set), generator=torch.Generator().manual_seed(0))
@@ -81,12 +85,12 @@ def latents(args: argparse.Namespace, model: VQVAE, digest: str, device: torch.d
                                                              f"{key['test']}.pt")
     if cache.is_file():
         try:
-            saved = torch.load(cache, map_location="cpu", weights_only=True)
+            saved = load_torch_file(cache, "latent cache")  # weights_only=True: nothing in the file runs
             if saved.get("key") == key:
                 log.info("latents from the cache %s", cache)
                 return tuple(saved["train"]), tuple(saved["test"])
-        except Exception as err:  # an interrupted write: recompute
-            log.warning("ignoring an unreadable latent cache %s (%s)", cache, err)
+        except Exception as err:  # an interrupted write, an unsafe file: recompute (and replace it)
+            log.warning("ignoring the latent cache %s: %s", cache, err)
     begin = time.perf_counter()
     train = encode(model, data.train_set, 256, args.num_workers, device)
     test = encode(model, test_set, 256, args.num_workers, device)

@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torchvision.utils import make_grid, save_image
 
+from models.checkpoint_io import load_torch_file
 from softvq._utils import is_distributed
 from softvq.io import remove_stale_temporaries, write_atomic  # noqa: F401 - re-exported for the scripts
 
@@ -50,7 +51,7 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's ``torch.save`` checkpoint IO, but through :func:`write_atomic`: a run killed while saving keeps its
-    previous checkpoint intact.
+    previous checkpoint intact; and loading always with ``weights_only=True``.
 
     Lightning's own local save goes through an fsspec transaction whose temporary file lives in the system temp
     directory: when that is another file system the final move is a copy (a kill mid-copy truncates the checkpoint),
@@ -63,6 +64,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda f: torch.save(checkpoint, f))
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint at ``path``, always with ``weights_only=True`` (whatever is asked): a resumed file never runs
+        code. Errors name the file (:func:`models.checkpoint_io.load_torch_file`)."""
+        return load_torch_file(path, "checkpoint", map_location=map_location or "cpu")
 
 
 def _json_value(value: Any) -> Any:

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from models.checkpoint_io import load_torch_file
 from models.vqvae import VQVAE
 from softvq._utils import check_non_negative_int, check_positive_int
 from softvq.datasets.cifar10 import SPLIT_SEED, CIFAR10DataModule, default_cache_dir
@@ -113,14 +114,14 @@ def code_splits(model: VQVAE, sha256: str, data: CIFAR10DataModule, cache_dir: s
     path = cache_path(key, cache_dir)
     if path.is_file():
         try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
+            saved = load_torch_file(path, "code cache")  # weights_only=True: nothing in the file runs
             if saved.get("key") == key:
                 log.info("codes from the cache %s", path)
                 return {split: CodeSet(saved[split]["codes"].long(), saved[split]["labels"].long())
                         for split in SPLITS}
             log.warning("the code cache %s holds another selection; encoding again", path)
-        except Exception as err:  # an unreadable or foreign file: recompute
-            log.warning("ignoring an unreadable code cache %s (%s: %s)", path, type(err).__name__, err)
+        except Exception as err:  # an unreadable, unsafe or foreign file: recompute (and replace it)
+            log.warning("ignoring the code cache %s: %s", path, err)
     begin = time.perf_counter()
     datasets = {"train": data.train_set, "val": data.val_set, "test": data.test_set}
     out = {split: extract_codes(model, ds, batch_size, data.num_workers, progress, desc=f"encoding {split}")

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -40,6 +41,7 @@ class VQVAERecord:
     width: int  # columns of the latent grid
     quantizer: str  # the VQ-VAE's quantizer ("ddcl", "hard", or a class name)
     image_size: int = 32  # side of the square images the codes were extracted from
+    classes: list[str] | None = None  # the data's class names in label order (a conditional prior's labels); None: old
 
 
 def latent_grid(model: VQVAE, image_size: int = 32) -> tuple[int, int]:
@@ -48,10 +50,12 @@ def latent_grid(model: VQVAE, image_size: int = 32) -> tuple[int, int]:
     return image_size // factor, image_size // factor
 
 
-def vqvae_record(model: VQVAE, path: str | os.PathLike, sha256: str, image_size: int = 32) -> VQVAERecord:
-    """The :class:`VQVAERecord` of a loaded VQ-VAE checkpoint."""
+def vqvae_record(model: VQVAE, path: str | os.PathLike, sha256: str, image_size: int = 32,
+                 classes: Sequence[str] | None = None) -> VQVAERecord:
+    """The :class:`VQVAERecord` of a loaded VQ-VAE checkpoint (``classes``: the data's class names, label order)."""
     h, w = latent_grid(model, image_size)
-    return VQVAERecord(str(path), sha256, int(model.num_codes), h, w, str(model.quantizer_name), image_size)
+    return VQVAERecord(str(path), sha256, int(model.num_codes), h, w, str(model.quantizer_name), image_size,
+                       None if classes is None else list(classes))
 
 
 class CodePrior(L.LightningModule):

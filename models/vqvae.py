@@ -562,20 +562,33 @@ class VQVAE(L.LightningModule):
 
 def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str,
                 map_location: str | torch.device = "cpu") -> L.LightningModule:
-    """``cls.load_from_checkpoint(path)`` in eval mode, with errors that name the file.
+    """``cls.load_from_checkpoint(path, weights_only=True)`` in eval mode, with errors that name the file.
+
+    Nothing in the file runs: it is read with ``weights_only=True`` (:mod:`models.checkpoint_io`). The module gets
+    ``class_names``: the data set's class names recorded in the checkpoint
+    (:func:`models.checkpoint_io.checkpoint_classes`), or ``None`` for a checkpoint that records none.
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
+        UnsafeCheckpointError: the file holds objects other than tensors and plain containers (a ValueError).
         ValueError: the file is truncated, corrupt or not a checkpoint of ``cls`` (``what`` names it in the message).
     """
+    from models.checkpoint_io import UnsafeCheckpointError, checkpoint_classes, load_torch_file
+
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} checkpoint not found: {path}")
     try:
-        module = cls.load_from_checkpoint(path, map_location=map_location)
-    except Exception as err:  # truncated zip, pickle error, missing keys, another model's checkpoint, ...
+        checkpoint = load_torch_file(path, f"{what} checkpoint", map_location="cpu")
+    except UnsafeCheckpointError:
+        raise
+    except ValueError as err:
         raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
-                         f"checkpoint ({type(err).__name__}: {err})") from err
+                         f"checkpoint ({err.__cause__.__class__.__name__}: {err.__cause__})") from err
+    try:
+        module = cls.load_from_checkpoint(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # missing keys, another model's checkpoint, ...
+        raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
+                         f"checkpoint ({type(err).__name__}: {' '.join(str(err).split())[:300]})") from err
+    module.class_names = checkpoint_classes(checkpoint)
     return module.eval()
 
 
@@ -583,13 +596,16 @@ def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     """A trained :class:`VQVAE` from a Lightning checkpoint of ``train_vqvae.py``, in eval mode.
 
     Args:
-        path: the ``.ckpt`` file.
+        path: the ``.ckpt`` file (read with ``weights_only=True``: loading it runs no code).
         map_location: where to load the tensors.
         freeze: also set ``requires_grad=False`` on every parameter.
 
+    Returns:
+        The model, with ``class_names`` (the training data's classes, or ``None`` if the checkpoint records none).
+
     Raises:
         FileNotFoundError: ``path`` is not a file (naming it).
-        ValueError: the file is truncated, corrupt or not a VQVAE checkpoint (naming it and the cause).
+        ValueError: the file is unsafe to load, truncated, corrupt or not a VQVAE checkpoint (naming it and the cause).
     """
     model = load_module(VQVAE, path, "VQ-VAE", map_location)
     return model.requires_grad_(False) if freeze else model

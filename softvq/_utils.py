@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -12,21 +14,30 @@ from torch import Tensor
 from softvq.types import QuantizerOutput
 
 
+def _is_integer(value: object) -> bool:
+    """An integer of any integral type (``int``, ``numpy.int64``, ...), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as a plain ``int`` if it is an integer >= 1 (numpy integers too, bools not), else a ValueError."""
+    if not _is_integer(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_non_negative_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """``value`` as a plain ``int`` if it is an integer >= 0 (numpy integers too, bools not), else a ValueError."""
+    if not _is_integer(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_float(name: str, value: float, *, allow_zero: bool = False) -> float:
     """A finite float that is > 0 (or >= 0 with ``allow_zero``), else a ValueError naming ``name`` and ``value``."""
     kind = "non-negative" if allow_zero else "positive"
+    if isinstance(value, bool | np.bool_):  # float(True) is 1.0: a flag passed where a number belongs
+        raise ValueError(f"{name} must be a {kind} finite number, got {value!r}")
     try:
         value_f = float(value)
     except (TypeError, ValueError):
@@ -42,8 +53,25 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True) -> Tensor:
-    """Validate channel-last tokens ``(..., dim)`` and flatten them to ``(N, dim)``."""
+def max_token_magnitude(dim: int, dtype: torch.dtype, temperature: float = 1.0) -> float:
+    """The largest ``|z_i|`` for which the squared distances of ``dim``-dimensional tokens (and, divided by a
+    ``temperature`` below 1, the Boltzmann logits) cannot overflow in the compute dtype of ``dtype``.
+
+    With every coordinate of the tokens and the codes at most ``M`` in magnitude, the quantizers centre both on the
+    codes' mean (coordinates up to ``2M``) and expand ``|z|^2 - 2 z.e + |e|^2``: each partial sum is at most
+    ``4 D M^2 + 8 D M^2 + 4 D M^2 = 16 D M^2``. Requiring ``16 D M^2 / min(1, T) <= finfo.max`` gives
+    ``M = sqrt(finfo.max * min(1, T) / (16 D))`` (about ``1.6e18`` for float32 and ``D = 8``).
+    """
+    finfo = torch.finfo(compute_dtype(dtype))
+    return math.sqrt(finfo.max * min(1.0, temperature) / (16.0 * dim))
+
+
+def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True, temperature: float = 1.0) -> Tensor:
+    """Validate channel-last tokens ``(..., dim)`` and flatten them to ``(N, dim)``.
+
+    With ``check_finite``, NaN/Inf and finite tokens too large for the squared distances to be computed
+    (:func:`max_token_magnitude`; pass the Boltzmann ``temperature`` when it divides them) raise a ValueError.
+    """
     if not isinstance(z, Tensor):
         raise TypeError(f"expected a torch.Tensor of shape (..., {dim}), got {type(z).__name__}")
     if z.ndim == 0 or z.shape[-1] != dim:
@@ -54,9 +82,15 @@ def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True) -> Tensor:
         )
     if not z.is_floating_point():
         raise ValueError(f"expected a floating-point tensor, got dtype {z.dtype}")
-    if check_finite and z.numel() > 0 and not bool(torch.isfinite(z).all()):
-        bad = int((~torch.isfinite(z)).sum())
-        raise ValueError(f"z contains {bad} non-finite value(s) (NaN or Inf) out of {z.numel()}")
+    if check_finite and z.numel() > 0:
+        largest = float(z.detach().abs().amax())  # one reduction and one sync: NaN and Inf propagate into it
+        if not math.isfinite(largest):
+            bad = int((~torch.isfinite(z)).sum())
+            raise ValueError(f"z contains {bad} non-finite value(s) (NaN or Inf) out of {z.numel()}")
+        limit = max_token_magnitude(dim, z.dtype, temperature)
+        if largest > limit:
+            raise ValueError(f"z has a value of magnitude {largest:.3g}, above {limit:.3g}, the largest whose squared "
+                             f"distances over {dim} dimensions fit in {compute_dtype(z.dtype)}; rescale the tokens")
     return z.reshape(-1, dim)
 
 

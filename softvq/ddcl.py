@@ -49,6 +49,12 @@ CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
 _TERMS = ("l_q", "l_ols", "free_energy")
 
 
+def _mean(x: Tensor) -> Tensor:
+    """The mean of per-token values, accumulated in float64: a float32 sum of N values near the largest
+    representable square distance would overflow where their mean does not."""
+    return x.mean(dtype=torch.float64).to(x.dtype)
+
+
 def _rows_dot(a: Tensor, b: Tensor) -> Tensor:
     """``(a * b).sum(-1)`` for ``(N, M)`` matrices, without materialising the product."""
     return torch.linalg.vecdot(a, b)
@@ -94,18 +100,22 @@ class _SoftCentroid(torch.autograd.Function):
         q_logits = _rows_dot(q, logits)  # (N,) <q, -d / T>
         lq_n = q_logits * -temperature  # (N,) per-token L_q = sum_k q d
         r = zc - mu_c  # (N, D) residual z - mu
-        l_ols = r.square().sum(1).mean()
-        v = (q @ p_sq - mu_c.square().sum(1)).mean()
-        l_q = lq_n.mean()
-        entropy = (lse - q_logits).mean()  # H(q) = -sum_k q log q, log q = logits - lse
+        l_ols = _mean(r.square().sum(1))
+        v = _mean(q @ p_sq - mu_c.square().sum(1))
+        l_q = _mean(lq_n)
+        entropy = _mean(lse - q_logits)  # H(q) = -sum_k q log q, log q = logits - lse
         stats = torch.stack([l_q, l_ols, v, entropy])
 
         def term(name: str) -> Tensor:
             if name == "free_energy":  # F = -T log sum_k exp(-d_k / T) = L_q - T H(q)
-                return lse.mean() * -temperature
+                return _mean(lse) * -temperature
             return l_q if name == "l_q" else l_ols
 
-        loss = (cb_weight * term(cb_term) + cm_weight * term(cm_term)) / dim
+        loss = zc.new_zeros(())
+        for name, weight in ((cb_term, cb_weight), (cm_term, cm_weight)):
+            if weight > 0:  # a dropped term is not computed (0 * inf would be NaN)
+                loss = loss + weight * term(name)
+        loss = loss / dim
 
         ctx.temperature = temperature
         ctx.routing = (cb_term, cb_weight, cm_term, cm_weight)
@@ -510,11 +520,14 @@ class DDCLQuantizer(nn.Module):
                 zf = F.normalize(zf, dim=-1)
             p = self.prototypes.to(ctype)
             p = F.normalize(p, dim=-1) if self.distance == "cosine" else p
-            if self._temperature is None:
-                self._calibrate_temperature(zf.detach(), p.detach())
+            temperature = self._temperature
+            if temperature is None:  # set by the first training batch; evaluation before it calibrates, keeps nothing
+                temperature = self._calibrate_temperature(zf.detach(), p.detach())
+                if self.training:
+                    self._temperature = temperature
             gradient = self.prototype_update == "gradient"
             mu, q, indices, loss, stats = _SoftCentroid.apply(
-                zf, p, self._temperature,
+                zf, p, temperature,
                 self.codebook_term, self.codebook_weight if gradient else 0.0,
                 *self._soft_commitment(),
             )
@@ -575,27 +588,27 @@ class DDCLQuantizer(nn.Module):
                                                   self.temperature_rate)
 
     @torch.no_grad()
-    def _calibrate_temperature(self, z: Tensor, p: Tensor) -> None:
+    def _calibrate_temperature(self, z: Tensor, p: Tensor) -> float:
         """The first ``T``: bisection in ``log T`` until the mean assignment entropy of this batch (of every
         process's batch) equals ``target_entropy``; H(Q) rises monotonically with ``T``."""
         sample = z[:: max(1, z.shape[0] // 4096)]  # a strided sample: no random draw, so restarts draw alike
         center = p.mean(0)
         d = squared_distances(sample - center, p - center)  # (n, K)
-        total = all_reduce_sum_(torch.stack([d.sum(), torch.tensor(float(d.numel()), dtype=d.dtype,
-                                                                   device=d.device)]).double())
+        total = all_reduce_sum_(torch.stack([d.sum(dtype=torch.float64),
+                                             torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device)]))
         scale = max(float(total[0] / total[1]), 1e-12)  # the same bracket on every process
         lo, hi = math.log(scale * 1e-6), math.log(scale * 1e3)
         for _ in range(50):
             mid = 0.5 * (lo + hi)
             logq = torch.log_softmax(d * -math.exp(-mid), dim=1)
-            h = torch.stack([-(logq.exp() * logq).sum(1).sum(), torch.tensor(d.shape[0], dtype=d.dtype,
-                                                                               device=d.device)]).double()
+            h = torch.stack([-(logq.exp() * logq).sum(1).sum(dtype=torch.float64),
+                             torch.tensor(float(d.shape[0]), dtype=torch.float64, device=d.device)])
             all_reduce_sum_(h)
             if float(h[0] / h[1]) > self.target_entropy:
                 hi = mid
             else:
                 lo = mid
-        self._temperature = math.exp(0.5 * (lo + hi))
+        return math.exp(0.5 * (lo + hi))
 
     # ---- dead-code restart -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -48,7 +48,8 @@ def batch_counts(indices: Tensor, num_codes: int, probs: Tensor | None = None) -
     """Per-code hard counts ``(K,)`` int64 and, when ``probs (..., K)`` is given, summed assignments ``(K,)``.
 
     Raises:
-        ValueError: indices outside ``[0, num_codes)`` or not integer, or ``probs`` whose shape does not match.
+        ValueError: indices outside ``[0, num_codes)`` or not integer, or ``probs`` whose shape does not match or
+            that holds NaN, negative or above-1 values.
     """
     check_indices(indices, num_codes)
     counts = torch.bincount(indices.reshape(-1).long(), minlength=num_codes)
@@ -57,7 +58,15 @@ def batch_counts(indices: Tensor, num_codes: int, probs: Tensor | None = None) -
     if probs.shape != (*indices.shape, num_codes):
         raise ValueError(f"probs must have shape {(*indices.shape, num_codes)} to match indices, "
                          f"got {tuple(probs.shape)}")
-    return counts, probs.detach().reshape(-1, num_codes).sum(0, dtype=torch.float32)
+    probs = probs.detach()
+    if not probs.is_floating_point():
+        raise ValueError(f"probs must be a floating-point tensor of assignment probabilities, got dtype {probs.dtype}")
+    valid = (probs >= 0) & (probs <= 1 + 1e-5)  # False for NaN too
+    if probs.numel() and not bool(valid.all()):
+        bad = probs[~valid]
+        raise ValueError(f"probs must be assignment probabilities in [0, 1]; {bad.numel()} entries are not "
+                         f"(e.g. {float(bad[0])!r})")
+    return counts, probs.reshape(-1, num_codes).sum(0, dtype=torch.float32)
 
 
 def codebook_usage(indices: Tensor, num_codes: int, probs: Tensor | None = None) -> dict[str, Tensor]:

@@ -32,8 +32,8 @@ class HardVQ(nn.Module):
     only, Laplace-smoothed counts) and the loss is ``beta * mse(z, sg[e])`` alone.
 
     Dead-code restart: with ``dead_code_threshold > 0``, every training step a code whose running average
-    number of assigned tokens per batch (decay ``ema_decay``, or 0.99 without EMA) is below the threshold is
-    replaced by a random token of the current batch.
+    number of assigned tokens per batch (decay ``ema_decay``, or 0.99 without EMA; it starts from the first training
+    batch's counts) is below the threshold is replaced by a random token of the current batch.
 
     ``terms`` (detached): ``commitment`` (``mse(z, e)``, element mean), and the DDCL quantities for a one-hot
     assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2`` and ``v = 0``, so both quantizers report
@@ -69,6 +69,7 @@ class HardVQ(nn.Module):
         self.dead_code_threshold = check_float("dead_code_threshold", dead_code_threshold, allow_zero=True)
         self.epsilon = check_float("epsilon", epsilon)
         self.check_finite = bool(check_finite)
+        num_codes, dim = self.num_codes, self.dim
         init = torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes)  # VQ-VAE's init
         if self.ema_decay is None:
             self.embedding = nn.Parameter(init)  # (K, D)
@@ -77,8 +78,9 @@ class HardVQ(nn.Module):
             # One pseudo-observation of each initial code, so unused codes keep their value under the EMA.
             self.register_buffer("ema_cluster_size", torch.ones(num_codes))
             self.register_buffer("ema_embed_sum", init.clone())
-        # Running average of assignments per batch, for dead-code restart.
-        self.register_buffer("usage", torch.zeros(num_codes))
+        # Running average of assignments per batch, for dead-code restart; -1 until the first training batch, whose
+        # counts it starts from (starting from 0 would restart nearly every live code in the first steps).
+        self.register_buffer("usage", torch.full((num_codes,), -1.0))
 
     @property
     def codebook(self) -> Tensor:
@@ -135,7 +137,10 @@ class HardVQ(nn.Module):
         counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
         all_reduce_sum_(counts)
         decay = self.ema_decay if self.ema_decay is not None else 0.99
-        self.usage.mul_(decay).add_(counts, alpha=1.0 - decay)
+        if bool((self.usage < 0).any()):  # first training batch: start from its counts, as DDCLQuantizer does
+            self.usage.copy_(counts)
+        else:
+            self.usage.mul_(decay).add_(counts, alpha=1.0 - decay)
         if self.ema_decay is not None:
             embed_sum = torch.zeros_like(self.ema_embed_sum).index_add_(0, indices, z.to(self.ema_embed_sum.dtype))
             all_reduce_sum_(embed_sum)

@@ -17,6 +17,7 @@ prototypes through its own loss and, for levels below the top, through the poole
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -134,13 +135,18 @@ class HierarchicalDDCL(nn.Module):
 
     @staticmethod
     def _check_pool(pool: Window | Sequence[Window], num_levels: int) -> tuple[Window, ...]:
-        windows = [pool] * (num_levels - 1) if isinstance(pool, int) else list(pool)
+        if isinstance(pool, numbers.Integral) and not isinstance(pool, bool):
+            windows = [int(pool)] * (num_levels - 1)
+        elif isinstance(pool, Sequence) and not isinstance(pool, str):
+            windows = list(pool)
+        else:
+            raise ValueError(f"pool must be an int >= 1 or a sequence of windows, one per level above 0, got {pool!r}")
         if len(windows) != num_levels - 1:
             raise ValueError(f"pool must be an int or hold one window per level above 0 ({num_levels - 1} for "
                              f"{num_levels} levels), got {pool!r}")
         out: list[Window] = []
         for level, window in enumerate(windows, start=1):
-            sizes = (window,) if isinstance(window, int) else tuple(window)
+            sizes = (window,) if not isinstance(window, Sequence) else tuple(window)
             if len(sizes) == 0 or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in sizes):
                 raise ValueError(f"pool window of level {level} must be an int >= 1 or a tuple of them, "
                                  f"got {window!r}")

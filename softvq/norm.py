@@ -29,8 +29,9 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor, int]:
     count = x.shape[0]
     if is_distributed():
         count = int(all_reduce_sum_(torch.tensor(count, dtype=torch.long, device=x.device)))
-    mean = all_reduce_sum(x.sum(0)) / count
-    var = all_reduce_sum((x - mean).square().sum(0)) / count
+    acc = torch.float64 if x.dtype == torch.float32 else x.dtype  # a float32 sum of N large squares overflows
+    mean = (all_reduce_sum(x.sum(0, dtype=acc)) / count).to(x.dtype)
+    var = (all_reduce_sum((x - mean).square().sum(0, dtype=acc)) / count).to(x.dtype)
     return mean, var, count
 
 

@@ -7,6 +7,8 @@ an output directory that already holds a finished run: after the failure every f
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -117,6 +119,12 @@ def test_corrupt_image_file(capsys, tmp_path):
     assert f"cannot decode image {bad}" in fails(capsys, [], tmp_path / "data", tmp_path / "new")
 
 
+def test_corrupt_image_file_read_by_a_loader_worker_is_one_line(capsys, tmp_path):
+    bad = corrupt_image(tmp_path / "data")
+    err = fails(capsys, ["--num-workers", "1"], tmp_path / "data", tmp_path / "new")
+    assert err.startswith(f"error: cannot decode image {bad}") and err.count("\n") == 1, err  # not the traceback
+
+
 def test_empty_dataset(capsys, tmp_path):
     folder = empty_folder(tmp_path / "data")
     assert f"{folder} holds no images" in fails(capsys, [], tmp_path / "data", tmp_path / "new")
@@ -199,7 +207,7 @@ def test_non_finite_values_in_training(capsys, monkeypatch, tmp_path, tiny_cifar
     assert message in err and "global step 6" in err
     last = out / "checkpoints" / "last.ckpt"
     assert f"the last good checkpoint, {last} (end of epoch 1), is kept" in err
-    assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0
+    assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == 0
     assert [r["epoch"] for r in train_vqvae.read_history(out / "history.jsonl")] == [1]
     monkeypatch.undo()  # the data is fixed: the run continues from the kept checkpoint
     assert train_vqvae.cli([*argv, "--resume"]) == 0
@@ -233,7 +241,7 @@ def test_non_finite_tokens_in_training(capsys, monkeypatch, tmp_path, tiny_cifar
     assert "the encoder produced" in err and "NaN/Inf latent value(s)" in err
     assert "in training batch 2 of epoch 2 (global step 8): training diverged" in err
     assert f"the last good checkpoint, {out / 'checkpoints' / 'last.ckpt'} (end of epoch 1), is kept" in err
-    assert torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["epoch"] == 0
+    assert torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 0
 
 
 # ---- the library API --------------------------------------------------------------------------------------------
@@ -282,3 +290,75 @@ def test_truncated_archive_in_the_data_module(tmp_path, tiny_cifar, monkeypatch)
     monkeypatch.setenv("SOFTVQ_CACHE", str(tmp_path / "cache"))
     with pytest.raises(softvq.datasets.CorruptArchiveError, match=str(archive)):
         softvq.datasets.CIFAR10DataModule(archive).setup()
+
+
+# ---- issue 18, item 6: integer types, bools, windows, probabilities, tokens too large for their squared distances --
+@pytest.mark.parametrize("make, message", [
+    (lambda: DDCLQuantizer(16, 8, temperature=True), "temperature must be a positive finite number, got True"),
+    (lambda: DDCLQuantizer(16, 8, temperature=np.bool_(True)), "temperature must be a positive finite number"),
+    (lambda: softvq.HardVQ(16, 8, beta=False), "beta must be a non-negative finite number, got False"),
+    (lambda: DDCLQuantizer(True, 8), "num_codes must be a positive integer, got True"),
+    (lambda: softvq.HierarchicalDDCL((8, 4), 4, pool=2.0), "pool must be an int >= 1 or a sequence of windows"),
+    (lambda: softvq.HierarchicalDDCL((8, 4), 4, pool="2"), "pool must be an int >= 1 or a sequence of windows"),
+    (lambda: softvq.CodebookUsage(4).update(torch.tensor([0, 1]), torch.tensor([[0.5, 0.5, 0, 0],
+                                                                                [float("nan"), 1, 0, 0]])),
+     "probs must be assignment probabilities in [0, 1]; 1 entries are not (e.g. nan)"),
+    (lambda: softvq.CodebookUsage(4).update(torch.tensor([1]), torch.tensor([[-0.5, 1.5, 0, 0]])),
+     "probs must be assignment probabilities in [0, 1]; 2 entries are not (e.g. -0.5)"),
+])
+def test_bad_api_input_by_message(make, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
+
+
+def test_numpy_integers_are_accepted_as_plain_ints():
+    layer = DDCLQuantizer(np.int64(16), np.int32(8))
+    assert type(layer.num_codes) is int and type(layer.dim) is int and layer.codebook.shape == (16, 8)
+    hard = softvq.HardVQ(np.int64(16), np.int64(8))
+    assert type(hard.num_codes) is int and hard.codebook.shape == (16, 8)
+    assert softvq.HierarchicalDDCL((np.int64(8), 4), 4, pool=np.int64(2)).pool == (2,)
+    assert layer(torch.randn(5, 8)).indices.shape == (5,)
+
+
+@pytest.mark.parametrize("make", [lambda: DDCLQuantizer(16, 8), lambda: softvq.HardVQ(16, 8)],
+                         ids=["ddcl", "hard"])
+def test_tokens_too_large_for_squared_distances(make):
+    """|z| >= 1e19 in float32 overflowed the squared distances (NaN from DDCL, inf from HardVQ): now an error naming
+    the magnitude and the limit; just below the limit both compute, HardVQ's codes checked against float64."""
+    limit = math.sqrt(torch.finfo(torch.float32).max / (16 * 8))  # the bound derived in max_token_magnitude
+    layer = make()
+    z = torch.randn(32, 8)
+    z[3, 5] = 1e19
+    with pytest.raises(ValueError, match=r"z has a value of magnitude 1e\+19, above 1\.63e\+18"):
+        layer(z)
+    torch.manual_seed(0)
+    z = (torch.rand(64, 8) * 2 - 1) * 0.99 * limit
+    if isinstance(layer, DDCLQuantizer):  # codes inside the bound too: 16 of the tokens
+        layer.init_from_data(z[:16])
+    else:
+        with torch.no_grad():
+            layer.embedding.copy_(z[:16])
+    codes = layer.codebook.clone()
+    out = layer.eval()(z)  # the distance computation alone (no codebook or temperature update)
+    assert torch.isfinite(out.quantized).all() and torch.isfinite(out.probs).all() and torch.isfinite(out.loss)
+    assert all(torch.isfinite(v) for v in out.terms.values())
+    reference = torch.cdist(z.double(), codes.double()).argmin(1)  # exact nearest codes in float64
+    assert torch.equal(out.indices, reference)
+
+
+# ---- issue 18, item 5: classes -----------------------------------------------------------------------------------
+def test_a_class_missing_from_test_is_refused_before_training(capsys, tmp_path):
+    write_image_folder(tmp_path / "data", per_class_train=12, per_class_test=1)
+    shutil.rmtree(tmp_path / "data" / "test" / "ship")
+    err = fails(capsys, [], tmp_path / "data", tmp_path / "new")
+    assert err.count("\n") == 1 and "only in" in err and "train: ['ship']; only in" in err and "test: none" in err
+    assert not (tmp_path / "new").exists()  # checked before anything was written
+
+
+def test_resume_on_data_with_other_classes_is_refused(capsys, tmp_path, tiny_cifar, previous):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_cifar["folder"], other)
+    for split in ("train", "test"):
+        (other / split / "frog").rename(other / split / "toad")
+    err = fails(capsys, ["--resume", "--epochs", "2"], other, previous)
+    assert "only in checkpoint" in err and "['frog']; only in the data at" in err and "['toad']" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import shutil
 import tarfile
 import urllib.error
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CLASSES, synthetic_images
+from conftest import CLASSES, synthetic_images, write_image_folder
 from PIL import Image
 from torchvision import datasets
 from torchvision.datasets import cifar as cifar_module
@@ -20,8 +21,10 @@ from torchvision.datasets import cifar as cifar_module
 from softvq.datasets import cifar10 as svdata
 from softvq.datasets.cifar10 import (
     CIFAR10DataModule,
+    ClassMismatchError,
     CorruptArchiveError,
     DataNotFoundError,
+    UnsafeArchiveError,
     extract_archive,
     split_indices,
 )
@@ -112,9 +115,59 @@ def test_archive_with_unsafe_member_is_refused(tmp_path):
         info = tarfile.TarInfo("../escaped.txt")
         info.size = len(payload)
         tar.addfile(info, io.BytesIO(payload))
-    with pytest.raises(CorruptArchiveError):
+    with pytest.raises(UnsafeArchiveError, match=f"{archive} is unsafe to extract: .*escaped.txt") as caught:
         extract_archive(archive, tmp_path / "cache")
+    assert isinstance(caught.value, CorruptArchiveError)  # scripts report it as an expected error
+    assert "truncated" not in str(caught.value) and "download it again" not in str(caught.value)
     assert not (tmp_path / "escaped.txt").exists()
+    assert not list((tmp_path / "cache").iterdir())  # nothing extracted into the cache
+
+
+def test_archive_with_a_symlink_out_is_unsafe(tmp_path):
+    archive = tmp_path / "link.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        info = tarfile.TarInfo("train/cat/0000.jpg")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(info)
+    with pytest.raises(UnsafeArchiveError, match="unsafe to extract"):
+        extract_archive(archive, tmp_path / "cache")
+
+
+# ---- classes: hidden entries are ignored, train/ and test/ must agree, checkpoints record them (issue 18) ---------
+def test_hidden_folders_and_files_are_neither_classes_nor_images(tmp_path):
+    root = write_image_folder(tmp_path / "data", per_class_train=2, per_class_test=1)
+    for split in ("train", "test"):
+        (root / split / ".ipynb_checkpoints").mkdir()
+    Image.new("RGB", (32, 32)).save(root / "train" / ".ipynb_checkpoints" / "a.jpg")
+    Image.new("RGB", (32, 32)).save(root / "test" / ".ipynb_checkpoints" / "b.jpg")
+    (root / "train" / "cat" / ".thumbs").mkdir()
+    Image.new("RGB", (32, 32)).save(root / "train" / "cat" / ".thumbs" / "c.jpg")
+    Image.new("RGB", (32, 32)).save(root / "train" / "cat" / "._0000.jpg")
+    dm = CIFAR10DataModule(root, batch_size=4, val_size=0, num_workers=0)
+    dm.setup()
+    assert dm.classes == CLASSES  # 10 classes, not 11 with ".ipynb_checkpoints" as class 0
+    full = dm.train_set.dataset
+    reference = sorted((str(p), CLASSES.index(p.parent.name)) for p in (root / "train").glob("[!.]*/[!.]*.jpg"))
+    assert sorted(full.samples) == reference  # every label the index of its folder in CIFAR-10's class list
+    assert len(dm.test_set) == 10
+
+
+def test_a_class_missing_from_test_is_refused(tmp_path):
+    root = write_image_folder(tmp_path / "data", per_class_train=2, per_class_test=1)
+    shutil.rmtree(root / "test" / "truck")
+    with pytest.raises(ClassMismatchError, match=r"only in .*train: \['truck'\]; only in .*test: none"):
+        CIFAR10DataModule(root, val_size=0, num_workers=0).setup("test")
+
+
+def test_classes_are_saved_in_the_data_state_and_checked_on_load(tmp_path):
+    root = write_image_folder(tmp_path / "data", per_class_train=2, per_class_test=1)
+    dm = CIFAR10DataModule(root, val_size=0, num_workers=0)
+    dm.setup("fit")
+    assert dm.state_dict() == {"classes": list(CLASSES)}
+    dm.load_state_dict({"classes": list(CLASSES)})  # the same: accepted
+    with pytest.raises(ClassMismatchError, match=r"only in the checkpoint: \['lion'\]; only in the data .*"
+                                                   r"\['truck'\]"):
+        dm.load_state_dict({"classes": [*CLASSES[:9], "lion"]})
 
 
 def test_archive_without_train_and_test_is_refused(tmp_path):

@@ -41,7 +41,7 @@ def rows(run: Path) -> list[dict]:
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 

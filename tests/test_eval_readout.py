@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -138,3 +139,13 @@ def test_standardize_gives_unit_scale_tokens_and_keeps_the_codebook_assignments(
     torch.testing.assert_close(mapped(test[0]).probs, quantizer(tokens).probs, atol=1e-5, rtol=1e-4)
     assert readout.codebook_entropy(mapped, test[0]) == pytest.approx(
         float(assignment_entropy(quantizer(tokens).probs)) / math.log(8), rel=1e-4)
+
+
+def test_readout_refuses_data_with_other_classes_than_the_checkpoint(checkpoint, tiny_cifar, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_cifar["folder"], other)
+    for split in ("train", "test"):
+        (other / split / "cat").rename(other / split / "lion")
+    with pytest.raises(ValueError, match=r"only in checkpoint .*: \['cat'\]; only in the data at .*: \['lion'\]"):
+        readout.main(["--checkpoint", str(checkpoint), "--data-root", str(other), "--quick", "--train-subset", "200",
+                      "--out", str(tmp_path / "report"), "--num-workers", "0"])

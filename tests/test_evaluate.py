@@ -101,3 +101,33 @@ def test_missing_or_truncated_checkpoint_is_a_clear_error_naming_the_file(checkp
     assert proc.returncode == 2 and proc.stderr.startswith("error: VQ-VAE checkpoint")
     assert "truncated.ckpt" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def renamed_class(tiny: Path, root: Path) -> Path:
+    """The tiny tree with class 'truck' renamed 'lorry' in both splits: 10 classes, one of them not CIFAR-10's."""
+    shutil.copytree(tiny, root)
+    for split in ("train", "test"):
+        (root / split / "truck").rename(root / split / "lorry")
+    return root
+
+
+def test_data_with_other_classes_than_the_checkpoint_is_refused(checkpoints, tiny_cifar, tmp_path):
+    other = renamed_class(tiny_cifar["folder"], tmp_path / "other")
+    assert load_vqvae(checkpoints["hard"]).class_names == tuple(sorted(p.name for p in
+                                                                       (tiny_cifar["folder"] / "test").iterdir()))
+    with pytest.raises(ValueError, match=r"only in checkpoint .*: \['truck'\]; only in the data at .*: \['lorry'\]"):
+        evaluate.evaluate(checkpoints["hard"], other, num_workers=0, accelerator="cpu", progress=False)
+
+
+def test_out_that_cannot_be_a_file_is_refused_before_evaluating(checkpoints, tiny_cifar, tmp_path, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --out was checked")
+
+    monkeypatch.setattr(evaluate, "evaluate", never)
+    base = [str(checkpoints["hard"]), "--data-root", str(tiny_cifar["folder"]), "--no-progress-bar"]
+    with pytest.raises(IsADirectoryError, match=f"--out {tmp_path} is a directory; give a file name"):
+        evaluate.main([*base, "--out", str(tmp_path)])
+    (tmp_path / "a_file").write_text("keep")
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path / 'a_file'} is a file, not a directory"):
+        evaluate.main([*base, "--out", str(tmp_path / "a_file" / "metrics.json")])
+    assert (tmp_path / "a_file").read_text() == "keep"

@@ -126,3 +126,18 @@ def test_empty_batch_and_bad_input():
 def test_invalid_hyperparameters_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         HardVQ(**{"num_codes": 8, "dim": 4, **kwargs})
+
+
+def test_live_codes_are_never_restarted():
+    """Every code gets 8 of the 32 tokens of every batch, twice the threshold: none may be restarted, from the first
+    step on (a usage average starting at 0 read 0.08 after step 1 and restarted all four)."""
+    torch.manual_seed(0)
+    centres = torch.tensor([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [4.0, 4.0]])
+    vq = HardVQ(4, 2, dead_code_threshold=4.0).train()
+    with torch.no_grad():
+        vq.embedding.copy_(centres)
+    for _ in range(5):
+        z = (centres.repeat_interleave(8, 0) + 0.1 * torch.randn(32, 2))[torch.randperm(32)]
+        assert torch.equal(vq(z).indices.bincount(minlength=4), torch.full((4,), 8))
+        assert torch.equal(vq.codebook, centres)  # no gradient step here: only a restart could move a code
+    assert vq.usage.tolist() == [8.0] * 4  # started from the first batch's counts, not from 0

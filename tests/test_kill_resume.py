@@ -39,7 +39,7 @@ def rows(out: Path) -> list[dict]:
 
 
 def tensors(path: Path) -> dict[str, object]:
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
     state = {f"model.{k}": v for k, v in ckpt["state_dict"].items()}
     for i, opt in enumerate(ckpt["optimizer_states"]):  # Adam's moments and step counts too
         for param, values in opt["state"].items():
@@ -66,7 +66,7 @@ def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path, tiny_cifar):
     child.send_signal(signal.SIGKILL)
     assert child.wait() == -signal.SIGKILL
     assert [r["epoch"] for r in rows(out)] == [1]  # killed mid-epoch 2
-    assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 0  # Lightning counts from 0
+    assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == 0  # Lightning counts from 0
 
     resumed = subprocess.run(command(data, out, "--resume"), env=env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

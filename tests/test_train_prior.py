@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -203,3 +204,24 @@ def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tm
         prior_report.main(["--run", f"x={tmp_path}", "--out", str(out)])
     with pytest.raises(SystemExit):
         prior_report.main(["--run", "no-equals-sign"])
+
+
+def test_prior_refuses_data_with_other_classes_than_its_vqvae_and_records_them(trained, vqvaes, tiny_cifar,
+                                                                               tmp_path):
+    assert load_prior(trained["out"] / "checkpoints" / "last.ckpt").vqvae.classes == list(CLASSES)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_cifar["folder"], other)
+    for split in ("train", "test"):
+        (other / split / "dog").rename(other / split / "wolf")
+    with pytest.raises(ValueError, match=r"only in --vqvae .*: \['dog'\]; only in the data at .*: \['wolf'\]"):
+        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(other),
+                          "--out", str(tmp_path / "run"), "--epochs", "1", "--cache-dir", str(tmp_path / "cache")])
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_prior_refuses_an_out_in_use(vqvaes, tiny_cifar, tmp_path):
+    from softvq.io import RunLock, RunLockedError
+
+    with RunLock(tmp_path / "run"), pytest.raises(RunLockedError, match=r"is in use by another run \(pid \d+"):
+        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),
+                          "--out", str(tmp_path / "run"), "--epochs", "1"])

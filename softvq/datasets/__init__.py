@@ -16,8 +16,8 @@ from softvq.datasets.debris import (
 )
 from softvq.datasets.sampling import GlobalBatchSampler
 
-_CIFAR10 = ("BadImageError", "CIFAR10DataModule", "CorruptArchiveError", "DataNotFoundError", "extract_archive",
-            "resolve_cifar10")
+_CIFAR10 = ("BadImageError", "CIFAR10DataModule", "ClassMismatchError", "CorruptArchiveError", "DataNotFoundError",
+            "UnsafeArchiveError", "extract_archive", "resolve_cifar10")
 
 
 def __getattr__(name: str):

@@ -15,6 +15,11 @@ Splits: ``train`` is the official training set minus a held-out ``val`` set of `
 seeded split, the same for every run so that runs compare on the same images); ``test`` is the official test
 set. ``train_subset`` keeps the first ``N`` images of a fixed permutation of the remaining training images.
 Images are float tensors in ``[0, 1]`` of shape ``(3, 32, 32)``; labels are the CIFAR-10 class indices.
+
+Classes: an ImageFolder tree's classes are its visible sub-folders; hidden entries (``.ipynb_checkpoints``, any
+name starting with ``.``) are ignored at every depth, and ``train/`` and ``test/`` must hold the same class folders
+(else :class:`ClassMismatchError` naming the difference). ``classes`` holds the names in label order; checkpoints
+record them (the data module's ``state_dict``) and resuming, evaluation, the readout and the prior check them.
 """
 
 from __future__ import annotations
@@ -25,14 +30,16 @@ import shutil
 import tarfile
 import tempfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from softvq._utils import check_non_negative_int, check_positive_int
 from softvq.datasets.sampling import GlobalBatchSampler
@@ -51,8 +58,24 @@ class CorruptArchiveError(RuntimeError):
     """The archive could not be read or extracted completely."""
 
 
+class UnsafeArchiveError(CorruptArchiveError):
+    """The archive holds a member that would land outside the extraction folder, a link, or a device file."""
+
+
 class BadImageError(ValueError):
     """An image file that cannot be decoded, or is not ``IMAGE_SIZE`` x ``IMAGE_SIZE`` pixels."""
+
+    def __init__(self, message: str) -> None:
+        # Raised in a DataLoader worker, it reaches the main process rebuilt from the worker's whole traceback
+        # (torch's ExceptionWrapper.reraise): keep the last line's message, which names the file.
+        if "Original Traceback" in message:
+            last = message.rstrip().splitlines()[-1]
+            message = last.partition(f"{type(self).__name__}: ")[2] or last
+        super().__init__(message)
+
+
+class ClassMismatchError(ValueError):
+    """Two class lists that must be the same (train/ and test/, or the data and a checkpoint) differ."""
 
 
 IMAGE_SIZE = 32
@@ -111,15 +134,23 @@ def _find_image_folder(root: Path) -> Path | None:
     return None
 
 
-def _safe_extractall(tar: tarfile.TarFile, dest: Path) -> None:
-    """``extractall`` that refuses members escaping ``dest`` (absolute paths, ``..``, links, devices)."""
+def _safe_extractall(tar: tarfile.TarFile, dest: Path, archive: Path) -> None:
+    """``extractall`` that refuses members escaping ``dest`` (absolute paths, ``..``, links, devices) with an
+    :class:`UnsafeArchiveError` naming the member."""
+    def unsafe(what: str) -> UnsafeArchiveError:
+        return UnsafeArchiveError(f"{archive} is unsafe to extract: {what}; refused, nothing extracted into the cache "
+                                  f"(a CIFAR-10 archive holds only folders and image files under train/ and test/)")
+
     if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
-        tar.extractall(dest, filter="data")
+        try:
+            tar.extractall(dest, filter="data")
+        except tarfile.FilterError as err:  # an absolute or '..' path, a link out of dest, a device, ...
+            raise unsafe(str(err)) from err
         return
     for member in tar.getmembers():
         name = Path(member.name)
         if name.is_absolute() or ".." in name.parts or not (member.isfile() or member.isdir()):
-            raise tarfile.TarError(f"refusing unsafe archive member {member.name!r}")
+            raise unsafe(f"member {member.name!r} is a link, a device or outside the archive's folder")
     tar.extractall(dest)
 
 
@@ -131,8 +162,9 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
 
     Raises:
         FileNotFoundError: ``archive`` does not exist.
-        CorruptArchiveError: digest mismatch, a truncated/corrupt archive, unsafe member paths, or no
-            ``train/`` + ``test/`` inside. Nothing is left in the cache in that case.
+        CorruptArchiveError: digest mismatch, a truncated/corrupt archive, or no ``train/`` + ``test/`` inside;
+            :class:`UnsafeArchiveError` (a subclass) for a member that is a link, a device or outside the archive's
+            folder. Nothing is left in the cache in that case.
     """
     archive = Path(archive).expanduser()
     if not archive.is_file():
@@ -155,7 +187,9 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
     try:
         try:
             with tarfile.open(archive) as tar:
-                _safe_extractall(tar, tmp)
+                _safe_extractall(tar, tmp, archive)
+        except UnsafeArchiveError:
+            raise
         except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
             raise CorruptArchiveError(f"cannot extract {archive}: {type(err).__name__}: {err}. The archive is "
                                       f"corrupt or truncated; copy or download it again") from err
@@ -222,6 +256,65 @@ def resolve_cifar10(
     raise DataNotFoundError(_not_found_message(root))
 
 
+def _hidden(name: str) -> bool:
+    """Hidden entries (``.ipynb_checkpoints``, ``.DS_Store``, ``._img.jpg``): never a class, never an image."""
+    return name.startswith(".")
+
+
+class ImageFolderTree(datasets.ImageFolder):
+    """``torchvision.datasets.ImageFolder`` that ignores hidden folders and files at any depth, so that an editor's or
+    notebook's ``.ipynb_checkpoints/`` is neither a class (shifting every label) nor a source of images."""
+
+    def __init__(self, root: str | os.PathLike, transform: Callable | None = None) -> None:
+        root = os.fspath(root)
+
+        def visible_image(path: str) -> bool:
+            parts = Path(os.path.relpath(path, root)).parts
+            return not any(_hidden(p) for p in parts) and has_file_allowed_extension(path, IMG_EXTENSIONS)
+
+        super().__init__(root, transform=transform, loader=load_image, is_valid_file=visible_image)
+
+    def find_classes(self, directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
+        classes = folder_classes(Path(directory))
+        if not classes:
+            raise FileNotFoundError(f"no class folders in {directory}")
+        return list(classes), {name: i for i, name in enumerate(classes)}
+
+
+def folder_classes(folder: Path) -> tuple[str, ...]:
+    """The class names of an ImageFolder split: its visible sub-folders, sorted."""
+    return tuple(sorted(e.name for e in os.scandir(folder) if e.is_dir() and not _hidden(e.name)))
+
+
+def check_same_classes(expected: Sequence[str], found: Sequence[str], expected_what: str, found_what: str) -> None:
+    """Raise :class:`ClassMismatchError` naming the difference unless the two class lists are equal (order too: the
+    label of a class is its position)."""
+    expected, found = tuple(expected), tuple(found)
+    if expected == found:
+        return
+    only_expected = [c for c in expected if c not in found]
+    only_found = [c for c in found if c not in expected]
+    if only_expected or only_found:
+        diff = (f"only in {expected_what}: {only_expected or 'none'}; only in {found_what}: {only_found or 'none'}")
+    else:
+        diff = f"same names in another order: {list(expected)} vs {list(found)}"
+    raise ClassMismatchError(f"{found_what} has other classes than {expected_what} ({len(found)} vs "
+                             f"{len(expected)}; {diff}), so its labels would mean other classes")
+
+
+def split_classes(source: str, root: Path) -> tuple[str, ...]:
+    """The class names of a resolved source, checked to be the same in ``train/`` and ``test/``.
+
+    Raises:
+        ClassMismatchError: the two splits of an ImageFolder tree have other class folders (naming the difference).
+    """
+    if source == "torchvision":
+        return CLASSES
+    train, test = folder_classes(root / "train"), folder_classes(root / "test")
+    check_same_classes(train, test, f"{root / 'train'}", f"{root / 'test'}")
+    return train
+
+
 def load_split(source: str, root: Path, train: bool, transform: Callable | None = None) -> Dataset:
     """The official train (``train=True``) or test split of a resolved source, as a torchvision dataset."""
     if source == "torchvision":
@@ -232,7 +325,7 @@ def load_split(source: str, root: Path, train: bool, transform: Callable | None 
                                     f"incomplete ({err}); delete it and download again (--download)") from err
     folder = root / ("train" if train else "test")
     try:
-        return datasets.ImageFolder(str(folder), transform=transform, loader=load_image)
+        return ImageFolderTree(folder, transform=transform)
     except FileNotFoundError as err:  # no class folders, or class folders without images
         raise DataNotFoundError(f"{folder} holds no images in the ImageFolder layout (<class>/<image>): {err}") from err
 
@@ -289,6 +382,8 @@ class CIFAR10DataModule(L.LightningDataModule):
         self.seed = int(seed)
         self.transform = transforms.ToTensor()
         self.source: tuple[str, Path] | None = None
+        self.classes: tuple[str, ...] | None = None  # the class names, label order; set by setup()
+        self._checkpoint_classes: tuple[str, ...] | None = None  # from a checkpoint being resumed
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -301,12 +396,34 @@ class CIFAR10DataModule(L.LightningDataModule):
         if self.source is None:
             self.source = resolve_cifar10(self.data_root, download=False, cache_dir=self.cache_dir)
         source, root = self.source
+        if self.classes is None:
+            self.classes = split_classes(source, root)
+            if self._checkpoint_classes is not None:
+                self._check_checkpoint_classes()
         if stage in (None, "fit", "validate") and self.train_set is None:
             full = load_split(source, root, train=True, transform=self.transform)
             train_idx, val_idx = split_indices(len(full), self.val_size, self.train_subset)
             self.train_set, self.val_set = Subset(full, train_idx), Subset(full, val_idx)
         if stage in (None, "test", "predict") and self.test_set is None:
             self.test_set = load_split(source, root, train=False, transform=self.transform)
+
+    # Lightning saves this in every checkpoint (under "CIFAR10DataModule") and hands it back when a run resumes.
+    def state_dict(self) -> dict[str, Any]:
+        """``{"classes": [...]}``: the class names, in label order, that the checkpoint's model was trained on."""
+        return {} if self.classes is None else {"classes": list(self.classes)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check that a resumed checkpoint was trained on the same classes as this data (after :meth:`setup`)."""
+        classes = state_dict.get("classes")
+        if classes is None:
+            return
+        self._checkpoint_classes = tuple(classes)
+        if self.classes is not None:
+            self._check_checkpoint_classes()
+
+    def _check_checkpoint_classes(self) -> None:
+        assert self.classes is not None and self._checkpoint_classes is not None
+        check_same_classes(self._checkpoint_classes, self.classes, "the checkpoint", f"the data at {self.data_root}")
 
     def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
         if dataset is None:
