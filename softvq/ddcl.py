@@ -221,7 +221,7 @@ class DDCLQuantizer(nn.Module):
 
     - *token scale*: tokens are standardised per dimension (:class:`softvq.norm.TokenStandardizer`: batch statistics
       in training, over every process under DDP; running statistics in evaluation), so the encoder cannot shrink
-      what the codebook sees. Codes are returned on the input's scale (``code * std + mean``).
+      what the codebook sees. Codes are returned in that standardised space (``output_scale``).
     - *temperature*: ``T`` is set on the first training batch so that the mean assignment entropy H(Q) equals
       ``target_entropy``, and after every training step ``T <- T exp(temperature_rate (target - H(Q)))`` keeps it
       there (checkpointed with the layer), so ``T`` follows the distance scale and nobody tunes it.
@@ -262,8 +262,11 @@ class DDCLQuantizer(nn.Module):
             for ``"plain"``.
         temperature_rate: gain of the temperature control per step.
         standardize: standardise tokens inside the layer (``recipe`` default: on for ``"auto"``).
-        output_scale: with ``standardize``, return codes on the input's scale (``"input"``: ``code * std + mean``) or
-            in the standardised space the codebook lives in (``"standardized"``: unit variance per dimension).
+        output_scale: with ``standardize``, return codes in the standardised space the codebook lives in
+            (``"standardized"``, the default: unit variance per dimension, whatever the encoder's scale) or on the
+            input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them). Measured in the
+            project's VQ-VAE (README, "Collapse-free defaults"): a decoder fed unit-scale codes learned faster (train
+            MSE 0.025 against 0.036 after one epoch) because a fresh encoder's outputs are ~100x smaller.
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
@@ -306,7 +309,7 @@ class DDCLQuantizer(nn.Module):
         target_entropy: float | Literal["auto"] | None = "auto",
         temperature_rate: float = 0.01,
         standardize: bool | None = None,
-        output_scale: Literal["input", "standardized"] = "input",
+        output_scale: Literal["input", "standardized"] = "standardized",
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
         ema_decay: float = 0.99,
         hard_output: bool | None = None,
@@ -442,7 +445,7 @@ class DDCLQuantizer(nn.Module):
 
     @property
     def codebook(self) -> Tensor:
-        """``(K, D)``, the codes as the layer outputs them in evaluation (on the input's scale)."""
+        """``(K, D)``, the codes as the layer outputs them in evaluation (see ``output_scale``)."""
         p = self._unit_codebook()
         if self.standardize and self.output_scale == "input":
             p = p * self.standardizer.running_std().to(p.dtype) + self.standardizer.running_mean.to(p.dtype)
@@ -535,7 +538,8 @@ class DDCLQuantizer(nn.Module):
             if self.hard_output or self.commitment_term == "hard":
                 codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
                 if self.hard_output:
-                    out = mu + (codes - mu).detach()  # the code in value, the soft centroid's Jacobian
+                    # the code in value, bit for bit (mu - sg(mu) is exactly 0), and the soft centroid's Jacobian
+                    out = codes + (mu - mu.detach())
                 if self.commitment_term == "hard" and self.commitment_weight > 0:
                     loss = loss + self.commitment_weight * F.mse_loss(zf, codes)
             if std is not None and self.output_scale == "input":

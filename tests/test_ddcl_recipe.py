@@ -12,7 +12,8 @@ import torch
 from softvq import DDCLQuantizer
 
 
-def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool):
+def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
+              back: bool = True):
     """DESIGN §1 written out with an explicit (N, K, D) difference tensor, plus the recipe's two maps: batch
     standardisation (biased variance, eps 1e-5 of the mean variance) before, and ``code * std + mean`` after; hard
     output as ``mu + sg(code - mu)``."""
@@ -27,7 +28,7 @@ def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize:
     mu = q @ p
     idx = d.argmin(1)
     out = mu + (p[idx] - mu).detach() if hard else mu
-    if standardize:
+    if standardize and back:
         out = out * std + mean
     entropy = -(q * q.log()).sum(1).mean()
     return out, idx, q, entropy
@@ -40,21 +41,22 @@ def layer(k=6, dim=3, **kw) -> DDCLQuantizer:
     return DDCLQuantizer(k, dim, **kw).double()
 
 
-@pytest.mark.parametrize("standardize", [False, True])
-def test_hard_output_is_the_code_and_its_gradient_the_soft_centroid_jacobian(standardize):
-    quantizer = layer(standardize=standardize)  # recipe auto: hard output on
+@pytest.mark.parametrize("standardize,scale", [(False, "standardized"), (True, "standardized"), (True, "input")])
+def test_hard_output_is_the_code_and_its_gradient_the_soft_centroid_jacobian(standardize, scale):
+    quantizer = layer(standardize=standardize, output_scale=scale)  # recipe auto: hard output on
     assert quantizer.hard_output
     z = (torch.randn(20, 3, dtype=torch.float64) * 2 + 0.5).requires_grad_(True)
     weights = torch.randn(20, 3, dtype=torch.float64)
     out = quantizer(z)
     (out.quantized * weights).sum().backward()
     zr = z.detach().clone().requires_grad_(True)
-    ref, idx, _, _ = reference(zr, quantizer.prototypes.detach(), 0.8, standardize, hard=True)
+    ref, idx, _, _ = reference(zr, quantizer.prototypes.detach(), 0.8, standardize, hard=True,
+                               back=scale == "input")
     (ref * weights).sum().backward()
     assert torch.equal(out.indices, idx)
     torch.testing.assert_close(out.quantized, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(z.grad, zr.grad, rtol=1e-10, atol=1e-12)
-    if not standardize:  # the value is exactly the prototype: the decoder sees the code it is tested on
+    if scale == "standardized":  # the value is exactly the prototype: the decoder sees the code it is tested on
         assert torch.equal(out.quantized, quantizer.decode_indices(out.indices))
     quantizer.eval()  # evaluation: the output is the decode of the indices, bit for bit
     out = quantizer(z.detach())
@@ -73,7 +75,7 @@ def test_hard_output_jacobian_per_token_is_two_over_t_times_the_assignment_covar
 
 
 def test_in_layer_standardisation_matches_float64_by_hand():
-    quantizer = layer(standardize=True)
+    quantizer = layer(standardize=True, output_scale="input")
     sd = quantizer.standardizer
     batches = [torch.randn(30, 3, dtype=torch.float64) * torch.tensor([0.01, 2.0, 5.0], dtype=torch.float64) + 3
                for _ in range(3)]
@@ -146,8 +148,8 @@ def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
 
 
 def test_channel_first_equals_permuted_channel_last():
-    first = layer(k=8, dim=4, standardize=True, channel_first=True)
-    last = layer(k=8, dim=4, standardize=True)
+    first = layer(k=8, dim=4, standardize=True, channel_first=True, output_scale="input")
+    last = layer(k=8, dim=4, standardize=True, output_scale="input")
     x = torch.randn(2, 4, 3, 5, dtype=torch.float64, requires_grad=True)
     y = x.detach().permute(0, 2, 3, 1).clone().requires_grad_(True)
     a, b = first(x), last(y)
