@@ -292,3 +292,35 @@ def test_build_quantizer_passes_options():
     assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3 and q.prototype_update == "soft_ema"
     with pytest.raises(ValueError, match="invalid option for quantizer 'ddcl'"):
         build_quantizer("ddcl", 8, 4, beta=0.5)
+
+
+def test_a_checkpoint_from_before_the_in_layer_recipe_loads_and_evaluates_as_trained(tmp_path):
+    """A VQ-VAE checkpoint written before the layer carried its recipe (main 39fa6bd: hyperparameters without
+    ``recipe``, LatentNorm on, a layer state without the standardiser, EMA buffers or a version key) loads with
+    ``load_vqvae`` as the plain layer it was, and the model-side temperature control comes back on for resuming."""
+    import lightning as L
+
+    from models import load_vqvae
+
+    torch.manual_seed(0)
+    old_kwargs = {"temperature": 4.0, "distance": "euclidean", "codebook_term": "free_energy", "codebook_weight": 1.0,
+                  "commitment_term": "l_ols", "commitment_weight": 0.0, "init": "data", "dead_code_threshold": 1.0}
+    trained = VQVAE("ddcl", quantizer_kwargs={**old_kwargs, "recipe": "plain"}, latent_norm="batch", **SMALL)
+    trained.training_step((torch.rand(4, 3, 32, 32), torch.zeros(4)), 0)  # data init, LatentNorm statistics
+    state = trained.state_dict()
+    for key in [k for k in state if k.startswith(("quantizer.ema_", "quantizer.standardizer."))]:
+        del state[key]
+    state["quantizer._extra_state"] = {k: v for k, v in state["quantizer._extra_state"].items() if k != "version"}
+    hparams = {**dict(trained.hparams), "quantizer_kwargs": old_kwargs}  # no "recipe": today's default is "auto"
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": state, "hyper_parameters": hparams, "epoch": 0, "global_step": 1,
+                "pytorch-lightning_version": L.__version__}, path)
+    model = load_vqvae(path)
+    layer = model.quantizer
+    assert layer.recipe == "plain" and not layer.standardize and not layer.hard_output
+    assert model.target_entropy == 2.5  # the issue-4 control of T, as the run was trained
+    x = torch.rand(3, 3, 32, 32)
+    trained.eval()
+    with torch.no_grad():
+        assert torch.equal(model.encode(x), trained.encode(x))
+        torch.testing.assert_close(model(x).reconstruction, trained(x).reconstruction, rtol=0, atol=0)
