@@ -1,0 +1,78 @@
+"""A short probe of one bottleneck setting in the project's VQ-VAE: the research loop behind the layer's defaults.
+
+    python -m eval.probe --data-root ../shared/data/cifar10-jpeg.tar.gz --quantizer ddcl \
+        --kwargs '{"target_entropy": 1.0}' --epochs 2
+
+Trains ``models.VQVAE(quantizer=<module>, **--model-kwargs)`` on ``--train-subset`` CIFAR-10 images (5,000 held out
+for validation) for ``--epochs``, prints one JSON line per epoch (codebook health, validation PSNR from hard
+indices) and a final ``RESULT`` line with the test-split figures, and appends that line to ``--results`` if given.
+``--quantizer`` builds ``softvq.DDCLQuantizer(K, D, **kwargs)`` or ``softvq.HardVQ(K, D, **kwargs)`` from the JSON
+``--kwargs``: any option of the layer can be probed without a flag for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+
+import softvq
+from models import VQVAE
+from softvq.datasets.cifar10 import CIFAR10DataModule
+
+KEYS = ("epoch", "utilization", "val_utilization", "val_perplexity", "val_psnr", "val_psnr_hard", "temperature",
+        "restarts", "assignment_entropy", "identity_residual", "time_s", "train_mse")
+
+
+class _Echo(L.Callback):
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: VQVAE) -> None:
+        record = pl_module.epoch_summary()
+        print(json.dumps({k: record.get(k) for k in KEYS}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-root", type=Path, default=Path("data"))
+    p.add_argument("--name", default="probe", help="label of the RESULT line")
+    p.add_argument("--quantizer", choices=("ddcl", "hard"), default="ddcl")
+    p.add_argument("--kwargs", type=json.loads, default={}, help="JSON options of the quantizer class")
+    p.add_argument("--model-kwargs", type=json.loads, default={}, help="JSON options of models.VQVAE")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-subset", type=int, default=10_000)
+    p.add_argument("--num-codes", type=int, default=512)
+    p.add_argument("--code-dim", type=int, default=64)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--results", type=Path, default=None, help="append the RESULT line (JSON) to this file")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    data = CIFAR10DataModule(args.data_root, batch_size=128, val_size=5000, train_subset=args.train_subset,
+                             num_workers=args.num_workers, seed=args.seed)
+    cls = softvq.DDCLQuantizer if args.quantizer == "ddcl" else softvq.HardVQ
+    model = VQVAE(quantizer=cls(args.num_codes, args.code_dim, **args.kwargs), code_dim=args.code_dim,
+                  **args.model_kwargs)
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[_Echo()])
+    start = time.time()
+    trainer.fit(model, datamodule=data)
+    trainer.test(model, datamodule=data, verbose=False)
+    s = model.test_summary
+    result = {"name": args.name, "epochs": args.epochs, "seed": args.seed, "test_psnr_hard": s["test_psnr_hard"],
+              "test_psnr": s["test_psnr"], "test_ssim_hard": s["test_ssim_hard"], "test_util": s["test_utilization"],
+              "test_ppl": s["test_perplexity"], "wall": round(time.time() - start)}
+    print("RESULT", json.dumps(result), flush=True)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
