@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "centroid's gradient; default on (off with --recipe plain or --levels > 1)")
     g.add_argument("--standardize", action=argparse.BooleanOptionalAction, default=None,
                    help="standardise tokens inside the layer; default on (off with --recipe plain or --levels > 1)")
+    g.add_argument("--output-scale", choices=("standardized", "input"), default=None,
+                   help="with --standardize: codes in the standardised space (default) or on the encoder's scale")
     g.add_argument("--distance", choices=("euclidean", "cosine"), default="euclidean",
                    help="squared Euclidean, or cosine (tokens and prototypes L2-normalised)")
     g.add_argument("--codebook-term", choices=("free_energy", "l_q", "l_ols"), default="free_energy",
@@ -267,6 +269,7 @@ def model_config(args: argparse.Namespace, quantizer: str) -> dict[str, Any]:
         else:  # the layer's recipe; None = the recipe's value
             options = {"recipe": args.recipe, "prototype_update": args.prototype_update, "ema_decay": args.ema_decay,
                        "hard_output": args.hard_output, "standardize": args.standardize,
+                       "output_scale": args.output_scale,
                        "dead_code_threshold": args.dead_code_threshold}
             kwargs.update({k: v for k, v in options.items() if v is not None})
             if args.recipe == "auto":  # the layer holds the temperature (off for a schedule: models.VQVAE)
