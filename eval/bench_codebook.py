@@ -19,8 +19,10 @@ from torch import nn
 
 from eval._bench import markdown_table, sweep, sync
 
-METHODS = ("ddcl", "hard", "vqp")
-LABELS = {"ddcl": "DDCLQuantizer", "hard": "HardVQ (EMA)", "vqp": "vector-quantize-pytorch VectorQuantize"}
+METHODS = ("ddcl", "ddcl_plain", "hard", "vqp")
+LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
+          "ddcl_plain": "DDCLQuantizer(recipe='plain'), gradient-trained prototypes",
+          "hard": "HardVQ (EMA)", "vqp": "vector-quantize-pytorch VectorQuantize"}
 
 
 def build(method: str, num_codes: int, dim: int) -> nn.Module:
@@ -29,6 +31,10 @@ def build(method: str, num_codes: int, dim: int) -> nn.Module:
         from softvq import DDCLQuantizer
 
         return DDCLQuantizer(num_codes, dim, temperature=1.0, check_finite=False)
+    if method == "ddcl_plain":
+        from softvq import DDCLQuantizer
+
+        return DDCLQuantizer(num_codes, dim, temperature=1.0, recipe="plain", check_finite=False)
     if method == "hard":
         from softvq import HardVQ
 
