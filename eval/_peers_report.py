@@ -62,8 +62,9 @@ def margins(groups: dict[str, list], labels: dict[str, str], metric: str = "psnr
         m, s = (float(x) for x in mean_std(values(runs, metric)))
         diff = m0 - m
         verdict = "exceeds" if abs(diff) > s0 + s else "is within"
+        spread = f"({s0:.2f} + {s:.2f})" if len(runs) > 1 else f"({s0:.2f}; one seed of the other, its own unknown)"
         lines.append(f"- {labels[ours]} {'+' if diff >= 0 else '−'}{abs(diff):.2f} dB against {labels[key]} "
-                     f"({m0:.2f} vs {m:.2f}); the margin {verdict} the seed spread ({s0:.2f} + {s:.2f}).")
+                     f"({m0:.2f} vs {m:.2f}); the margin {verdict} the seed spread {spread}.")
     return lines
 
 
@@ -167,6 +168,11 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
         f"images, {epochs} epochs, seeds {settings['seeds']}; test on the official split "
         f"({settings['test_limit'] or 10000} images). Only the bottleneck changes. Training wall time of all runs: "
         f"{wall:.0f} min on this machine.",
+        "",
+        *([f"Not run (time): {', '.join(settings['missing'])}; those methods' rows hold the seeds that were."]
+          if settings.get("missing") else []),
+        *([f"Each run used {settings['threads']} torch thread(s), beside another run on the other core: images/s "
+           f"compare within a table only roughly."] if settings.get("threads") else []),
         "",
         "## Test split (mean ± sample std over seeds)",
         "",

@@ -221,7 +221,9 @@ def train_run(method: str, seed: int, args: argparse.Namespace, out: Path) -> di
     return result
 
 
-def load_or_train(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def load_or_train(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The stored run of ``method`` and ``seed`` with these settings, else a new one (``None`` under ``--no-train``
+    when there is none: the report lists it as not run)."""
     out = args.runs / method / f"seed{seed}"
     path = out / "result.json"
     if path.is_file():
@@ -235,7 +237,7 @@ def load_or_train(method: str, seed: int, args: argparse.Namespace) -> dict[str,
         if args.no_train:
             raise ValueError(f"{path} was made with other settings; rerun without --no-train to retrain it")
     elif args.no_train:
-        raise FileNotFoundError(f"{method} seed {seed} has no result in {out} and --no-train forbids training")
+        return None  # reported as not run
     print(f"[peers] training {method} seed {seed} -> {out}", flush=True)
     return train_run(method, seed, args, out)
 
@@ -262,7 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads per run (default: torch's); 1 lets another job use the second core")
     p.add_argument("--runs", type=Path, default=Path("runs/peers"), help="where the runs are kept")
     p.add_argument("--out", type=Path, default=Path("reports/peers"), help="report directory")
-    p.add_argument("--no-train", action="store_true", help="only read finished runs")
+    p.add_argument("--no-train", action="store_true",
+                   help="only read finished runs (the report lists the ones that are missing)")
     p.add_argument("--no-progress-bar", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="a small setting for a smoke test: 1 epoch on 512 images, K=64, D=16, width 32, 2 seeds")
@@ -290,15 +293,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    runs = []
+    runs, missing = [], []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
         for seed in args.seeds:  # seed-major: an interrupted comparison has every method at the first seeds
             for method in args.methods:
-                runs.append(load_or_train(method, seed, args))
-    return write_report(runs, {**settings_of(args), "seeds": args.seeds, "command": args.command}, args.out,
-                        LABELS)
+                run = load_or_train(method, seed, args)
+                (runs.append(run) if run is not None else missing.append(f"{method} seed {seed}"))
+    if not runs:
+        raise FileNotFoundError(f"no finished run in {args.runs} for these settings, and --no-train forbids training")
+    settings = {**settings_of(args), "seeds": args.seeds, "command": args.command, "missing": missing}
+    return write_report(runs, settings, args.out, LABELS)
 
 
 def cli(argv: list[str] | None = None) -> int:

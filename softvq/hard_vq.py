@@ -81,6 +81,13 @@ class HardVQ(nn.Module):
         # Running average of assignments per batch, for dead-code restart; -1 until the first training batch, whose
         # counts it starts from (starting from 0 would restart nearly every live code in the first steps).
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
+        self._restarts = 0  # codes moved by dead-code restart since construction (not saved: older state dicts)
+
+    @property
+    def restarts(self) -> int:
+        """How many codes dead-code restart has moved since this module was built (reported per epoch beside the
+        training-epoch utilization, which counts restarted codes as used)."""
+        return self._restarts
 
     @property
     def codebook(self) -> Tensor:
@@ -155,6 +162,7 @@ class HardVQ(nn.Module):
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:
         dead = restart_dead_codes_(self.embedding, self.usage, z, self.dead_code_threshold)  # (K,)
+        self._restarts += int(dead.sum())
         if self.ema_decay is not None and bool(dead.any()):
             self.ema_cluster_size[dead] = self.dead_code_threshold
             self.ema_embed_sum[dead] = self.embedding[dead] * self.dead_code_threshold

@@ -141,3 +141,16 @@ def test_live_codes_are_never_restarted():
         assert torch.equal(vq(z).indices.bincount(minlength=4), torch.full((4,), 8))
         assert torch.equal(vq.codebook, centres)  # no gradient step here: only a restart could move a code
     assert vq.usage.tolist() == [8.0] * 4  # started from the first batch's counts, not from 0
+
+
+def test_restarts_count_the_codes_moved():
+    torch.manual_seed(0)
+    vq = HardVQ(8, 2, ema_decay=0.9, dead_code_threshold=0.5)
+    with torch.no_grad():
+        vq.embedding.copy_(torch.arange(16.0).reshape(8, 2))  # codes 0..7 along a line
+    z = torch.tensor([[0.0, 1.0], [2.0, 3.0]]).repeat(8, 1)  # every token on code 0 or 1
+    vq(z)  # the first batch sets the usage: codes 2..7 won nothing
+    assert vq.restarts == 6
+    before = vq.restarts
+    vq.eval()(z)
+    assert vq.restarts == before  # evaluation restarts nothing
