@@ -63,8 +63,10 @@ def margins(groups: dict[str, list], labels: dict[str, str], metric: str = "psnr
         diff = m0 - m
         verdict = "exceeds" if abs(diff) > s0 + s else "is within"
         spread = f"({s0:.2f} + {s:.2f})" if len(runs) > 1 else f"({s0:.2f}; one seed of the other, its own unknown)"
+        judged = (f"the margin {verdict} the seed spread {spread}" if len(groups[ours]) > 1 or len(runs) > 1
+                  else "one seed each: no spread to judge it by")
         lines.append(f"- {labels[ours]} {'+' if diff >= 0 else '−'}{abs(diff):.2f} dB against {labels[key]} "
-                     f"({m0:.2f} vs {m:.2f}); the margin {verdict} the seed spread {spread}.")
+                     f"({m0:.2f} vs {m:.2f}); {judged}.")
     return lines
 
 
