@@ -79,17 +79,24 @@ def _finish(fig: plt.Figure, axes: np.ndarray, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_health(groups: dict[str, list], labels: dict[str, str], epochs: int, path: Path) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = (("utilization", "utilization % (train epoch)", 100.0), ("dead_codes", "dead codes (train epoch)", 1.0),
-              ("perplexity", "perplexity of hard codes (train epoch)", 1.0),
-              ("val_psnr_hard", "val PSNR dB, decoded from hard indices", 1.0))
+def draw_panels(axes: np.ndarray, groups: dict[str, list], labels: dict[str, str], epochs: int,
+                panels: tuple[tuple[str, str, float], ...]) -> None:
+    """One panel per ``(metric, title, scale)``: every group's mean ± std band over its seeds, and beside the hard
+    validation PSNR DDCL's soft output."""
     for ax, (metric, title, scale) in zip(axes.ravel(), panels, strict=True):
         for key, runs in groups.items():
             _band(ax, runs, metric, epochs, labels[key], scale)
         if metric == "val_psnr_hard" and "ddcl" in groups:
             _band(ax, groups["ddcl"], "val_psnr", epochs, "DDCL soft output", ls="--", color="grey")
         ax.set_title(title, fontsize=10)
+
+
+def plot_health(groups: dict[str, list], labels: dict[str, str], epochs: int, path: Path) -> None:
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    draw_panels(axes, groups, labels, epochs, (
+        ("utilization", "utilization % (train epoch)", 100.0), ("dead_codes", "dead codes (train epoch)", 1.0),
+        ("perplexity", "perplexity of hard codes (train epoch)", 1.0),
+        ("val_psnr_hard", "val PSNR dB, decoded from hard indices", 1.0)))
     axes[0, 1].set_yscale("symlog", linthresh=1)
     axes[1, 0].set_yscale("log")
     _finish(fig, axes, path)

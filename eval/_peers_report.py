@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eval._compare_report import _band, _finish, _fmt, mean_std, series  # noqa: E402
+from eval._compare_report import _finish, _fmt, draw_panels, mean_std, series  # noqa: E402
 from models.callbacks import write_atomic  # noqa: E402
 
 TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM", "{:.3f}", 1.0),
@@ -87,16 +87,10 @@ def epoch_table(groups: dict[str, list], labels: dict[str, str], epochs: int) ->
 
 def plot_health(groups: dict[str, list], labels: dict[str, str], epochs: int, path: Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
-    panels = (("val_utilization", "val utilization %", 100.0), ("val_perplexity", "val perplexity (hard codes)", 1.0),
-              ("val_psnr_hard", "val PSNR dB from hard indices", 1.0),
-              ("utilization", "train-epoch utilization %", 100.0), ("restarts", "codes restarted in the epoch", 1.0),
-              ("train_images_per_s", "train images/s", 1.0))
-    for ax, (metric, title, scale) in zip(axes.ravel(), panels, strict=True):
-        for key, runs in groups.items():
-            _band(ax, runs, metric, epochs, labels[key], scale)
-        if metric == "val_psnr_hard" and "ddcl" in groups:
-            _band(ax, groups["ddcl"], "val_psnr", epochs, "DDCL soft output", ls="--", color="grey")
-        ax.set_title(title, fontsize=10)
+    draw_panels(axes, groups, labels, epochs, (
+        ("val_utilization", "val utilization %", 100.0), ("val_perplexity", "val perplexity (hard codes)", 1.0),
+        ("val_psnr_hard", "val PSNR dB from hard indices", 1.0), ("utilization", "train-epoch utilization %", 100.0),
+        ("restarts", "codes restarted in the epoch", 1.0), ("train_images_per_s", "train images/s", 1.0)))
     axes[1, 1].set_yscale("symlog", linthresh=1)
     _finish(fig, axes, path)
 
