@@ -22,8 +22,9 @@ import softvq
 from models import _hierarchy as hierarchy
 from models._hierarchy import LevelMetrics, build_hierarchy, check_level_indices, hierarchy_record, level_views
 from models.autoencoder import Decoder, Encoder
-from softvq._utils import all_reduce_sum, all_reduce_sum_, check_choice, check_float, check_positive_int, is_distributed
+from softvq._utils import all_reduce_sum_, check_choice, check_float, check_positive_int, is_distributed
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
+from softvq.norm import batch_moments
 from softvq.optim import has_trainable_prototypes
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
@@ -84,10 +85,9 @@ class LatentNorm(nn.BatchNorm2d):
     def _global_batch_norm(self, x: Tensor, momentum: float) -> Tensor:
         self._check_input_dim(x)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        total = int(all_reduce_sum_(torch.tensor(x.numel() // x.shape[1], dtype=torch.long, device=x.device)))
-        mean = all_reduce_sum(xf.sum((0, 2, 3))) / total
+        # the library's cross-process moments (softvq.norm, the DDCL layer's standardiser), over (B, H, W) per channel
+        mean, var, total = batch_moments(xf.movedim(1, -1).reshape(-1, xf.shape[1]))  # biased, as batch_norm uses
         centered = xf - mean[:, None, None]
-        var = all_reduce_sum(centered.square().sum((0, 2, 3))) / total  # biased, as batch_norm uses
         if self.track_running_stats:
             with torch.no_grad():
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), momentum)
