@@ -1,11 +1,5 @@
-"""VQ-VAE models for softvq: convolutional encoder/decoder and a LightningModule around any softvq quantizer, and an
-autoregressive transformer prior over the VQ-VAE's code grids."""
+"""The VQ-VAE models, for code written against a clone: the source is :mod:`softvq.models` (installed with
+``pip install "softvq[train]"``); import from there in new code."""
 
-from models.autoencoder import Decoder, Encoder, ResidualBlock, ResidualStack
-from models.prior import CodePrior, VQVAERecord, check_pairing, evaluate_prior, load_prior
-from models.transformer import CodeTransformer, PriorConfig
-from models.vqvae import QUANTIZERS, VQVAE, VQVAEOutput, build_quantizer, load_vqvae
-
-__all__ = ["QUANTIZERS", "VQVAE", "CodePrior", "CodeTransformer", "Decoder", "Encoder", "PriorConfig",
-           "ResidualBlock", "ResidualStack", "VQVAEOutput", "VQVAERecord", "build_quantizer", "check_pairing",
-           "evaluate_prior", "load_prior", "load_vqvae"]
+from softvq.models import *  # noqa: F403 - this package is that one under its repository name
+from softvq.models import __all__  # noqa: F401

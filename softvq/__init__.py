@@ -13,10 +13,13 @@ Public API:
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
 - :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
 - :func:`adapt_temperature` — entropy control: T follows the distance scale so that H(Q) stays at a target.
-- :mod:`softvq.datasets` — ``CIFAR10DataModule`` (offline-capable CIFAR-10) and the synthetic orbital-debris
-  catalogue (``make_orbital_debris``); imported on demand.
-- :mod:`softvq.clustering` — Hungarian clustering accuracy and contingency tables.
 - :mod:`softvq.functional` — ``codebook_usage``, ``prototype_separation`` (S(P)), ``assignment_entropy`` (H(Q)).
+
+The core needs only torch and torchmetrics. With the ``train`` extra (``pip install "softvq[train]"``):
+
+- :mod:`softvq.models` — the VQ-VAE (``VQVAE``, ``load_vqvae``), its encoder/decoder and the code prior.
+- :mod:`softvq.data` — ``CIFAR10DataModule`` (offline-capable CIFAR-10).
+- :mod:`softvq.cli` — the ``softvq-train``, ``softvq-evaluate``, ``softvq-prior`` and ``softvq-sample`` commands.
 """
 
 from softvq import functional

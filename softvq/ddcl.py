@@ -26,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq._utils import (
+from softvq.norm import TokenStandardizer
+from softvq.schedule import adapt_temperature
+from softvq.types import QuantizerOutput
+from softvq.utils import (
     all_reduce_sum_,
     broadcast_,
     check_choice,
@@ -40,9 +43,6 @@ from softvq._utils import (
     restart_dead_codes_,
     squared_distances,
 )
-from softvq.norm import TokenStandardizer
-from softvq.schedule import adapt_temperature
-from softvq.types import QuantizerOutput
 
 Term = Literal["l_q", "l_ols", "free_energy"]
 CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
@@ -465,7 +465,7 @@ class DDCLQuantizer(nn.Module):
 
         With fewer than ``K`` tokens, tokens are drawn with replacement and jittered by 1e-3 of their standard
         deviation so no two prototypes coincide. Under ``torch.distributed`` the tokens are drawn from every process's
-        ``z`` together (:func:`softvq._utils.pick_tokens`): every process gets the same prototypes, the ones a single
+        ``z`` together (:func:`softvq.utils.pick_tokens`): every process gets the same prototypes, the ones a single
         process would draw from the concatenated batches.
         """
         flat = flatten_tokens(z, self.dim, check_finite=True)

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq._utils import (
+from softvq.types import QuantizerOutput
+from softvq.utils import (
     all_reduce_sum_,
     check_float,
     check_indices,
@@ -17,7 +18,6 @@ from softvq._utils import (
     restart_dead_codes_,
     squared_distances,
 )
-from softvq.types import QuantizerOutput
 
 
 class HardVQ(nn.Module):

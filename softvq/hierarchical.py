@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from softvq._utils import check_positive_int
 from softvq.ddcl import DDCLQuantizer
 from softvq.types import QuantizerOutput
+from softvq.utils import check_positive_int
 
 Window = int | tuple[int, ...]
 

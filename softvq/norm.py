@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from softvq._utils import all_reduce_sum, all_reduce_sum_, check_float, check_positive_int, is_distributed
+from softvq.utils import all_reduce_sum, all_reduce_sum_, check_float, check_positive_int, is_distributed
 
 
 def batch_moments(x: Tensor) -> tuple[Tensor, Tensor, int]:
     """Per-column mean and biased variance of ``x (N, D)`` over every process's rows, and the total row count.
 
-    Differentiable (the sums are all-reduced with :func:`softvq._utils.all_reduce_sum`, whose backward sums the
+    Differentiable (the sums are all-reduced with :func:`softvq.utils.all_reduce_sum`, whose backward sums the
     gradients of every process), so ``N`` processes with ``n`` rows each standardise as one process with ``N * n``.
     The count is reduced as an integer (a float32 count is exact only to 2^24).
     """

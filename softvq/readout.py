@@ -20,8 +20,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from softvq._utils import compute_dtype
 from softvq.ddcl import DDCLQuantizer, Term
+from softvq.utils import compute_dtype
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 

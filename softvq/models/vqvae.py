@@ -19,15 +19,15 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 import softvq
-from models import _hierarchy as hierarchy
-from models._hierarchy import LevelMetrics, build_hierarchy, check_level_indices, hierarchy_record, level_views
-from models.autoencoder import Decoder, Encoder
-from softvq._utils import all_reduce_sum_, check_choice, check_float, check_positive_int, is_distributed
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
+from softvq.models import _hierarchy as hierarchy
+from softvq.models._hierarchy import LevelMetrics, build_hierarchy, check_level_indices, hierarchy_record, level_views
+from softvq.models.autoencoder import Decoder, Encoder
 from softvq.norm import batch_moments
 from softvq.optim import has_trainable_prototypes
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
+from softvq.utils import all_reduce_sum_, check_choice, check_float, check_positive_int, is_distributed
 
 QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
 LATENT_NORMS: tuple[str, ...] = ("none", "batch")
@@ -573,7 +573,7 @@ def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str
         UnsafeCheckpointError: the file holds objects other than tensors and plain containers (a ValueError).
         ValueError: the file is truncated, corrupt or not a checkpoint of ``cls`` (``what`` names it in the message).
     """
-    from models.checkpoint_io import UnsafeCheckpointError, checkpoint_classes, load_torch_file
+    from softvq.models.checkpoint_io import UnsafeCheckpointError, checkpoint_classes, load_torch_file
 
     path = Path(path)
     try:

@@ -41,8 +41,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-from softvq._utils import check_non_negative_int, check_positive_int
-from softvq.datasets.sampling import GlobalBatchSampler
+from softvq.data.sampling import GlobalBatchSampler
+from softvq.utils import check_non_negative_int, check_positive_int
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -109,7 +109,7 @@ def _is_archive(path: Path) -> bool:
     return path.is_file() and path.name.endswith(ARCHIVE_SUFFIXES)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -169,7 +169,7 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
     archive = Path(archive).expanduser()
     if not archive.is_file():
         raise FileNotFoundError(f"archive not found: {archive}")
-    digest = _sha256(archive)
+    digest = sha256_file(archive)
     expected = _expected_sha256(archive)
     if expected is not None and expected != digest:
         raise CorruptArchiveError(
@@ -354,7 +354,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         train_subset: keep only this many training images (quick runs); ``None`` = all.
         num_workers: DataLoader worker processes.
         seed: seed of the training order (a new permutation each epoch from ``seed + epoch``; see
-            :class:`softvq.datasets.sampling.GlobalBatchSampler`, which also shards every split under DDP: use it with
+            :class:`softvq.data.sampling.GlobalBatchSampler`, which also shards every split under DDP: use it with
             ``Trainer(use_distributed_sampler=False)``).
         download: allow torchvision to download the official release when nothing is found locally.
         cache_dir: where archives are extracted (default :func:`default_cache_dir`).

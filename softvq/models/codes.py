@@ -20,10 +20,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from models.checkpoint_io import load_torch_file
-from models.vqvae import VQVAE
-from softvq._utils import check_non_negative_int, check_positive_int
-from softvq.datasets.cifar10 import SPLIT_SEED, CIFAR10DataModule, default_cache_dir
+from softvq.data.cifar10 import SPLIT_SEED, CIFAR10DataModule, default_cache_dir
+from softvq.models.checkpoint_io import load_torch_file
+from softvq.models.vqvae import VQVAE
+from softvq.utils import check_non_negative_int, check_positive_int
 
 log = logging.getLogger("softvq")
 SPLITS = ("train", "val", "test")
@@ -101,7 +101,7 @@ def code_splits(model: VQVAE, sha256: str, data: CIFAR10DataModule, cache_dir: s
     Args:
         model: the VQ-VAE in eval mode.
         sha256: SHA-256 of its checkpoint file (the cache key).
-        data: a :class:`~softvq.datasets.cifar10.CIFAR10DataModule`; ``setup()`` is called here.
+        data: a :class:`~softvq.data.cifar10.CIFAR10DataModule`; ``setup()`` is called here.
         cache_dir: directory of the cache files (default ``$SOFTVQ_CACHE/codes``).
         batch_size: images per forward pass while encoding.
         progress: progress bars while encoding.

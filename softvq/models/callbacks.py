@@ -14,14 +14,17 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from torch import nn
-from torchvision.utils import make_grid, save_image
+from torchvision.utils import make_grid
 
-from models.checkpoint_io import load_torch_file
-from softvq._utils import is_distributed
-from softvq.io import remove_stale_temporaries, write_atomic  # noqa: F401 - re-exported for the scripts
+from softvq.models.checkpoint_io import load_torch_file
+from softvq.models.files import remove_stale_temporaries, write_atomic  # noqa: F401 - re-exported for the scripts
+from softvq.utils import is_distributed
 
 log = logging.getLogger("softvq")
 
@@ -130,6 +133,39 @@ class HistoryWriter(L.Callback):
             pl_module.print(line)
 
 
+ROW_LABELS = ("original", "soft\nreconstruction", "hard codes\ndecoded")
+
+
+def labelled_rows_png(rows: list[torch.Tensor], labels: tuple[str, ...], title: str, file: Any) -> None:
+    """Rows of ``(N, C, H, W)`` images in ``[0, 1]``, each row labelled, enlarged (nearest) to a readable size, as PNG.
+
+    matplotlib's object API (``Figure``), not pyplot: no global backend or figure state is touched.
+    """
+    n = rows[0].shape[0]
+    cell = 0.55  # inches per 32-pixel image: about 1.7x its pixels at 100 dpi
+    fig = Figure(figsize=(1.4 + cell * n, 0.35 + cell * len(rows)), dpi=100)
+    axes = fig.subplots(len(rows), 1, squeeze=False)[:, 0]
+    for ax, row, label in zip(axes, rows, labels, strict=True):
+        strip = make_grid(row, nrow=n, padding=2, pad_value=1.0)
+        ax.imshow(strip.permute(1, 2, 0).numpy(), interpolation="nearest")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    FigureCanvasAgg(fig)
+    fig.savefig(file, format="png", bbox_inches="tight")
+
+
+class EpochCheckpoint(ModelCheckpoint):
+    """A ``ModelCheckpoint`` whose ``{epoch}`` in file names counts from 1, as history.jsonl, the PNGs and the logs
+    do (Lightning's counts from 0): ``best-epoch03.ckpt`` is the checkpoint after the third epoch."""
+
+    def format_checkpoint_name(self, metrics: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> str:
+        if "epoch" in metrics:
+            metrics = {**metrics, "epoch": metrics["epoch"] + 1}
+        return super().format_checkpoint_name(metrics, *args, **kwargs)
+
+
 class ReconstructionGrid(L.Callback):
     """Saves originals / soft reconstructions / hard-decoded reconstructions of the first validation batch.
 
@@ -143,12 +179,14 @@ class ReconstructionGrid(L.Callback):
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         if batch_idx != 0 or not trainer.is_global_zero or trainer.sanity_checking or not isinstance(outputs, dict):
             return
-        rows = [outputs["images"], outputs["reconstruction"], outputs["reconstruction_hard"]]
-        images = torch.cat([r.detach().float().clamp(0, 1).cpu() for r in rows])
-        grid = make_grid(images, nrow=rows[0].shape[0], padding=2, pad_value=1.0)
+        rows = [outputs[k].detach().float().clamp(0, 1).cpu() for k in ("images", "reconstruction",
+                                                                       "reconstruction_hard")]
+        grid = make_grid(torch.cat(rows), nrow=rows[0].shape[0], padding=2, pad_value=1.0)
         epoch = trainer.current_epoch + 1
         self.directory.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.directory / f"recon_epoch{epoch:02d}.png", lambda f: save_image(grid, f, format="png"))
+        title = f"{getattr(pl_module, 'quantizer_name', '')} validation images, epoch {epoch}".strip()
+        write_atomic(self.directory / f"recon_epoch{epoch:02d}.png",
+                     lambda f: labelled_rows_png(rows, ROW_LABELS, title, f))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_image("val/reconstructions", grid, global_step=trainer.global_step)

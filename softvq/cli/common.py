@@ -1,0 +1,211 @@
+"""How every script of this project ends: expected failures become one ``error:`` line and exit status 2; SIGTERM and
+SIGINT stop it gracefully with status 143 and 130, as a shell reports a process those signals killed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from softvq.data.cifar10 import CorruptArchiveError
+from softvq.models.callbacks import AtomicCheckpointIO
+from softvq.utils import check_positive_int
+
+# Missing or bad data, checkpoints and output directories, invalid settings, NaN/Inf in training. Each message names
+# what is wrong, so a traceback would add nothing. (FileExistsError and FileNotFoundError are OSErrors.)
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, FloatingPointError, CorruptArchiveError)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT stopped the command. A BaseException, like KeyboardInterrupt, so that no ``except Exception``
+    on the way swallows it; :func:`run_command` prints its message and returns :attr:`exit_code` (128 + signal)."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        self.signum = signum
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        super().__init__(message or f"stopped by {name}")
+
+
+class GracefulStop:
+    """While entered in the main thread, SIGTERM and SIGINT ask the Lightning trainer in :attr:`trainer` to stop
+    after its current batch, Lightning's own SIGTERM path: nothing is half-written and the last checkpoint is kept.
+    With no trainer running, or at a second signal, :class:`Interrupted` is raised at once. :attr:`signum` records the
+    first signal, so the caller can tell a stop from a normal end of ``trainer.fit``. Entered in another thread
+    (``eval.compare``'s job threads) it does nothing: only the main thread receives signals and may set handlers.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.trainer: Any = None
+        self._previous: dict[int, Any] = {}
+        self._owner = os.getpid()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._owner:  # a forked DataLoader worker: the main process stops it
+            return
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        connector = getattr(self.trainer, "_signal_connector", None)
+        if first and connector is not None:
+            # Lightning notices SIGTERM itself (its handler runs before this one during fit); SIGINT is told the same
+            # way, so both stop at the next batch boundary.
+            connector.received_sigterm = True
+            return
+        raise Interrupted(signum)
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers (and receives signals): a no-op in worker threads
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def quiet_lightning() -> None:
+    """Lightning logs which accelerators exist and advertises its cloud products at INFO on every ``Trainer``; the
+    commands print their own summary, so only Lightning's warnings and errors are kept."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_command(main: Callable[..., Any], argv: Sequence[str] | None = None,
+                errors: tuple[type[BaseException], ...] = EXPECTED_ERRORS) -> int:
+    """``main(argv)`` as a command: 0 when it returns; on one of ``errors`` print ``error: <message>`` to stderr and
+    return 2 (argparse exits 2 on bad flags itself); on :class:`Interrupted` print its message and return 143
+    (SIGTERM) or 130 (SIGINT). Lightning's start-up lines (available accelerators, adverts) are silenced; its
+    warnings still show."""
+    quiet_lightning()
+    try:
+        main(argv)
+    except Interrupted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except errors as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# Argument types and the hardware flags every command shares.
+
+def _int_check(minimum: int):
+    kind = "positive" if minimum == 1 else "non-negative"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}")
+        return value
+    return parse
+
+
+def _float_check(allow_zero: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"expected a {'non-negative' if allow_zero else 'positive'} "
+                                             f"finite number, got {text!r}")
+        return value
+    return parse
+
+
+positive_int, non_negative_int = _int_check(1), _int_check(0)
+positive_float, non_negative_float = _float_check(False), _float_check(True)
+
+
+@dataclass
+class Hardware:
+    """How Lightning runs a command (README: Scaling out); ``--trainer.*`` on every training command.
+
+    Args:
+        accelerator: Lightning accelerator: ``auto``, ``cpu``, ``gpu``, ...
+        devices: devices per node: a count, a list of indices, or ``auto``; more than one trains data-parallel (DDP),
+            the batch size per device.
+        num_nodes: machines.
+        strategy: Lightning strategy: ``auto`` (DDP for several devices), ``ddp``, ``ddp_spawn``, ...
+        precision: ``32-true``, ``bf16-mixed`` (autocast; the codebook computes in float32), ``16-mixed``, ``64-true``.
+        progress_bar: show Lightning's progress bar (off in CI logs).
+    """
+
+    accelerator: str = "auto"
+    devices: int | list[int] | str = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        self.num_nodes = check_positive_int("trainer.num_nodes", self.num_nodes)
+        if isinstance(self.devices, str) and self.devices != "auto":
+            try:  # "2" or "0,1" from an older spelling or a shell variable
+                self.devices = [int(t) for t in self.devices.split(",") if t] if "," in self.devices \
+                    else int(self.devices)
+            except ValueError:
+                raise ValueError(f"trainer.devices: expected a count, a list of indices or 'auto', got "
+                                 f"{self.devices!r}") from None
+        if isinstance(self.devices, int) and not isinstance(self.devices, bool) and self.devices < 1:
+            raise ValueError(f"trainer.devices: expected a positive count, got {self.devices}")
+
+    @property
+    def devices_per_node(self) -> int:
+        """Processes per node (1 for ``auto``, which picks one device on a CPU machine)."""
+        return self.devices if isinstance(self.devices, int) else len(self.devices) if isinstance(self.devices, list) \
+            else 1
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """``L.Trainer`` arguments, with checkpoints written atomically (:class:`AtomicCheckpointIO`)."""
+        return {"accelerator": self.accelerator, "devices": self.devices, "num_nodes": self.num_nodes,
+                "strategy": self.strategy, "precision": self.precision, "enable_progress_bar": self.progress_bar,
+                "plugins": [AtomicCheckpointIO()]}
+
+
+def add_hardware_args(p: argparse.ArgumentParser) -> None:
+    """:class:`Hardware`'s settings as flags of an argparse command (``softvq-prior``; ``softvq-train`` derives
+    ``--trainer.*`` from the dataclass itself); :func:`hardware_kwargs` turns them into ``L.Trainer`` arguments."""
+    g = p.add_argument_group("hardware (README: Scaling out)")
+    g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
+    g.add_argument("--devices", default="1", help="devices per node: a count, a comma-separated list of indices, or "
+                                                  "'auto'; more than one trains data-parallel (DDP)")
+    g.add_argument("--num-nodes", type=positive_int, default=1, help="machines (Lightning num_nodes)")
+    g.add_argument("--strategy", default="auto", help="Lightning strategy: auto (DDP for several devices), ddp, ...")
+    g.add_argument("--precision", default="32-true", help="Lightning precision: 32-true, bf16-mixed, 16-mixed, 64-true")
+    g.add_argument("--no-progress-bar", action="store_true", help="disable the progress bar (e.g. in CI logs)")
+
+
+def hardware_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``L.Trainer`` arguments from :func:`add_hardware_args`' flags, through :class:`Hardware` (its checks)."""
+    return Hardware(args.accelerator, args.devices, args.num_nodes, args.strategy, args.precision,
+                    not args.no_progress_bar).trainer_kwargs()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults in ``--help``, except where there is nothing to show: no "(default: None)" after a help
+    text that says what happens without the flag, and none after one that states its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)

@@ -1,0 +1,178 @@
+"""The trainer's configuration: flags derived from the constructors' typed signatures and docstrings (jsonargparse,
+the Lightning ecosystem's convention), ``--config run.yaml``, ``--print_config``, and the fully resolved
+configuration every run saves in its ``config.json``.
+
+Sections, each a constructor's arguments (its checks run when the run starts, before anything is written):
+
+- top level: :class:`RunOptions` (``--out``, ``--epochs``, ``--seed``, ``--resume``, ...) and ``--quantizer``;
+- ``--data.*``: :class:`softvq.data.CIFAR10DataModule`;
+- ``--model.*``: :class:`softvq.models.VQVAE` (encoder/decoder, optimizer, hierarchy);
+- ``--ddcl.*``: :class:`softvq.DDCLQuantizer`, used by ``--quantizer ddcl``;
+- ``--hard.*``: :class:`softvq.HardVQ`, used by ``--quantizer hard``;
+- ``--trainer.*``: :class:`softvq.cli.common.Hardware`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+
+from softvq import DDCLQuantizer, HardVQ
+from softvq.cli.common import Hardware
+from softvq.data import CIFAR10DataModule
+from softvq.models import QUANTIZERS, VQVAE
+from softvq.utils import check_non_negative_int, check_positive_int
+
+QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ}
+# Arguments the trainer sets itself: the code count and dimension come from --model, the layout from the VQ-VAE.
+LAYER_SKIP = {"num_codes", "dim", "channel_first"}
+# What may differ when a run is resumed (dotted keys of config.json): they extend it (epochs), say where the run and the
+# same data are (a moved directory) or how to run it, and change no result (README: Resuming).
+RESUME_SAFE = ("epochs", "out", "data.data_root", "data.download", "data.num_workers",
+               "data.cache_dir", "check_replicas", "trainer.accelerator", "trainer.strategy", "trainer.progress_bar")
+
+
+@dataclass
+class RunOptions:
+    """One training command: where it writes, how long it trains, and how it starts.
+
+    Args:
+        out: output directory (``<out>/<quantizer>`` per run when several quantizers are given).
+        epochs: training epochs, in total (also when resuming: pass a larger number to train on).
+        seed: seed of the weights, the data order and the codebook initialisation.
+        check_replicas: with several processes (DDP), check every this many steps that the codebook is bit-identical
+            on all of them and stop if not; 0 = never.
+    """
+
+    out: Path = Path("runs/vqvae")
+    epochs: int = 10
+    seed: int = 0
+    check_replicas: int = 50
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self.epochs = check_positive_int("epochs", self.epochs)
+        self.seed = int(self.seed)
+        self.check_replicas = check_non_negative_int("check_replicas", self.check_replicas)
+
+
+def build_parser() -> ArgumentParser:
+    """The ``softvq-train`` parser: every flag comes from a constructor's signature and its docstring."""
+    p = ArgumentParser(
+        prog="softvq-train", description="Train VQ-VAEs on CIFAR-10 with a DDCL soft codebook and/or a hard "
+        "straight-through VQ, side by side (several --quantizer values: the same seed, data and settings).",
+        epilog="Data: --data.data_root is searched for cifar-10-batches-py/ (official release), train/ + test/ "
+               "(ImageFolder), or is itself a .tar.gz of such a tree (extracted once into $SOFTVQ_CACHE, default "
+               "~/.cache/softvq). With internet access, --data.download true fetches the official release. "
+               "Write a config file with --print_config > run.yaml and train from it with --config run.yaml.")
+    p.add_argument("--config", action=ActionConfigFile, help="a YAML/JSON file of these settings (flags after it win)")
+    p.add_argument("--quantizer", nargs="+", choices=QUANTIZERS, default=["ddcl"],
+                   help="bottleneck(s) to train; several are trained one after the other into --out/<quantizer> "
+                        "and compared in --out/comparison.md")
+    p.add_class_arguments(RunOptions, None)
+    # What this invocation does with --out, not settings of the run (config.json does not record them).
+    p.add_argument("--resume", nargs="?", const="last", default=None, metavar="CKPT",
+                   help="continue from a checkpoint: a path, or without a value <out>/checkpoints/last.ckpt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that already holds a run (its files are removed); without it the "
+                        "command refuses to touch an existing run")
+    p.add_class_arguments(CIFAR10DataModule, "data", skip={"seed"})
+    p.add_class_arguments(VQVAE, "model", skip={"quantizer", "quantizer_kwargs"})
+    for name, cls in QUANTIZER_CLASSES.items():
+        p.add_class_arguments(cls, name, skip=LAYER_SKIP & set(inspect.signature(cls).parameters))
+    p.add_class_arguments(Hardware, "trainer")
+    return p
+
+
+def parse(argv: Sequence[str] | None = None) -> Namespace:
+    """Parsed flags (exit 2 with a usage message on a bad one, as argparse does)."""
+    cfg = build_parser().parse_args(None if argv is None else list(argv))
+    if len(set(cfg.quantizer)) != len(cfg.quantizer):
+        build_parser().error(f"argument --quantizer: repeated names {cfg.quantizer}")
+    return cfg
+
+
+def run_options(cfg: Namespace) -> RunOptions:
+    return RunOptions(**{name: cfg[name] for name in RunOptions.__dataclass_fields__})
+
+
+def hardware(cfg: Namespace) -> Hardware:
+    return Hardware(**cfg.trainer.as_dict())
+
+
+def data_kwargs(cfg: Namespace) -> dict[str, Any]:
+    return {**cfg.data.as_dict(), "seed": cfg.seed}
+
+
+def layer_kwargs(cfg: Namespace, quantizer: str) -> dict[str, Any]:
+    """The ``quantizer_kwargs`` of one run: the ``--<quantizer>.*`` section. The hierarchy (``--model.levels`` > 1)
+    builds plain DDCL levels with the model's own defaults (``softvq.models.vqvae.HIERARCHY_DEFAULTS``): it gets only
+    the settings given, i.e. those that differ from :class:`~softvq.DDCLQuantizer`'s defaults."""
+    section = cfg[quantizer].as_dict()
+    if quantizer == "ddcl" and cfg.model.levels > 1:
+        defaults = {k: p.default for k, p in inspect.signature(DDCLQuantizer).parameters.items()}
+        section = {k: v for k, v in section.items() if v != defaults.get(k)}
+    return section
+
+
+def model_kwargs(cfg: Namespace, quantizer: str) -> dict[str, Any]:
+    """The :class:`~softvq.models.VQVAE` constructor arguments of one run."""
+    return {**cfg.model.as_dict(), "quantizer": quantizer, "quantizer_kwargs": layer_kwargs(cfg, quantizer)}
+
+
+def _resolved(given: dict[str, Any], module: Any) -> dict[str, Any]:
+    """``given`` with every null or ``"auto"`` replaced by the value ``module`` resolved it to (its attribute of the
+    same name), so that config.json says what the run used rather than "the default"."""
+    out = {}
+    for key, value in given.items():
+        if value is None or value == "auto":
+            value = getattr(module, key, value)
+        out[key] = value
+    return out
+
+
+def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, Any]:
+    """What config.json records of one run: every setting as the run used it, as JSON values.
+
+    Nulls that stand for a default are replaced by the value the constructors chose (e.g. ``model.latent_norm``,
+    ``ddcl.standardize``, ``ddcl.target_entropy``); a null that remains means "off" or "not used" (for the DDCL
+    temperature: set on the first training batch by bisection to the target entropy).
+    """
+    layer = model._codebooks()[0]
+    section = layer_kwargs(cfg, quantizer) if model.levels == 1 else {
+        k: getattr(layer, k) for k in cfg.ddcl.as_dict() if hasattr(layer, k) and not callable(getattr(layer, k))}
+    model_section = _resolved(cfg.model.as_dict(), model)
+    model_section["target_entropy"] = model.target_entropy
+    config = {"quantizer": quantizer, **asdict(run_options(cfg)), "data": cfg.data.as_dict(), "model": model_section,
+              quantizer: _resolved(section, layer), "trainer": asdict(hardware(cfg))}
+    return json.loads(json.dumps(config, default=str))
+
+
+def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; tuples as lists, so a saved and a fresh config compare alike."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_changes(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
+    """``{dotted key: [recorded, now]}`` for every setting that differs between two resolved configurations."""
+    a, b = flat(recorded), flat(now)
+    return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if not _same(a.get(k), b.get(k))}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b

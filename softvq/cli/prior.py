@@ -1,0 +1,296 @@
+"""Train an autoregressive transformer prior over the code grids of a trained VQ-VAE (CIFAR-10).
+
+Examples:
+    # codes of 10,000 training images under a DDCL VQ-VAE, a 4-layer 256-wide prior, 10 epochs:
+    python train_prior.py --vqvae runs/ddcl/checkpoints/last.ckpt --train-subset 10000 \
+        --data-root ../shared/data/cifar10-jpeg.tar.gz --out runs/prior-ddcl
+    # class-conditional, and continue a run to more epochs:
+    python train_prior.py --vqvae CKPT --class-conditional --out runs/prior-cond --epochs 20 --resume
+
+The VQ-VAE encodes the training images (``--train-subset`` of the 45,000 left after the fixed validation hold-out),
+the ``--val-size`` validation images and the official 10,000 test images once; their hard code indices are cached
+under ``$SOFTVQ_CACHE/codes`` keyed by the checkpoint's SHA-256 and the data selection. The prior models each
+``h x w`` grid (8 x 8 for the default VQ-VAE) in raster order.
+
+``--out`` holds ``history.jsonl`` (per epoch: ``train_bits`` and ``val_bits``, the NLL in bits per code position),
+``checkpoints/last.ckpt`` (every epoch) and ``checkpoints/best-epochNN.ckpt`` (lowest validation NLL; Lightning
+numbers NN from 0),
+``config.json``, TensorBoard logs in ``tb/``, and ``test.json``: the final prior's NLL on the official test split's
+codes (bits per position, overall and per grid position) beside the context-free baselines (the entropy of the test
+codes, ``log2`` of their perplexity, and the cross-entropy of the training codes' frequencies on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from softvq.cli.common import (
+    GracefulStop,
+    HelpFormatter,
+    Interrupted,
+    add_hardware_args,
+    hardware_kwargs,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    run_command,
+)
+from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
+from softvq.models.callbacks import EpochCheckpoint, HistoryWriter, read_history, write_atomic
+from softvq.models.checkpoint_io import load_torch_file
+from softvq.models.codes import CodeSet, code_splits
+from softvq.models.files import RunLock
+from softvq.models.prior import (
+    CodePrior,
+    evaluate_prior,
+    format_prior_record,
+    unigram_bits,
+    unigram_cross_entropy_bits,
+    vqvae_record,
+)
+from softvq.models.transformer import PriorConfig
+from softvq.models.vqvae import load_vqvae
+
+log = logging.getLogger("softvq")
+
+
+def _dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--vqvae", type=Path, required=True, help="the trained VQ-VAE checkpoint (train_vqvae.py)")
+    g.add_argument("--epochs", type=positive_int, default=10, help="training epochs (total, also when resuming)")
+    g.add_argument("--batch-size", type=positive_int, default=128, help="code grids per optimizer step")
+    g.add_argument("--out", type=Path, default=Path("runs/prior"), help="output directory")
+    g.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout")
+    g.add_argument("--resume", nargs="?", const="last", default=None, metavar="CKPT",
+                   help="continue from a checkpoint: a path, or without a value <out>/checkpoints/last.ckpt")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in an --out that already holds a run")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    g.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
+    g.add_argument("--train-subset", type=positive_int, default=None,
+                   help="train on the codes of this many images (a fixed subset) instead of all 45,000")
+    g.add_argument("--val-size", type=non_negative_int, default=5000,
+                   help="training images held out for validation (the VQ-VAE trainer's fixed split); 0 = none")
+    g.add_argument("--num-workers", type=non_negative_int, default=0, help="DataLoader workers while encoding")
+    g.add_argument("--encode-batch-size", type=positive_int, default=256, help="images per batch while encoding")
+    g.add_argument("--cache-dir", type=Path, default=None,
+                   help="where extracted codes are cached (default $SOFTVQ_CACHE/codes, ~/.cache/softvq/codes)")
+    g = p.add_argument_group("model")
+    g.add_argument("--class-conditional", action="store_true",
+                   help="condition on the CIFAR-10 label (one start token per class)")
+    g.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    g.add_argument("--heads", type=positive_int, default=4, help="attention heads (must divide --dim)")
+    g.add_argument("--dim", type=positive_int, default=256, help="model width")
+    g.add_argument("--mlp-ratio", type=positive_int, default=4, help="MLP hidden width / --dim")
+    g.add_argument("--dropout", type=_dropout, default=0.1, help="dropout rate in [0, 1)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=positive_float, default=1e-3, help="peak AdamW learning rate")
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW weight decay (matrices)")
+    g.add_argument("--warmup-steps", type=non_negative_int, default=100, help="linear warmup steps")
+    g.add_argument("--min-lr-ratio", type=non_negative_float, default=0.1,
+                   help="cosine decay to this share of --lr at the last step")
+    add_hardware_args(p)
+    return p
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.dim % args.heads:
+        parser.error(f"argument --heads: must divide --dim {args.dim}, got {args.heads}")
+    if args.min_lr_ratio > 1:
+        parser.error(f"argument --min-lr-ratio: expected a number in [0, 1], got {args.min_lr_ratio}")
+
+
+def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None:
+    """A readable checkpoint of a prior with this ``config`` over codes of this VQ-VAE; else a clear error."""
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
+    ckpt = load_torch_file(path, "checkpoint")  # weights_only=True; UnsafeCheckpointError / ValueError naming it
+    saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
+    if "config" not in saved or "state_dict" not in ckpt:
+        raise ValueError(f"{path} is not a checkpoint of train_prior.py (no prior config in it)")
+    now = config.to_dict()
+    diff = [f"{k}: checkpoint {saved['config'].get(k)!r} vs now {v!r}" for k, v in now.items()
+            if saved["config"].get(k) != v]
+    if diff:
+        raise ValueError(f"checkpoint {path} is a prior of another configuration; pass the same flags to resume "
+                         f"it:\n  " + "\n  ".join(diff))
+    old = (saved.get("vqvae") or {}).get("sha256")
+    if old != sha256:
+        raise ValueError(f"checkpoint {path} models the codes of another VQ-VAE (sha256 {str(old)[:16]}...), not "
+                         f"of --vqvae (sha256 {sha256[:16]}...)")
+
+
+def prepare_out(args: argparse.Namespace) -> None:
+    """Refuse to start afresh over an old run (unless --overwrite, which clears it); write config.json."""
+    out = args.out
+    if args.resume is None and not args.overwrite and ((out / "history.jsonl").exists()
+                                                       or (out / "checkpoints").exists()):
+        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
+                              f"start afresh (or choose another --out)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "config.json", json.dumps(vars(args), default=str, indent=2))
+    except OSError as err:
+        raise OSError(f"cannot write to the output directory {out}: {err}") from err
+    if args.overwrite and args.resume is None:
+        for stale in ("history.jsonl", "test.json"):
+            (out / stale).unlink(missing_ok=True)
+        for stale_dir in (out / "checkpoints", out / "tb"):
+            shutil.rmtree(stale_dir, ignore_errors=True)
+
+
+def loader(split: CodeSet, batch_size: int, shuffle: bool) -> DataLoader:
+    return DataLoader(TensorDataset(split.codes, split.labels), batch_size=batch_size, shuffle=shuffle)
+
+
+def test_report(prior: CodePrior, splits: dict[str, CodeSet]) -> dict[str, Any]:
+    """The prior's NLL on the test codes beside the context-free baselines, in bits per code position."""
+    test, train = splits["test"], splits["train"]
+    k = prior.num_codes
+    evaluation = evaluate_prior(prior, test.codes, test.labels)
+    entropy = unigram_bits(test.codes, k)
+    return {
+        "test_bits_per_position": evaluation.bits_per_position,
+        "test_bits_per_image": evaluation.bits_per_position * prior.config.length,
+        "test_position_bits": [[round(v, 4) for v in row] for row in evaluation.position_bits.tolist()],
+        "test_sequences": evaluation.sequences,
+        "test_unigram_entropy_bits": entropy,  # log2(perplexity) of the test codes
+        "test_code_perplexity": 2.0 ** entropy,
+        "test_codes_used": int(torch.unique(test.codes).numel()),
+        "train_unigram_cross_entropy_bits": unigram_cross_entropy_bits(train.codes, test.codes, k),
+        "log2_num_codes": math.log2(k),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    # One run per --out (a second is refused naming the holder's pid); SIGTERM/SIGINT stop at the next batch and
+    # exit 143/130 with the last checkpoint kept (README: Run directories, resuming, exit codes).
+    with GracefulStop() as stop, RunLock(args.out):
+        return train(args, stop)
+
+
+def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
+    """The prior run of :func:`main`'s flags, with ``args.out``'s lock held."""
+    vqvae = load_vqvae(args.vqvae)  # FileNotFoundError / ValueError naming the file
+    sha256 = sha256_file(args.vqvae)
+    data = CIFAR10DataModule(args.data_root, batch_size=args.encode_batch_size, val_size=args.val_size,
+                             train_subset=args.train_subset, num_workers=args.num_workers, download=args.download)
+    begin = time.perf_counter()
+    splits = code_splits(vqvae, sha256, data, args.cache_dir, args.encode_batch_size, not args.no_progress_bar)
+    encode_seconds = time.perf_counter() - begin
+    if vqvae.class_names is not None:  # the labels of the codes must mean the classes the VQ-VAE was trained on
+        check_same_classes(vqvae.class_names, data.classes, f"--vqvae {args.vqvae}", f"the data at {args.data_root}")
+    record = vqvae_record(vqvae, args.vqvae, sha256, image_size=int(data.test_set[0][0].shape[-1]),
+                          classes=data.classes)
+    if tuple(splits["train"].codes.shape[1:]) != (record.height, record.width):
+        raise ValueError(f"the VQ-VAE encodes these images into {tuple(splits['train'].codes.shape[1:])} grids, "
+                         f"not the {record.height}x{record.width} its downsampling implies")
+    config = PriorConfig(num_codes=record.num_codes, height=record.height, width=record.width,
+                         num_classes=len(data.classes) if args.class_conditional else 0, layers=args.layers,
+                         heads=args.heads, dim=args.dim, mlp_ratio=args.mlp_ratio, dropout=args.dropout)
+    ckpt_path = None
+    if args.resume is not None:
+        ckpt_path = args.out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
+        check_prior_checkpoint(ckpt_path, config, sha256)
+    prepare_out(args)
+
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    prior = CodePrior(config, record, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+                      min_lr_ratio=args.min_lr_ratio)
+    has_val = len(splits["val"].labels) > 0
+    checkpoints = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="last", monitor=None, save_top_k=1,
+                                   save_on_train_epoch_end=True, enable_version_counter=False)]
+    if has_val:
+        checkpoints.append(EpochCheckpoint(dirpath=args.out / "checkpoints", filename="best-epoch{epoch:02d}",
+                                           auto_insert_metric_name=False, monitor="val/bits_per_position",
+                                           mode="min", save_top_k=1, save_on_train_epoch_end=True))
+    steps_per_epoch = math.ceil(len(splits["train"].labels) / args.batch_size)
+    # Each epoch's line goes to the "softvq" logger (the script logs at INFO), not print: it would show twice.
+    trainer = L.Trainer(
+        max_epochs=args.epochs, default_root_dir=args.out, **hardware_kwargs(args),
+        logger=TensorBoardLogger(save_dir=str(args.out), name="tb", version=""),
+        callbacks=[HistoryWriter(args.out / "history.jsonl", echo=False, formatter=format_prior_record),
+                   *checkpoints],
+        num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
+        log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_model_summary=False)
+    fit_begin = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # in-memory codes
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        warnings.filterwarnings("ignore", message=".*no `val_dataloader`")  # --val-size 0
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        stop.trainer = trainer
+        try:
+            trainer.fit(prior, loader(splits["train"], args.batch_size, shuffle=True),
+                        loader(splits["val"], 500, shuffle=False) if has_val else None,
+                        ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+        except (Exception, SystemExit) as err:  # Lightning ends a stopped fit with SystemExit (SIGTERMException)
+            if stop.signum is None:
+                raise
+            last = args.out / "checkpoints" / "last.ckpt"
+            kept = (f"its last checkpoint, {last}, is kept: run the same command with --resume" if last.is_file()
+                    else "it had saved no checkpoint yet")
+            raise Interrupted(stop.signum, f"{signal.Signals(stop.signum).name} stopped the training of {args.out} "
+                                           f"in epoch {trainer.current_epoch + 1}; {kept}") from err
+        finally:
+            stop.trainer = None
+    fit_seconds = time.perf_counter() - fit_begin
+    history = read_history(args.out / "history.jsonl")
+    results = {"vqvae": asdict(record),
+               "class_conditional": args.class_conditional, "config": config.to_dict(),
+               "parameters": sum(p.numel() for p in prior.parameters()),
+               "train_sequences": len(splits["train"].labels), "val_sequences": len(splits["val"].labels),
+               "epochs": args.epochs, "fit_seconds": round(fit_seconds, 1), "encode_seconds": round(encode_seconds, 1),
+               "threads": torch.get_num_threads(),
+               "val_bits_per_position": history[-1]["val_bits"] if history else None,
+               **test_report(prior, splits)}
+    write_atomic(args.out / "test.json", json.dumps(results, indent=2) + "\n")
+    print(f"{args.out}: test NLL {results['test_bits_per_position']:.4f} bits per code position "
+          f"({results['test_bits_per_image']:.1f} bits per image); the test codes' unigram entropy "
+          f"log2(perplexity) is {results['test_unigram_entropy_bits']:.4f} bits ({results['test_codes_used']} of "
+          f"{config.num_codes} codes used); log2 K = {results['log2_num_codes']:.4f}")
+    return results
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` as a command: expected failures print one ``error:`` line and return 2."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_command(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,366 @@
+"""``softvq-train``: train VQ-VAEs on CIFAR-10 with a DDCL soft codebook and/or a hard straight-through VQ, side by
+side. Flags and ``--config`` files: :mod:`softvq.cli.config`.
+
+Examples:
+    # both quantizers, 10k training images, 5 epochs, offline from the shared archive:
+    softvq-train --quantizer ddcl hard --epochs 5 --data.train_subset 10000 \\
+        --data.data_root ../shared/data/cifar10-jpeg.tar.gz --out runs/compare
+    # the same from a file (write one with --print_config > run.yaml):
+    softvq-train --config run.yaml
+    # continue a run from its last checkpoint (to a larger epoch count):
+    softvq-train --quantizer ddcl --out runs/ddcl --epochs 20 --resume last
+
+Every run directory (``--out``, or ``--out/<quantizer>`` when several quantizers are given) holds
+``history.jsonl`` (one JSON object per epoch, epochs counted from 1: codebook health, losses, validation metrics),
+``config.json`` (every setting as the run used it), ``checkpoints/last.ckpt`` and ``checkpoints/best-epochNN.ckpt``
+(lowest validation MSE, NN the epoch counted from 1), ``recon_epochNN.png`` (originals / soft / hard-decoded
+reconstructions) and TensorBoard logs in ``tb/`` (``tensorboard --logdir <out>``). With several quantizers a
+per-epoch comparison table is printed at the end and written to ``<out>/comparison.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from softvq.cli import config
+from softvq.cli.common import (
+    GracefulStop,
+    Interrupted,
+    run_command,
+)
+from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes
+from softvq.models import VQVAE
+from softvq.models.callbacks import (
+    EpochCheckpoint,
+    HistoryWriter,
+    ReconstructionGrid,
+    ReplicaCheck,
+    read_history,
+    remove_stale_temporaries,
+    write_atomic,
+)
+from softvq.models.checkpoint_io import checkpoint_classes, load_torch_file
+from softvq.models.files import RunLock
+
+log = logging.getLogger("softvq")
+
+INVOCATIONS = "invocations.jsonl"  # one line per start or resume of a run: when, which pid, the argv, what changed
+
+
+def check_checkpoint(path: Path, model: dict[str, Any]) -> dict[str, Any]:
+    """A readable Lightning checkpoint (loaded with ``weights_only=True``: nothing in it runs) whose model
+    hyperparameters match ``model`` (the VQVAE's constructor arguments); returns it, else a clear error with the
+    per-key differences."""
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
+    ckpt = load_torch_file(path, "checkpoint")  # UnsafeCheckpointError / ValueError naming the file
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"{path} is not a Lightning checkpoint of this trainer (no state_dict)")
+    saved, now = config.flat(ckpt.get("hyper_parameters") or {}), config.flat(model)
+    diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if diff:
+        raise ValueError(f"checkpoint {path} was trained with another model configuration; pass the same "
+                         f"settings to resume it:\n  " + "\n  ".join(diff))
+    return ckpt
+
+
+def resume_changes(run: dict[str, Any], out: Path) -> dict[str, list[Any]]:
+    """The settings that differ from the run's config.json, ``{dotted key: [recorded, now]}``; only
+    :data:`~softvq.cli.config.RESUME_SAFE` ones may. A run without config.json (resumed from a checkpoint file into a
+    new --out) has none to compare.
+
+    Raises:
+        ValueError: a setting outside ``RESUME_SAFE`` differs (listing every difference), or config.json is unreadable.
+    """
+    path = out / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is unreadable ({err}); the run's settings cannot be checked") from err
+    changed = config.config_changes(recorded, run)
+    refused = {k: v for k, v in changed.items() if k not in config.RESUME_SAFE}
+    if refused:
+        lines = [f"--{k}: run {old!r} vs now {new!r}" for k, (old, new) in refused.items()]
+        safe = ", ".join(f"--{k}" for k in config.RESUME_SAFE if k != "out")
+        raise ValueError(f"--resume would change settings of the run in {out} (its config.json), so it would no "
+                         f"longer describe the epochs already trained; nothing was written. Resume with the run's "
+                         f"settings (only {safe} may change) or start a new run in another --out:\n  "
+                         + "\n  ".join(lines))
+    return changed
+
+
+def prepare_out(cfg: Namespace, run: dict[str, Any], out: Path, changed: dict[str, list[Any]] | None = None,
+                argv: Sequence[str] | None = None) -> None:
+    """Refuse to start afresh over an old run (unless --overwrite, which clears it); write config.json for a new run
+    (a resumed one keeps its own) and append this invocation to invocations.jsonl. Call with the run's lock held."""
+    if cfg.resume is None and not cfg.overwrite and ((out / "history.jsonl").exists()
+                                                     or (out / "checkpoints").exists()):
+        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
+                              f"start afresh (or choose another --out)")
+    for directory in (out, out / "checkpoints"):  # a killed run's half-written temporaries, never its outputs
+        remove_stale_temporaries(directory)
+    if cfg.overwrite and cfg.resume is None:  # the previous run's artefacts would mix with the new ones
+        for stale_file in (out / "history.jsonl", out / INVOCATIONS, out / "config.json"):
+            stale_file.unlink(missing_ok=True)
+        for stale in (out / "checkpoints", out / "tb"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for png in out.glob("recon_epoch*.png"):
+            png.unlink()
+    record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "pid": os.getpid(), "argv": list(sys.argv[1:] if argv is None else argv),
+              "resume": cfg.resume, "changed": changed or {}}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.resume is None or not (out / "config.json").exists():
+            write_atomic(out / "config.json", json.dumps(run, indent=2) + "\n")
+        log_path = out / INVOCATIONS
+        previous = log_path.read_bytes() if log_path.exists() else b""
+        write_atomic(log_path, previous + (json.dumps(record) + "\n").encode())
+    except OSError as err:
+        raise OSError(f"cannot write to the output directory {out}: {err}") from err
+
+
+def checkpoint_callbacks(dirpath: Path, validation: bool) -> list[ModelCheckpoint]:
+    """``last.ckpt`` after every training epoch and, with validation, ``best-epochNN.ckpt`` (lowest val MSE).
+
+    Two callbacks, because Lightning's ``save_last=True`` rewrites ``last.ckpt`` only in an epoch whose top-k
+    checkpoint was saved too: after an epoch that did not improve the validation MSE it kept the previous epoch.
+    """
+    last = ModelCheckpoint(dirpath=dirpath, filename="last", monitor=None, save_top_k=1, save_on_train_epoch_end=True,
+                           enable_version_counter=False)
+    if not validation:
+        return [last]
+    best = EpochCheckpoint(dirpath=dirpath, filename="best-epoch{epoch:02d}", auto_insert_metric_name=False,
+                           monitor="val/mse", mode="min", save_top_k=1, save_on_train_epoch_end=True)
+    return [best, last]
+
+
+def build_trainer(cfg: Namespace, out: Path, validation: bool, steps_per_epoch: int) -> L.Trainer:
+    """The Lightning Trainer of one run: history, reconstruction grids, atomic checkpoints, the DDP replica check."""
+    callbacks = [HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out),
+                 *checkpoint_callbacks(out / "checkpoints", validation=validation)]
+    if cfg.check_replicas:
+        callbacks.append(ReplicaCheck(cfg.check_replicas))
+    return L.Trainer(
+        max_epochs=cfg.epochs, default_root_dir=out, **config.hardware(cfg).trainer_kwargs(),
+        # The data module shards every split itself (GlobalBatchSampler): N processes with batch size B see the
+        # batches of one process with N * B. LatentNorm synchronises its batch statistics itself (SyncBatchNorm
+        # refuses CPU tensors), so Lightning's sync_batchnorm stays off.
+        use_distributed_sampler=False, sync_batchnorm=False,
+        logger=TensorBoardLogger(save_dir=str(out), name="tb", version=""), callbacks=callbacks,
+        num_sanity_val_steps=0, limit_val_batches=1.0 if validation else 0,
+        log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_model_summary=False)
+
+
+def _resume_point(cfg: Namespace, out: Path, model: dict[str, Any]) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint this run continues from and its contents, or ``(None, None)`` for a fresh start."""
+    if cfg.resume is None:
+        return None, None
+    path = out / "checkpoints" / "last.ckpt" if cfg.resume == "last" else Path(cfg.resume)
+    if cfg.resume == "last" and not path.exists() and not (out / "history.jsonl").exists():
+        # Stopped before its first checkpoint, or (several quantizers) never started: nothing to resume.
+        log.warning("%s holds no checkpoint to resume: this run starts from the beginning", out)
+        return None, None
+    return path, check_checkpoint(path, model)
+
+
+def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | None = None,
+              argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Train (or resume) one VQ-VAE into ``out``; returns its history records.
+
+    Everything is checked (every constructor's arguments, the checkpoint, the settings against the run's config.json,
+    the data and its classes) before anything is written. Call with ``out``'s :class:`~softvq.models.files.RunLock`
+    held.
+
+    Raises:
+        FloatingPointError: NaN/Inf in a batch, the latents or the loss; the message names the step and the last
+            good checkpoint, which is kept.
+        Interrupted: SIGTERM/SIGINT (``stop``) ended training; the last good checkpoint is kept.
+    """
+    model_args = config.model_kwargs(cfg, quantizer)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    model = VQVAE(**model_args)  # invalid settings fail here, in the constructor that owns them
+    run = config.resolved_config(cfg, quantizer, model)
+    ckpt_path, ckpt = _resume_point(cfg, out, model_args)
+    changed = resume_changes(run, out) if cfg.resume is not None else {}
+    data = CIFAR10DataModule(**config.data_kwargs(cfg))
+    data.prepare_data()
+    data.setup("fit")  # bad or missing data, and train/ and test/ with other classes, fail here, before any write
+    saved_classes = checkpoint_classes(ckpt) if ckpt is not None else None
+    if saved_classes is not None:
+        check_same_classes(saved_classes, data.classes, f"checkpoint {ckpt_path}", f"the data at {cfg.data.data_root}")
+    fresh = ckpt_path is None and not (out / "history.jsonl").exists()
+    if rank_zero_only.rank == 0:  # under DDP the other processes re-run this script: one process owns --out
+        prepare_out(cfg, run, out, changed, argv)
+
+    # Lightning's DDP strategies re-seed the global random state when fit starts (reset_seed); do the same in one
+    # process, so data initialisation and dead-code restarts draw alike whatever the number of processes.
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    hw = config.hardware(cfg)
+    images = cfg.data.train_subset or 45_000
+    steps_per_epoch = math.ceil(images / (cfg.data.batch_size * hw.devices_per_node * hw.num_nodes))
+    trainer = build_trainer(cfg, out, validation=cfg.data.val_size > 0, steps_per_epoch=steps_per_epoch)
+    try:
+        _fit(trainer, model, data, ckpt_path, out, stop)
+    except BaseException:
+        if fresh and rank_zero_only.rank == 0:
+            discard_unstarted(out)
+        raise
+    return read_history(out / "history.jsonl")
+
+
+def discard_unstarted(out: Path) -> None:
+    """Remove what a new run wrote into ``out`` when it failed before its first checkpoint: a directory that holds only
+    a config.json would look like a run and make the next attempt need --overwrite. A run with a checkpoint is kept."""
+    if (out / "checkpoints" / "last.ckpt").exists():
+        return
+    for name in ("config.json", INVOCATIONS, "history.jsonl", *(p.name for p in out.glob("recon_epoch*.png"))):
+        (out / name).unlink(missing_ok=True)
+    for directory in ("tb", "checkpoints"):
+        shutil.rmtree(out / directory, ignore_errors=True)
+
+
+def _fit(trainer: L.Trainer, model: VQVAE, data: CIFAR10DataModule, ckpt_path: Path | None, out: Path,
+         stop: GracefulStop | None) -> None:
+    """``trainer.fit``, with a failure's or a signal's message naming the last good checkpoint."""
+    with warnings.catch_warnings():
+        # One core per worker is the right setting on small machines; Lightning's hint does not apply.
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        # Resuming writes into the run's own checkpoint directory on purpose.
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        # Lightning's pytree helper against newer torch; harmless.
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        if stop is not None:
+            stop.trainer = trainer
+        try:
+            # weights_only=True: resuming never runs code from the checkpoint (AtomicCheckpointIO enforces it too)
+            trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+        except FloatingPointError as err:
+            raise FloatingPointError(f"{err}\n{last_good_checkpoint(out)}") from err
+        except (Exception, SystemExit) as err:  # Lightning ends a stopped fit with SystemExit (SIGTERMException)
+            if stop is None or stop.signum is None:
+                raise
+            kept = last_good_checkpoint(out, "run the same command with --resume")
+            raise Interrupted(stop.signum, f"{stop_name(stop.signum)} stopped the training of {out} in epoch "
+                                           f"{trainer.current_epoch + 1}. {kept}") from err
+        finally:
+            if stop is not None:
+                stop.trainer = None
+    if stop is not None and stop.signum is not None:  # the signal came as the last epoch ended: it is complete
+        raise Interrupted(stop.signum, f"{stop_name(stop.signum)} arrived as {out} finished its last epoch; the run "
+                                       f"is complete.")
+
+
+def stop_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def last_good_checkpoint(out: Path, advice: str = "fix the cause and continue with --resume") -> str:
+    """Where a failed run can continue from: its ``last.ckpt`` (untouched by the failure), or that there is none."""
+    last = out / "checkpoints" / "last.ckpt"
+    if not last.is_file():
+        return f"Training stopped before its first checkpoint; nothing was saved in {out / 'checkpoints'}."
+    try:
+        epoch = int(load_torch_file(last, "checkpoint")["epoch"]) + 1
+    except Exception as err:  # noqa: BLE001 - a message, not a check
+        return f"Training stopped; the last checkpoint is {last}, but it cannot be read: {err}"
+    return f"Training stopped; the last good checkpoint, {last} (end of epoch {epoch}), is kept: {advice}."
+
+
+def comparison_table(histories: dict[str, list[dict[str, Any]]]) -> str:
+    """A markdown table with one row per epoch and, per quantizer, utilization, dead codes, perplexity, PSNR."""
+    names = list(histories)
+    columns = ("util %", "dead", "restarts", "ppl", "val PSNR (hard)")
+    header = ["epoch"] + [f"{n} {col}" for n in names for col in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    epochs = sorted({row["epoch"] for rows in histories.values() for row in rows})
+    for epoch in epochs:
+        cells = [str(epoch)]
+        for name in names:
+            row = next((r for r in histories[name] if r["epoch"] == epoch), None)
+            if row is None:
+                cells += [""] * len(columns)
+                continue
+            psnr = "n/a" if row.get("val_psnr") is None else f"{row['val_psnr']:.2f} ({row['val_psnr_hard']:.2f})"
+            restarts = "n/a" if row.get("restarts") is None else str(row["restarts"])
+            cells += [f"{100 * row['utilization']:.1f}", str(row["dead_codes"]), restarts, f"{row['perplexity']:.1f}",
+                      psnr]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_locks(cfg: Namespace) -> contextlib.ExitStack:
+    """The exclusive :class:`~softvq.models.files.RunLock` of every run directory (and of --out itself with several
+    quantizers, for comparison.md), taken at once, before anything is read or written; none under DDP's other
+    processes, whose rank 0 holds them."""
+    stack = contextlib.ExitStack()
+    if rank_zero_only.rank != 0:
+        return stack
+    out, several = Path(cfg.out), len(cfg.quantizer) > 1
+    directories = ([out] if several else []) + [out / q if several else out for q in cfg.quantizer]
+    with stack:
+        for directory in directories:
+            lock = stack.enter_context(RunLock(directory))
+            if lock.stale_pid is not None:
+                log.warning("%s: recovered the lock of run pid %d, which ended without releasing it", directory,
+                            lock.stale_pid)
+        return stack.pop_all()
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    cfg = config.parse(argv)
+    if cfg.resume not in (None, "last") and len(cfg.quantizer) > 1:
+        raise ValueError("--resume with a checkpoint path needs a single --quantizer (use --resume alone to resume "
+                         "every run from its own last checkpoint)")
+    config.run_options(cfg), config.hardware(cfg)  # their checks, before any run starts
+    several, out = len(cfg.quantizer) > 1, Path(cfg.out)
+    histories = {}
+    with GracefulStop() as stop, run_locks(cfg):
+        for i, quantizer in enumerate(cfg.quantizer):
+            try:
+                histories[quantizer] = train_one(cfg, quantizer, out / quantizer if several else out, stop, argv)
+            except Interrupted as err:
+                if not several:
+                    raise
+                unfinished = ", ".join(f"{q} ({'interrupted' if j == i else 'not started'})"
+                                       for j, q in enumerate(cfg.quantizer) if j >= i)
+                raise Interrupted(err.signum, f"{err} Runs not finished: {unfinished}; run the same command with "
+                                              f"--resume to finish them.") from err
+    table = comparison_table(histories)
+    if rank_zero_only.rank != 0:
+        return histories
+    if several:
+        write_atomic(out / "comparison.md", table)
+    print("\nPer-epoch codebook health and validation PSNR (soft and decoded from hard indices):\n" + table)
+    return histories
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` as a command: expected failures (missing or bad data, a bad checkpoint or setting, an unusable or
+    busy --out, NaN/Inf in training) print one ``error:`` message and return 2; bad flags exit 2 with a usage message;
+    SIGTERM / SIGINT stop it at the next batch, keep the last good checkpoint and return 143 / 130."""
+    return run_command(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
