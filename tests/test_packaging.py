@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import site
 import subprocess
 import sys
@@ -66,8 +67,13 @@ TINY = ["--epochs", "1", "--data.batch_size", "16", "--data.train_subset", "32",
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of what the wheel is made of, so that setuptools' build/ never lands in the repository.
+    source = tmp_path_factory.mktemp("source")
+    shutil.copytree(ROOT / "softvq", source / "softvq", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, text=True)
+                    str(source)], check=True, capture_output=True, text=True)
     (path,) = out.glob("softvq-*.whl")
     return path
 

@@ -4,13 +4,14 @@ SIGINT stop it gracefully with status 143 and 130, as a shell reports a process 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -77,11 +78,19 @@ class GracefulStop:
         self._previous = {}
 
 
-def quiet_lightning() -> None:
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
     """Lightning logs which accelerators exist and advertises its cloud products at INFO on every ``Trainer``; the
-    commands print their own summary, so only Lightning's warnings and errors are kept."""
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    commands print their own summary, so for the duration only Lightning's warnings and errors are kept."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def run_command(main: Callable[..., Any], argv: Sequence[str] | None = None,
@@ -90,9 +99,9 @@ def run_command(main: Callable[..., Any], argv: Sequence[str] | None = None,
     return 2 (argparse exits 2 on bad flags itself); on :class:`Interrupted` print its message and return 143
     (SIGTERM) or 130 (SIGINT). Lightning's start-up lines (available accelerators, adverts) are silenced; its
     warnings still show."""
-    quiet_lightning()
     try:
-        main(argv)
+        with quiet_lightning():
+            main(argv)
     except Interrupted as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

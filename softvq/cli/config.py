@@ -150,7 +150,8 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
         k: getattr(layer, k) for k in cfg.ddcl.as_dict() if hasattr(layer, k) and not callable(getattr(layer, k))}
     model_section = _resolved(cfg.model.as_dict(), model)
     model_section["target_entropy"] = model.target_entropy
-    config = {"quantizer": quantizer, **asdict(run_options(cfg)), "data": cfg.data.as_dict(), "model": model_section,
+    # "quantizer" as --quantizer takes it (a list), so that the file is a config that reproduces this run alone
+    config = {"quantizer": [quantizer], **asdict(run_options(cfg)), "data": cfg.data.as_dict(), "model": model_section,
               quantizer: _resolved(section, layer), "trainer": asdict(hardware(cfg))}
     return json.loads(json.dumps(config, default=str))
 

@@ -22,33 +22,21 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from torch.utils.data import Subset
 
-from softvq.cli.common import HelpFormatter, run_command
+from softvq.cli.common import HelpFormatter, quiet_lightning, run_command
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
 from softvq.models.callbacks import write_atomic
 from softvq.models.checkpoint_io import load_torch_file
-from softvq.models.vqvae import load_vqvae
+from softvq.models.vqvae import VQVAE, load_vqvae
 
 log = logging.getLogger("eval.evaluate")
 METRICS = ("mse", "psnr", "ssim", "mse_hard", "psnr_hard", "ssim_hard", "utilization", "dead_codes", "perplexity")
-
-
-@contextlib.contextmanager
-def quiet_lightning() -> Iterator[None]:
-    """Silence Lightning's informational lines (accelerator, tips) for the duration; warnings still show."""
-    logger = logging.getLogger("lightning.pytorch")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def checkpoint_epochs(path: Path) -> tuple[int, int]:
@@ -96,7 +84,23 @@ def evaluate(
         raise ValueError(f"limit must be a positive number of images, got {limit}")
     start = time.perf_counter()
     model = load_vqvae(checkpoint)  # clear errors for a missing or truncated file
-    epochs, step = checkpoint_epochs(checkpoint)
+    data = test_data(model, checkpoint, data_root, batch_size, limit, num_workers, download)
+    with warnings.catch_warnings(), contextlib.nullcontext() if progress else quiet_lightning():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+        trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+                            enable_model_summary=False, enable_progress_bar=progress)
+        with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar writes to stdout, which is the JSON
+            trainer.test(model, datamodule=data, verbose=False)
+    result = test_result(model, checkpoint, images=len(data.test_set))
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    result["code_counts"] = [int(c) for c in model.test_code_counts]
+    return result
+
+
+def test_data(model: VQVAE, checkpoint: Path, data_root: str | Path, batch_size: int, limit: int | None,
+              num_workers: int, download: bool) -> CIFAR10DataModule:
+    """The test split (its first ``limit`` images), checked to hold the classes the model was trained on."""
     data = CIFAR10DataModule(data_root, batch_size=batch_size, val_size=0, num_workers=num_workers,
                              download=download)
     data.prepare_data()
@@ -105,14 +109,12 @@ def evaluate(
         check_same_classes(model.class_names, data.classes, f"checkpoint {checkpoint}", f"the data at {data_root}")
     if limit is not None:
         data.test_set = Subset(data.test_set, range(min(limit, len(data.test_set))))
-    images = len(data.test_set)
-    with warnings.catch_warnings(), contextlib.nullcontext() if progress else quiet_lightning():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
-        trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-                            enable_model_summary=False, enable_progress_bar=progress)
-        with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar writes to stdout, which is the JSON
-            trainer.test(model, datamodule=data, verbose=False)
+    return data
+
+
+def test_result(model: VQVAE, checkpoint: Path, images: int) -> dict[str, Any]:
+    """:func:`evaluate`'s record from the model's test summary (without ``seconds`` and ``code_counts``)."""
+    epochs, step = checkpoint_epochs(checkpoint)
     summary = model.test_summary
     result: dict[str, Any] = {
         "checkpoint": str(checkpoint), "checkpoint_sha256": sha256_file(checkpoint), "quantizer": model.quantizer_name,
@@ -122,8 +124,6 @@ def evaluate(
     if model.levels > 1:  # every level's usage: utilization_l0, dead_codes_l1, perplexity_l1, ...
         result.update({key.removeprefix("test_"): value for key, value in summary.items()
                        if re.fullmatch(r"test_\w+_l\d+", key)})
-    result["seconds"] = round(time.perf_counter() - start, 2)
-    result["code_counts"] = [int(c) for c in model.test_code_counts]
     return result
 
 

@@ -61,6 +61,7 @@ from softvq.models.codes import CodeSet, code_splits
 from softvq.models.files import RunLock
 from softvq.models.prior import (
     CodePrior,
+    VQVAERecord,
     evaluate_prior,
     format_prior_record,
     unigram_bits,
@@ -203,15 +204,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return train(args, stop)
 
 
-def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
-    """The prior run of :func:`main`'s flags, with ``args.out``'s lock held."""
+def encode(args: argparse.Namespace) -> tuple[VQVAERecord, dict[str, CodeSet], tuple[str, ...], float]:
+    """The VQ-VAE's record, its code grids of every split (cached), the data's classes and the seconds it took."""
     vqvae = load_vqvae(args.vqvae)  # FileNotFoundError / ValueError naming the file
     sha256 = sha256_file(args.vqvae)
     data = CIFAR10DataModule(args.data_root, batch_size=args.encode_batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, download=args.download)
     begin = time.perf_counter()
     splits = code_splits(vqvae, sha256, data, args.cache_dir, args.encode_batch_size, not args.no_progress_bar)
-    encode_seconds = time.perf_counter() - begin
+    seconds = time.perf_counter() - begin
     if vqvae.class_names is not None:  # the labels of the codes must mean the classes the VQ-VAE was trained on
         check_same_classes(vqvae.class_names, data.classes, f"--vqvae {args.vqvae}", f"the data at {args.data_root}")
     record = vqvae_record(vqvae, args.vqvae, sha256, image_size=int(data.test_set[0][0].shape[-1]),
@@ -219,35 +220,32 @@ def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
     if tuple(splits["train"].codes.shape[1:]) != (record.height, record.width):
         raise ValueError(f"the VQ-VAE encodes these images into {tuple(splits['train'].codes.shape[1:])} grids, "
                          f"not the {record.height}x{record.width} its downsampling implies")
-    config = PriorConfig(num_codes=record.num_codes, height=record.height, width=record.width,
-                         num_classes=len(data.classes) if args.class_conditional else 0, layers=args.layers,
-                         heads=args.heads, dim=args.dim, mlp_ratio=args.mlp_ratio, dropout=args.dropout)
-    ckpt_path = None
-    if args.resume is not None:
-        ckpt_path = args.out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
-        check_prior_checkpoint(ckpt_path, config, sha256)
-    prepare_out(args)
+    return record, splits, data.classes, seconds
 
-    L.seed_everything(args.seed, workers=True, verbose=False)
-    prior = CodePrior(config, record, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-                      min_lr_ratio=args.min_lr_ratio)
-    has_val = len(splits["val"].labels) > 0
+
+def build_trainer(args: argparse.Namespace, has_val: bool, steps_per_epoch: int) -> L.Trainer:
+    """The prior's Lightning Trainer: history, ``last.ckpt`` and (with validation) ``best-epochNN.ckpt``."""
     checkpoints = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="last", monitor=None, save_top_k=1,
                                    save_on_train_epoch_end=True, enable_version_counter=False)]
     if has_val:
         checkpoints.append(EpochCheckpoint(dirpath=args.out / "checkpoints", filename="best-epoch{epoch:02d}",
                                            auto_insert_metric_name=False, monitor="val/bits_per_position",
                                            mode="min", save_top_k=1, save_on_train_epoch_end=True))
-    steps_per_epoch = math.ceil(len(splits["train"].labels) / args.batch_size)
     # Each epoch's line goes to the "softvq" logger (the script logs at INFO), not print: it would show twice.
-    trainer = L.Trainer(
+    return L.Trainer(
         max_epochs=args.epochs, default_root_dir=args.out, **hardware_kwargs(args),
         logger=TensorBoardLogger(save_dir=str(args.out), name="tb", version=""),
         callbacks=[HistoryWriter(args.out / "history.jsonl", echo=False, formatter=format_prior_record),
                    *checkpoints],
         num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
         log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_model_summary=False)
-    fit_begin = time.perf_counter()
+
+
+def fit(trainer: L.Trainer, prior: CodePrior, splits: dict[str, CodeSet], args: argparse.Namespace,
+        ckpt_path: Path | None, stop: GracefulStop) -> float:
+    """``trainer.fit`` of the prior; returns its seconds. A signal ends it with :class:`Interrupted`."""
+    begin = time.perf_counter()
+    has_val = len(splits["val"].labels) > 0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # in-memory codes
         warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
@@ -268,7 +266,27 @@ def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
                                            f"in epoch {trainer.current_epoch + 1}; {kept}") from err
         finally:
             stop.trainer = None
-    fit_seconds = time.perf_counter() - fit_begin
+    return time.perf_counter() - begin
+
+
+def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
+    """The prior run of :func:`main`'s flags, with ``args.out``'s lock held; writes and returns ``test.json``."""
+    record, splits, classes, encode_seconds = encode(args)
+    config = PriorConfig(num_codes=record.num_codes, height=record.height, width=record.width,
+                         num_classes=len(classes) if args.class_conditional else 0, layers=args.layers,
+                         heads=args.heads, dim=args.dim, mlp_ratio=args.mlp_ratio, dropout=args.dropout)
+    ckpt_path = None
+    if args.resume is not None:
+        ckpt_path = args.out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
+        check_prior_checkpoint(ckpt_path, config, record.sha256)
+    prepare_out(args)
+
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    prior = CodePrior(config, record, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+                      min_lr_ratio=args.min_lr_ratio)
+    steps_per_epoch = math.ceil(len(splits["train"].labels) / args.batch_size)
+    trainer = build_trainer(args, len(splits["val"].labels) > 0, steps_per_epoch)
+    fit_seconds = fit(trainer, prior, splits, args, ckpt_path, stop)
     history = read_history(args.out / "history.jsonl")
     results = {"vqvae": asdict(record),
                "class_conditional": args.class_conditional, "config": config.to_dict(),
