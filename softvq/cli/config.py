@@ -145,7 +145,7 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     ``ddcl.standardize``, ``ddcl.target_entropy``); a null that remains means "off" or "not used" (for the DDCL
     temperature: set on the first training batch by bisection to the target entropy).
     """
-    layer = model._codebooks()[0]
+    layer = model.quantizer.levels[0] if model.levels > 1 else model.quantizer  # level 0 for the hierarchy
     section = layer_kwargs(cfg, quantizer) if model.levels == 1 else {
         k: getattr(layer, k) for k in cfg.ddcl.as_dict() if hasattr(layer, k) and not callable(getattr(layer, k))}
     model_section = _resolved(cfg.model.as_dict(), model)

@@ -142,7 +142,7 @@ def labelled_rows_png(rows: list[torch.Tensor], labels: tuple[str, ...], title: 
     matplotlib's object API (``Figure``), not pyplot: no global backend or figure state is touched.
     """
     n = rows[0].shape[0]
-    cell = 0.55  # inches per 32-pixel image: about 1.7x its pixels at 100 dpi
+    cell = 0.8  # inches per 32-pixel image: about 2.5x its pixels at 100 dpi
     fig = Figure(figsize=(1.4 + cell * n, 0.35 + cell * len(rows)), dpi=100)
     axes = fig.subplots(len(rows), 1, squeeze=False)[:, 0]
     for ax, row, label in zip(axes, rows, labels, strict=True):
