@@ -130,6 +130,22 @@ class VQVAE(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
+        # Quantizer first, then encoder, decoder and latent norm: this order fixes the random initialisation and the
+        # parameter order (saved optimizer states rely on it) and the state-dict keys.
+        self._build_quantizer(quantizer, num_codes, code_dim, quantizer_kwargs, temperature_schedule, levels,
+                              level_codes, level_pool)
+        self._build_autoencoder(quantizer, code_dim, in_channels, width, res_hidden, res_blocks, downsamples,
+                                latent_norm)
+        self.lr = check_float("lr", lr)
+        self.eps = check_float("eps", eps)
+        self._check_temperature_settings(temperature_schedule, temperature_final, target_entropy, temperature_rate)
+        self._build_metrics()
+
+    def _build_quantizer(self, quantizer: str | nn.Module, num_codes: int, code_dim: int,
+                         quantizer_kwargs: dict[str, Any] | None, temperature_schedule: str, levels: int,
+                         level_codes: int | Sequence[int], level_pool: int) -> None:
+        """Sets :attr:`quantizer` (the module), ``quantizer_name``, ``levels``, ``level_num_codes`` (``None`` for a
+        single level), ``num_codes`` (level 0's) and ``is_soft``."""
         self.levels = check_positive_int("levels", levels)
         if isinstance(quantizer, HierarchicalDDCL):
             self.levels = quantizer.num_levels
@@ -154,6 +170,12 @@ class VQVAE(L.LightningModule):
             int(getattr(self.quantizer, "num_codes", num_codes))
         if getattr(self.quantizer, "dim", code_dim) != code_dim:
             raise ValueError(f"the quantizer's dim ({self.quantizer.dim}) differs from code_dim ({code_dim})")
+        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
+
+    def _build_autoencoder(self, quantizer: str | nn.Module, code_dim: int, in_channels: int, width: int,
+                           res_hidden: int, res_blocks: int, downsamples: int, latent_norm: str | None) -> None:
+        """Sets :attr:`encoder`, :attr:`decoder` (which sees every level's ``code_dim`` channels), ``latent_norm``
+        and :attr:`norm` (after :meth:`_build_quantizer`: it needs ``levels``)."""
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.downsamples = check_positive_int("downsamples", downsamples)
         self.encoder = Encoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
@@ -163,8 +185,16 @@ class VQVAE(L.LightningModule):
         self.latent_norm = check_choice("latent_norm", latent_norm, LATENT_NORMS)
         # Non-affine: the encoder cannot rescale what the quantizer sees (running statistics at eval).
         self.norm = LatentNorm(code_dim) if latent_norm == "batch" else nn.Identity()
-        self.lr = check_float("lr", lr)
-        self.eps = check_float("eps", eps)
+
+    def _check_temperature_settings(self, temperature_schedule: str, temperature_final: float | None,
+                                    target_entropy: float | str | None, temperature_rate: float) -> None:
+        """Checks and sets ``temperature_schedule``, ``temperature_start`` (the quantizer's initial temperature),
+        ``temperature_final``, the model-side ``target_entropy`` and ``temperature_rate``.
+
+        Raises:
+            ValueError: a schedule without ``temperature_final`` or a quantizer temperature, a model-side target for a
+                layer that holds its own, or both a schedule and a target (naming the settings).
+        """
         self.temperature_schedule = check_choice("temperature_schedule", temperature_schedule, SCHEDULES)
         self.temperature_start = getattr(self._codebooks()[0], "temperature", None)
         if self.temperature_schedule != "constant":
@@ -174,7 +204,6 @@ class VQVAE(L.LightningModule):
                 raise ValueError(f"temperature_schedule={temperature_schedule!r} needs temperature_final")
         self.temperature_final = None if temperature_final is None else check_float("temperature_final",
                                                                                       temperature_final)
-        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
         if target_entropy != "auto":
             target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
             if target_entropy is not None and self._layer_controls_temperature():
@@ -189,7 +218,8 @@ class VQVAE(L.LightningModule):
                 raise ValueError(f"target_entropy (entropy-controlled T) and temperature_schedule="
                                  f"{temperature_schedule!r} both set the temperature; choose one")
 
-        # Per-epoch state (torchmetrics: reduced across processes, not saved in checkpoints).
+    def _build_metrics(self) -> None:
+        """The per-epoch state (torchmetrics: reduced across processes, not saved in checkpoints)."""
         self.train_usage = softvq.CodebookUsage(self.num_codes)
         self.train_mse = MeanMetric()
         self.train_terms = nn.ModuleDict()  # one MeanMetric per quantizer term, created on first sight
