@@ -1,12 +1,15 @@
-"""VQVAE: encoder -> any softvq quantizer -> decoder, as a LightningModule with per-epoch codebook health."""
+"""VQVAE: encoder -> any softvq quantizer -> decoder, as a LightningModule with per-epoch codebook health.
+
+Its parts live beside it: the encoder and decoder in ``autoencoder.py``; the quantizer names, their defaults and
+``LatentNorm`` in ``bottleneck.py``; what the model measures and the per-epoch record in ``_epoch_metrics.py`` (a
+mixin of :class:`VQVAE`), with a hierarchy's per-level keys in ``_hierarchy.py``; checkpoint loading in
+``loading.py``. The names those modules took from here are still importable from here.
+"""
 
 from __future__ import annotations
 
-import os
 import random
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning as L
@@ -15,86 +18,33 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric
-from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 import softvq
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
 from softvq.models import _hierarchy as hierarchy
-from softvq.models._hierarchy import LevelMetrics, build_hierarchy, check_level_indices, hierarchy_record, level_views
+from softvq.models._epoch_metrics import EpochMetrics
+from softvq.models._hierarchy import build_hierarchy, check_level_indices, level_views
 from softvq.models.autoencoder import Decoder, Encoder
-from softvq.norm import batch_moments
+from softvq.models.bottleneck import (
+    DDCL_TARGET_ENTROPY,
+    HIERARCHY_DEFAULTS,
+    LATENT_NORMS,
+    QUANTIZERS,
+    LatentNorm,
+    build_quantizer,
+)
+from softvq.models.loading import load_module, load_vqvae
 from softvq.optim import has_trainable_prototypes
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
-from softvq.utils import all_reduce_sum_, check_choice, check_float, check_positive_int, is_distributed
+from softvq.utils import all_reduce_sum_, check_choice, check_float, check_positive_int
 
-QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
-LATENT_NORMS: tuple[str, ...] = ("none", "batch")
-# A single-level DDCL bottleneck uses the layer's own recipe (softvq.DDCLQuantizer, recipe="auto": standardised
-# tokens, entropy-controlled T, EMA prototypes, dead-code restart, hard output). The hierarchical VQ-VAE (levels > 1)
-# keeps the recipe that lives in this model: latents standardised by LatentNorm (squared distances between two random
-# tokens average 2 * code_dim = 128), T = 4 at the start (about e^2.5 ~ 12 prototypes in play per token), restarts
-# below one token per batch, and the temperature held at H(Q) = 2.5 nats by the model (softvq.adapt_temperature).
-HIERARCHY_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold": 1.0}
-DDCL_TARGET_ENTROPY = 2.5
+# Also importable from here: the bottleneck names (softvq.models.bottleneck) and the checkpoint loaders
+# (softvq.models.loading).
+__all__ = ["DDCL_TARGET_ENTROPY", "HIERARCHY_DEFAULTS", "LATENT_NORMS", "PIXEL_SHIFT", "QUANTIZERS", "VQVAE",
+           "LatentNorm", "VQVAEOutput", "build_quantizer", "load_module", "load_vqvae"]
+
 PIXEL_SHIFT = 0.5  # the model sees x - 0.5, so inputs and reconstructions are centred on 0
-
-
-def build_quantizer(name: str, num_codes: int, dim: int, **kwargs: Any) -> nn.Module:
-    """``"ddcl"`` -> :class:`softvq.DDCLQuantizer` (the layer's own defaults unless overridden), ``"hard"`` ->
-    :class:`softvq.HardVQ`, with ``kwargs``."""
-    check_choice("quantizer", name, QUANTIZERS)
-    cls = softvq.DDCLQuantizer if name == "ddcl" else softvq.HardVQ
-    try:
-        return cls(num_codes, dim, **kwargs)
-    except TypeError as err:  # an option the chosen quantizer does not have
-        raise ValueError(f"invalid option for quantizer {name!r}: {err}") from err
-
-
-class LatentNorm(nn.BatchNorm2d):
-    """Per-channel standardisation of the latents: a non-affine ``BatchNorm2d`` whose running statistics start from
-    the first training batch, and whose batch statistics span every process under ``torch.distributed``.
-
-    ``nn.BatchNorm2d`` starts its running variance at 1 and moves it 10% per step. A fresh encoder's latents have a
-    variance near 1e-4, so after a short run (tens of steps) evaluation divided by a stale, far too large variance and
-    sent every token to one code (measured: 2% test utilization after 16 steps, against 98% in training). Taking the
-    first batch's statistics whole (momentum 1, once) removes that start-up bias; later steps are the usual
-    exponential average. Outputs in training (batch statistics) are unchanged, and so is the state dict.
-
-    Under DDP the mean and variance are those of all processes' batches together (two differentiable all-reduces),
-    so N processes with batch B normalise as one process with batch N * B would. This replaces Lightning's
-    ``sync_batchnorm``: ``nn.SyncBatchNorm`` refuses CPU tensors, and converting to it would drop the first-batch start.
-    """
-
-    def __init__(self, channels: int) -> None:
-        super().__init__(channels, affine=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        first = self.training and self.track_running_stats and int(self.num_batches_tracked) == 0
-        if self.training and is_distributed():
-            return self._global_batch_norm(x, 1.0 if first else self.momentum)
-        if first:
-            momentum, self.momentum = self.momentum, 1.0
-            try:
-                return super().forward(x)
-            finally:
-                self.momentum = momentum
-        return super().forward(x)
-
-    def _global_batch_norm(self, x: Tensor, momentum: float) -> Tensor:
-        self._check_input_dim(x)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        # the library's cross-process moments (softvq.norm, the DDCL layer's standardiser), over (B, H, W) per channel
-        mean, var, total = batch_moments(xf.movedim(1, -1).reshape(-1, xf.shape[1]))  # biased, as batch_norm uses
-        centered = xf - mean[:, None, None]
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), momentum)
-                unbiased = var.detach() * (total / max(total - 1, 1))
-                self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
-                self.num_batches_tracked.add_(1)
-        return (centered * torch.rsqrt(var + self.eps)[:, None, None]).to(x.dtype)
 
 
 class VQVAEOutput(NamedTuple):
@@ -112,7 +62,7 @@ class VQVAEOutput(NamedTuple):
     quantizer: QuantizerOutput | HierarchicalOutput
 
 
-class VQVAE(L.LightningModule):
+class VQVAE(EpochMetrics, L.LightningModule):
     """A VQ-VAE whose bottleneck is any softvq quantizer (DDCL soft codebook or hard straight-through VQ).
 
     Training loss: ``mse(reconstruction, x) + quantizer.loss`` (pixels in ``[0, 1]``). For a DDCL codebook the
@@ -184,6 +134,22 @@ class VQVAE(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
+        # Quantizer first, then encoder, decoder and latent norm: this order fixes the random initialisation and the
+        # parameter order (saved optimizer states rely on it) and the state-dict keys.
+        self._build_quantizer(quantizer, num_codes, code_dim, quantizer_kwargs, temperature_schedule, levels,
+                              level_codes, level_pool)
+        self._build_autoencoder(quantizer, code_dim, in_channels, width, res_hidden, res_blocks, downsamples,
+                                latent_norm)
+        self.lr = check_float("lr", lr)
+        self.eps = check_float("eps", eps)
+        self._check_temperature_settings(temperature_schedule, temperature_final, target_entropy, temperature_rate)
+        self._build_metrics()
+
+    def _build_quantizer(self, quantizer: str | nn.Module, num_codes: int, code_dim: int,
+                         quantizer_kwargs: dict[str, Any] | None, temperature_schedule: str, levels: int,
+                         level_codes: int | Sequence[int], level_pool: int) -> None:
+        """Sets :attr:`quantizer` (the module), ``quantizer_name``, ``levels``, ``level_num_codes`` (``None`` for a
+        single level), ``num_codes`` (level 0's) and ``is_soft``."""
         self.levels = check_positive_int("levels", levels)
         if isinstance(quantizer, HierarchicalDDCL):
             self.levels = quantizer.num_levels
@@ -208,6 +174,12 @@ class VQVAE(L.LightningModule):
             int(getattr(self.quantizer, "num_codes", num_codes))
         if getattr(self.quantizer, "dim", code_dim) != code_dim:
             raise ValueError(f"the quantizer's dim ({self.quantizer.dim}) differs from code_dim ({code_dim})")
+        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
+
+    def _build_autoencoder(self, quantizer: str | nn.Module, code_dim: int, in_channels: int, width: int,
+                           res_hidden: int, res_blocks: int, downsamples: int, latent_norm: str | None) -> None:
+        """Sets :attr:`encoder`, :attr:`decoder` (which sees every level's ``code_dim`` channels), ``latent_norm``
+        and :attr:`norm` (after :meth:`_build_quantizer`: it needs ``levels``)."""
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.downsamples = check_positive_int("downsamples", downsamples)
         self.encoder = Encoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
@@ -217,8 +189,16 @@ class VQVAE(L.LightningModule):
         self.latent_norm = check_choice("latent_norm", latent_norm, LATENT_NORMS)
         # Non-affine: the encoder cannot rescale what the quantizer sees (running statistics at eval).
         self.norm = LatentNorm(code_dim) if latent_norm == "batch" else nn.Identity()
-        self.lr = check_float("lr", lr)
-        self.eps = check_float("eps", eps)
+
+    def _check_temperature_settings(self, temperature_schedule: str, temperature_final: float | None,
+                                    target_entropy: float | str | None, temperature_rate: float) -> None:
+        """Checks and sets ``temperature_schedule``, ``temperature_start`` (the quantizer's initial temperature),
+        ``temperature_final``, the model-side ``target_entropy`` and ``temperature_rate``.
+
+        Raises:
+            ValueError: a schedule without ``temperature_final`` or a quantizer temperature, a model-side target for a
+                layer that holds its own, or both a schedule and a target (naming the settings).
+        """
         self.temperature_schedule = check_choice("temperature_schedule", temperature_schedule, SCHEDULES)
         self.temperature_start = getattr(self._codebooks()[0], "temperature", None)
         if self.temperature_schedule != "constant":
@@ -228,7 +208,6 @@ class VQVAE(L.LightningModule):
                 raise ValueError(f"temperature_schedule={temperature_schedule!r} needs temperature_final")
         self.temperature_final = None if temperature_final is None else check_float("temperature_final",
                                                                                       temperature_final)
-        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
         if target_entropy != "auto":
             target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
             if target_entropy is not None and self._layer_controls_temperature():
@@ -242,28 +221,6 @@ class VQVAE(L.LightningModule):
             if self.temperature_schedule != "constant":
                 raise ValueError(f"target_entropy (entropy-controlled T) and temperature_schedule="
                                  f"{temperature_schedule!r} both set the temperature; choose one")
-
-        # Per-epoch state (torchmetrics: reduced across processes, not saved in checkpoints).
-        self.train_usage = softvq.CodebookUsage(self.num_codes)
-        self.train_mse = MeanMetric()
-        self.train_terms = nn.ModuleDict()  # one MeanMetric per quantizer term, created on first sight
-        self.train_identity = MaxMetric()
-        self.train_entropy = MeanMetric()
-        self.val_usage = softvq.CodebookUsage(self.num_codes)
-        self.val_metrics = nn.ModuleDict()
-        for suffix in ("", "_hard"):
-            self.val_metrics["mse" + suffix] = MeanMetric()
-            self.val_metrics["psnr" + suffix] = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))  # per image
-            self.val_metrics["ssim" + suffix] = StructuralSimilarityIndexMeasure(data_range=1.0)
-        self._val_summary: dict[str, float | None] = {}
-        self.test_summary: dict[str, float | None] = {}  # filled by Trainer.test (on_test_epoch_end)
-        self.test_code_counts: Tensor | None = None
-        self._summary_cache: tuple[tuple[int, int], dict[str, Any]] | None = None
-        self._epoch_start = time.perf_counter()
-        self._restarts_at_epoch_start = 0
-        # levels > 1: every level's health (keys "<key>_l<level>"); level 0 also feeds the plain keys above.
-        self.level_metrics = nn.ModuleList([LevelMetrics(k) for k in self.level_num_codes or ()])
-        self._level_restarts_at_epoch_start = [0] * self.levels
 
     def _layer_controls_temperature(self) -> bool:
         return any(getattr(layer, "target_entropy", None) is not None for layer in self._codebooks())
@@ -352,32 +309,12 @@ class VQVAE(L.LightningModule):
         for layer in self._codebooks():
             layer.temperature = temperature
 
-    def on_train_epoch_start(self) -> None:
-        for metric in (self.train_usage, self.train_mse, self.train_identity, self.train_entropy,
-                       *self.train_terms.values()):
-            metric.reset()
-        self._epoch_start = time.perf_counter()
-        self._restarts_at_epoch_start = getattr(self._codebooks()[0], "restarts", 0)
-        for level, metrics in enumerate(self.level_metrics):
-            metrics.reset_train()
-            self._level_restarts_at_epoch_start[level] = self._codebooks()[level].restarts
-
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x = batch[0]
         fresh = [not getattr(layer, "initialized", True) for layer in self._codebooks()]
         latents = self.latents(x)
         where = f"training batch {batch_idx} of epoch {self.current_epoch + 1} (global step {self.global_step})"
-        # Counted over every process (one all-reduce under DDP), so that all of them stop at the same step instead
-        # of the others waiting forever in the next collective.
-        counts = torch.stack([(~torch.isfinite(x)).sum(), (~torch.isfinite(latents)).sum(),
-                              torch.tensor(x.numel(), device=x.device), torch.tensor(latents.numel(), device=x.device)])
-        bad_pixels, bad_latents, pixels, values = all_reduce_sum_(counts).tolist()
-        if bad_pixels:
-            raise FloatingPointError(f"{where} holds {bad_pixels} NaN/Inf pixel value(s) out of {pixels}: the "
-                                     f"data is corrupt")
-        if bad_latents:
-            raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of {values} in "
-                                     f"{where}: training diverged (lower --lr?)")
+        self._check_finite(x, latents, where)
         out = self._quantize_decode(latents)
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
@@ -387,105 +324,40 @@ class VQVAE(L.LightningModule):
         views = level_views(out.quantizer)  # one QuantizerOutput per level
         if any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
             hierarchy.match_temperatures_(self._codebooks(), out.quantizer.inputs, fresh)
-        q = views[0]
         n = x.shape[0]
-        self.train_usage.update(q.indices, q.probs)
-        self.train_mse.update(rec.detach(), weight=n)
-        entropy = softvq.assignment_entropy(q.probs)
-        self.train_entropy.update(entropy, weight=n)
-        entropies = [entropy] + [metrics.update_train(view, n) for metrics, view in zip(
-            self.level_metrics[1:], views[1:], strict=True)]
-        if self.level_metrics:
-            self.level_metrics[0].update_train(q, n)
-        if self.target_entropy is not None:  # T for the next step, the same on every process; each level its own
-            trainer = self._trainer  # None when the step is called by hand
-            for layer, level_entropy in zip(self._codebooks(), entropies, strict=True):
-                mean_entropy = self.all_gather(level_entropy).mean() \
-                    if trainer is not None and trainer.world_size > 1 else level_entropy
-                layer.temperature = softvq.adapt_temperature(
-                    layer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
-        for name, value in q.terms.items():
-            if name == "identity_residual":
-                self.train_identity.update(value)
-                continue
-            if name not in self.train_terms:
-                self.train_terms[name] = MeanMetric().to(self.device)
-            self.train_terms[name].update(value, weight=n)
+        entropies = self._update_train_metrics(views, rec.detach(), n)
+        if self.target_entropy is not None:
+            self._control_temperature(entropies)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
         self.log("train/mse", rec.detach(), batch_size=n)
         return loss
 
-    # ---- validation and test -----------------------------------------------------------------------------------
-    # One shared step: the soft reconstruction and (soft quantizers) the reconstruction decoded from hard indices,
-    # scored by MSE, per-image PSNR and SSIM, and the code usage. Validation and test never run at the same time, so
-    # they share the metric objects.
-    def _eval_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
-        x = batch[0]
-        out = self(x)
-        hard = self._decode(self.quantizer.decode_indices(out.quantizer.indices)) if self.is_soft \
-            else out.reconstruction
-        views = level_views(out.quantizer)
-        self.val_usage.update(views[0].indices)
-        for metrics, view in zip(self.level_metrics, views, strict=False):
-            metrics.eval_usage.update(view.indices)
-        pairs = (("", out.reconstruction), ("_hard", hard)) if self.is_soft else (("", out.reconstruction),)
-        for suffix, rec in pairs:
-            self.val_metrics["mse" + suffix].update(F.mse_loss(rec, x), weight=x.shape[0])
-            clamped = rec.clamp(0.0, 1.0)
-            self.val_metrics["psnr" + suffix].update(clamped, x)
-            self.val_metrics["ssim" + suffix].update(clamped, x)
-        if batch_idx == 0:  # for the reconstruction grid (models.callbacks.ReconstructionGrid)
-            return {"images": x[:8], "reconstruction": out.reconstruction[:8], "reconstruction_hard": hard[:8]}
-        return None
+    @staticmethod
+    def _check_finite(x: Tensor, latents: Tensor, where: str) -> None:
+        """Stops on NaN/Inf pixels (corrupt data) or latents (diverged training), naming ``where``.
 
-    def _eval_reset(self) -> None:
-        self.val_usage.reset()
-        for metric in (*self.val_metrics.values(), *(m.eval_usage for m in self.level_metrics)):
-            metric.reset()
+        Counted over every process (one all-reduce under DDP), so that all of them stop at the same step instead of
+        the others waiting forever in the next collective.
+        """
+        counts = torch.stack([(~torch.isfinite(x)).sum(), (~torch.isfinite(latents)).sum(),
+                              torch.tensor(x.numel(), device=x.device), torch.tensor(latents.numel(), device=x.device)])
+        bad_pixels, bad_latents, pixels, values = all_reduce_sum_(counts).tolist()
+        if bad_pixels:
+            raise FloatingPointError(f"{where} holds {bad_pixels} NaN/Inf pixel value(s) out of {pixels}: the "
+                                     f"data is corrupt")
+        if bad_latents:
+            raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of {values} in "
+                                     f"{where}: training diverged (lower --lr?)")
 
-    def _eval_summary(self, stage: str) -> dict[str, float | None]:
-        """``{stage}_mse``, ``_psnr``, ``_ssim`` (and ``_hard`` twins), ``_utilization``, ``_dead_codes``,
-        ``_perplexity`` over the stage's epoch, logged as ``{stage}/...``; {} if it saw no image."""
-        summary: dict[str, float | None] = {}
-        if int(self.val_usage.hard_counts.sum()) > 0 or self.trainer.world_size > 1:
-            for name, metric in self.val_metrics.items():
-                if self.is_soft or not name.endswith("_hard"):
-                    summary[f"{stage}_{name}"] = float(metric.compute())
-            if not self.is_soft:  # straight-through: the reconstruction is the hard decode
-                summary.update({f"{stage}_{name}_hard": summary[f"{stage}_{name}"] for name in ("mse", "psnr", "ssim")})
-            usage = self.val_usage.compute()
-            summary.update({f"{stage}_utilization": float(usage["utilization"]),
-                            f"{stage}_dead_codes": int(usage["dead_codes"]),
-                            f"{stage}_perplexity": float(usage["perplexity"])})
-            for level, metrics in enumerate(self.level_metrics):
-                summary.update(metrics.eval_summary(stage, f"_l{level}"))
-            # sync_dist: the values are equal on every process already (torchmetrics); this only silences the hint.
-            self.log_dict({k.replace(f"{stage}_", f"{stage}/", 1): v for k, v in summary.items()}, sync_dist=True)
-        return summary
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
-        return self._eval_step(batch, batch_idx)
-
-    def on_validation_epoch_start(self) -> None:
-        self._eval_reset()
-
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
-        self._val_summary = self._eval_summary("val")
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, batch_idx)
-
-    def on_test_epoch_start(self) -> None:
-        self._eval_reset()
-
-    def on_test_epoch_end(self) -> None:
-        """Fills :attr:`test_summary` (the ``test_*`` keys) and :attr:`test_code_counts` (tokens per code, ``(K,)``,
-        summed over processes)."""
-        self.test_summary = self._eval_summary("test")
-        with self.val_usage.sync_context():
-            self.test_code_counts = self.val_usage.hard_counts.detach().cpu().clone()
+    def _control_temperature(self, entropies: Sequence[Tensor]) -> None:
+        """Entropy-controlled temperature (:func:`softvq.adapt_temperature`) for the next step, each level its own,
+        from this step's H(Q) per level (``entropies``) averaged over processes: the same ``T`` on every process."""
+        trainer = self._trainer  # None when the step is called by hand
+        for layer, level_entropy in zip(self._codebooks(), entropies, strict=True):
+            mean_entropy = self.all_gather(level_entropy).mean() \
+                if trainer is not None and trainer.world_size > 1 else level_entropy
+            layer.temperature = softvq.adapt_temperature(
+                layer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -504,108 +376,3 @@ class VQVAE(L.LightningModule):
             random.setstate(state["python"])
             name, keys, pos, has_gauss, cached = state["numpy"]
             np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-    # ---- per-epoch summary -----------------------------------------------------------------------------------
-    def epoch_summary(self) -> dict[str, Any]:
-        """This training epoch's record (the keys of ``history.jsonl``), computed once per epoch and step.
-
-        Call at the end of a training epoch on every process (the metrics synchronise across processes).
-        Validation keys are ``None`` when no validation ran this epoch.
-        """
-        key = (self.current_epoch, self.global_step)
-        if self._summary_cache is not None and self._summary_cache[0] == key:
-            return self._summary_cache[1]
-        usage = self.train_usage.compute()
-        record: dict[str, Any] = {
-            "epoch": self.current_epoch + 1,
-            "step": self.global_step,
-            "quantizer": self.quantizer_name,
-            "utilization": float(usage["utilization"]),
-            "dead_codes": int(usage["dead_codes"]),
-            "perplexity": float(usage["perplexity"]),
-            "soft_perplexity": float(usage.get("soft_perplexity", usage["perplexity"])),
-            "train_mse": float(self.train_mse.compute()),
-            "assignment_entropy": float(self.train_entropy.compute()),
-        }
-        for name, metric in self.train_terms.items():
-            record[name] = float(metric.compute())
-        if self.train_identity.update_count > 0:
-            record["identity_residual"] = float(self.train_identity.compute())
-        codebook = getattr(self._codebooks()[0], "codebook", None)
-        if codebook is not None and codebook.shape[0] >= 2:
-            distance = getattr(self._codebooks()[0], "distance", "euclidean")
-            separation = softvq.prototype_separation(codebook, distance=distance)
-            record["separation"] = float(separation["mean"])
-            record["separation_min"] = float(separation["min"])
-        restarts = getattr(self._codebooks()[0], "restarts", None)
-        if restarts is not None:
-            record["restarts"] = restarts - self._restarts_at_epoch_start
-        temperature = getattr(self._codebooks()[0], "temperature", None)
-        if temperature is not None:
-            record["temperature"] = float(temperature)
-        for name in (*self.val_metrics, "utilization", "dead_codes", "perplexity"):
-            record[f"val_{name}"] = self._val_summary.get(f"val_{name}")
-        if self.level_metrics:
-            record.update(hierarchy_record(self.level_metrics, self._codebooks(), self._level_restarts_at_epoch_start,
-                                           self._val_summary))
-        record["time_s"] = round(time.perf_counter() - self._epoch_start, 2)
-        self._summary_cache = (key, record)
-        return record
-
-    def on_train_epoch_end(self) -> None:
-        record = self.epoch_summary()
-        skip = {"epoch", "step", "quantizer"}
-        # "train_epoch/" beside the per-step "train/" curves; validation figures are logged as "val/" already.
-        self.log_dict({f"train_epoch/{k.removeprefix('train_')}": float(v) for k, v in record.items()
-                       if k not in skip and not k.startswith("val_") and v is not None}, sync_dist=True)
-
-
-def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str,
-                map_location: str | torch.device = "cpu") -> L.LightningModule:
-    """``cls.load_from_checkpoint(path, weights_only=True)`` in eval mode, with errors that name the file.
-
-    Nothing in the file runs: it is read with ``weights_only=True`` (:mod:`models.checkpoint_io`). The module gets
-    ``class_names``: the data set's class names recorded in the checkpoint
-    (:func:`models.checkpoint_io.checkpoint_classes`), or ``None`` for a checkpoint that records none.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a file.
-        UnsafeCheckpointError: the file holds objects other than tensors and plain containers (a ValueError).
-        ValueError: the file is truncated, corrupt or not a checkpoint of ``cls`` (``what`` names it in the message).
-    """
-    from softvq.models.checkpoint_io import UnsafeCheckpointError, checkpoint_classes, load_torch_file
-
-    path = Path(path)
-    try:
-        checkpoint = load_torch_file(path, f"{what} checkpoint", map_location="cpu")
-    except UnsafeCheckpointError:
-        raise
-    except ValueError as err:
-        raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
-                         f"checkpoint ({err.__cause__.__class__.__name__}: {err.__cause__})") from err
-    try:
-        module = cls.load_from_checkpoint(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # missing keys, another model's checkpoint, ...
-        raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
-                         f"checkpoint ({type(err).__name__}: {' '.join(str(err).split())[:300]})") from err
-    module.class_names = checkpoint_classes(checkpoint)
-    return module.eval()
-
-
-def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu", freeze: bool = True) -> VQVAE:
-    """A trained :class:`VQVAE` from a Lightning checkpoint of ``train_vqvae.py``, in eval mode.
-
-    Args:
-        path: the ``.ckpt`` file (read with ``weights_only=True``: loading it runs no code).
-        map_location: where to load the tensors.
-        freeze: also set ``requires_grad=False`` on every parameter.
-
-    Returns:
-        The model, with ``class_names`` (the training data's classes, or ``None`` if the checkpoint records none).
-
-    Raises:
-        FileNotFoundError: ``path`` is not a file (naming it).
-        ValueError: the file is unsafe to load, truncated, corrupt or not a VQVAE checkpoint (naming it and the cause).
-    """
-    model = load_module(VQVAE, path, "VQ-VAE", map_location)
-    return model.requires_grad_(False) if freeze else model
