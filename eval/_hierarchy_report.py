@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from eval import _compare_report as rep
-from models.callbacks import write_atomic
+from softvq.models.callbacks import write_atomic
 
 PLOTS = ("health.png", "levels.png")
 TWO_LEVEL = "ddcl_2level"
@@ -27,16 +27,16 @@ def _levels(runs: list[dict[str, Any]]) -> int:
 
 
 def _codes(runs: list[dict[str, Any]], level: int) -> str:
-    """K of a level of these runs: level 0 from the test metrics, the levels above from ``--level-codes``."""
+    """K of a level of these runs: level 0 from the test metrics, the levels above from ``--model.level_codes``
+    (one int, or a list ``[4,8]``, one per level above 0)."""
     if not runs:
         return "?"
     if level == 0:
         return str(runs[0]["test"]["num_codes"])
     flags = runs[0]["flags"]
-    if "--level-codes" not in flags:
+    if "--model.level_codes" not in flags or flags.index("--model.level_codes") + 1 == len(flags):
         return "?"
-    values = flags[flags.index("--level-codes") + 1:]
-    values = values[:next((i for i, v in enumerate(values) if v.startswith("--")), len(values))]
+    values = [v.strip() for v in flags[flags.index("--model.level_codes") + 1].strip("[]").split(",")]
     return values[min(level - 1, len(values) - 1)]
 
 

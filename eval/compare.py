@@ -38,12 +38,14 @@ from typing import Any
 
 import torch
 
-import train_vqvae
-from eval import evaluate
 from eval._compare_report import write_report
-from models.callbacks import read_history, write_atomic
-from models.cli import EXPECTED_ERRORS, run_command
-from softvq.datasets.cifar10 import _sha256
+from softvq.cli import config as train_config
+from softvq.cli import evaluate
+from softvq.cli.common import EXPECTED_ERRORS, run_command
+from softvq.data import CIFAR10DataModule
+from softvq.data.cifar10 import sha256_file
+from softvq.models import QUANTIZERS, VQVAE
+from softvq.models.callbacks import read_history, write_atomic
 
 log = logging.getLogger("eval.compare")
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,27 +68,29 @@ class RunSpec:
 
 METHODS = (("ddcl", "DDCL", ("--quantizer", "ddcl")),
            ("hard", "hard VQ", ("--quantizer", "hard")),
-           ("hard_ema", "hard VQ, EMA + restart", ("--quantizer", "hard", "--ema-decay", "0.99",
-                                                  "--dead-code-threshold", "1")))
+           ("hard_ema", "hard VQ, EMA + restart", ("--quantizer", "hard", "--hard.ema_decay", "0.99",
+                                                  "--hard.dead_code_threshold", "1")))
 # The eps and temperature studies are about the paper's layer, whose prototypes the optimizer trains: they run on the
 # issue-4 recipe (plain layer, LatentNorm, T from 4 held at H(Q) = 2.5 by the model, restarts below 1), whose default
 # eps (0.01) and entropy-controlled T are the "ddcl_plain" runs.
-PLAIN = ("--quantizer", "ddcl", "--recipe", "plain", "--latent-norm", "batch", "--temperature", "4",
-         "--dead-code-threshold", "1")
+PLAIN = ("--quantizer", "ddcl", "--ddcl.recipe", "plain", "--model.latent_norm", "batch", "--ddcl.temperature", "4",
+         "--ddcl.dead_code_threshold", "1")
 EPS = (("ddcl_plain", "plain layer, eps = 0.01", PLAIN),
-       ("ddcl_eps0.1", "plain layer, eps = 0.1", (*PLAIN, "--eps", "0.1")),
-       ("ddcl_eps1.0", "plain layer, eps = 1.0", (*PLAIN, "--eps", "1.0")))
-TEMPERATURE = (("ddcl_fixedT", "plain layer, T fixed at 4", (*PLAIN, "--target-entropy", "off")),
-               ("ddcl_annealT", "plain layer, T annealed 4 -> 0.5", (*PLAIN, "--temperature-schedule",
-                                                                     "exponential", "--temperature-final", "0.5")))
+       ("ddcl_eps0.1", "plain layer, eps = 0.1", (*PLAIN, "--model.eps", "0.1")),
+       ("ddcl_eps1.0", "plain layer, eps = 1.0", (*PLAIN, "--model.eps", "1.0")))
+TEMPERATURE = (("ddcl_fixedT", "plain layer, T fixed at 4", (*PLAIN, "--model.target_entropy", "null")),
+               ("ddcl_annealT", "plain layer, T annealed 4 -> 0.5", (*PLAIN, "--model.temperature_schedule",
+                                                                     "exponential", "--model.temperature_final",
+                                                                     "0.5")))
 
 # --quick: small model, 1,000 images, 2 epochs (a few minutes on 2 cores).
 QUICK = {"epochs": 2, "train_subset": 1000, "val_size": 500, "test_limit": 1000,
-         "train_args": "--width 32 --res-hidden 16 --res-blocks 1 --num-codes 128 --code-dim 32"}
+         "train_args": "--model.width 32 --model.res_hidden 16 --model.res_blocks 1 --model.num_codes 128 "
+                       "--model.code_dim 32"}
 FULL = {"epochs": 5, "train_subset": 10000, "val_size": 5000, "test_limit": None, "train_args": ""}
-# config.json keys that may differ between an existing run and this comparison without making it another run.
-NOT_MODEL = {"out", "resume", "overwrite", "no_progress_bar", "num_workers", "data_root", "download", "epochs",
-             "accelerator", "devices"}
+# config.json keys (dotted) that may differ between an existing run and this comparison without making it another
+# run: those a resume may change (where the run and the data are, how long and how it runs).
+NOT_MODEL = frozenset(train_config.RESUME_SAFE)
 
 
 GROUPS = ("methods", "eps", "temperature")
@@ -103,14 +107,33 @@ def plan(seeds: list[int], ablation_seeds: list[int], groups: tuple[str, ...] = 
 
 
 def train_argv(spec: RunSpec, args: argparse.Namespace) -> list[str]:
-    argv = [*spec.flags, "--seed", str(spec.seed), "--epochs", str(args.epochs), "--val-size", str(args.val_size),
-            "--data-root", str(args.data_root), "--num-workers", str(args.num_workers), "--no-progress-bar",
-            "--out", str(spec.directory(args.runs)), *shlex.split(args.train_args)]
+    argv = [*spec.flags, "--seed", str(spec.seed), "--epochs", str(args.epochs), "--data.val_size",
+            str(args.val_size), "--data.data_root", str(args.data_root), "--data.num_workers", str(args.num_workers),
+            "--trainer.progress_bar", "false", "--out", str(spec.directory(args.runs)), *shlex.split(args.train_args)]
     if args.train_subset is not None:
-        argv += ["--train-subset", str(args.train_subset)]
+        argv += ["--data.train_subset", str(args.train_subset)]
     if args.download:
-        argv.append("--download")
+        argv += ["--data.download", "true"]
     return argv
+
+
+def resolved_configs(argv: list[str]) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The trainer's parsed flags ``argv`` and, per ``--quantizer``, the resolved configuration the run would save
+    in its config.json (flattened to dotted keys). Every constructor's checks run (the model, the data module's
+    settings, the run options and the hardware), so a bad setting fails here, before any training.
+
+    Raises:
+        SystemExit: a flag of the wrong type or choice (jsonargparse's usage error, status 2).
+        ValueError: a setting out of range (the constructor's message).
+    """
+    cfg = train_config.parse(argv)
+    train_config.run_options(cfg), train_config.hardware(cfg)
+    CIFAR10DataModule(**train_config.data_kwargs(cfg))  # the constructor's checks only: nothing is read
+    configs = {}
+    for quantizer in cfg.quantizer:
+        model = VQVAE(**train_config.model_kwargs(cfg, quantizer))
+        configs[quantizer] = train_config.flat(train_config.resolved_config(cfg, quantizer, model))
+    return cfg, configs
 
 
 def run_state(spec: RunSpec, args: argparse.Namespace) -> str:
@@ -122,14 +145,21 @@ def run_state(spec: RunSpec, args: argparse.Namespace) -> str:
     out = spec.directory(args.runs)
     if not (out / "config.json").exists():
         return "new"
-    saved = json.loads((out / "config.json").read_text())
-    parser = train_vqvae.build_parser()
-    wanted = vars(parser.parse_args(train_argv(spec, args)))
-    wanted = json.loads(json.dumps({**wanted, "quantizer": wanted["quantizer"][0]}, default=str))  # as saved
-    # A flag newer than the run counts as matching when it is at its default (the run trained without it).
-    defaults = json.loads(json.dumps(vars(parser.parse_args([])), default=str))
-    diff = [f"{k}: {saved.get(k, defaults.get(k))!r} there, {v!r} here" for k, v in wanted.items()
-            if k not in NOT_MODEL and saved.get(k, defaults.get(k)) != v]
+    saved = train_config.flat(json.loads((out / "config.json").read_text()))
+    cfg, configs = resolved_configs(train_argv(spec, args))
+    quantizer = cfg.quantizer[0]
+    wanted = configs[quantizer]
+    # A setting newer than the run (not in its config.json) counts as matching when it is not given here: the run
+    # trained at its default.
+    defaults = train_config.parse(["--quantizer", quantizer])
+    changed = train_config.config_changes(saved, wanted)
+    diff = []
+    for key in sorted(wanted.keys() - NOT_MODEL):
+        if key not in saved:
+            if key in cfg and cfg[key] != defaults[key]:
+                diff.append(f"{key}: not in its config.json (default {defaults[key]!r}), {cfg[key]!r} here")
+        elif key in changed:
+            diff.append(f"{key}: {changed[key][0]!r} there, {changed[key][1]!r} here")
     if diff:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diff)}); use another --runs directory "
                          f"or remove it")
@@ -192,7 +222,7 @@ def test_metrics(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     out = spec.directory(args.runs)
     checkpoint = out / "checkpoints" / "last.ckpt"
     cache = out / "test_metrics.json"
-    digest = _sha256(checkpoint)
+    digest = sha256_file(checkpoint)
     if cache.exists():
         saved = json.loads(cache.read_text())
         if saved.get("checkpoint_sha256") == digest and saved.get("limit") == args.test_limit:
@@ -235,7 +265,8 @@ def add_run_args(p: argparse.ArgumentParser, quick_help: str) -> None:
     p.add_argument("--test-limit", type=int, default=None,
                    help="evaluate on the first N test images (default: all 10,000; --quick: 1,000)")
     p.add_argument("--train-args", default=None,
-                   help="extra train_vqvae.py flags for every run, e.g. '--num-codes 1024' (quoted)")
+                   help="extra train_vqvae.py (softvq-train) flags for every run, e.g. '--model.num_codes 1024' "
+                        "(quoted)")
     p.add_argument("--jobs", type=int, default=2, help="training runs at a time (the CPU cores are split)")
     p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per run")
 
@@ -263,10 +294,16 @@ def finish_run_args(args: argparse.Namespace, p: argparse.ArgumentParser, argv: 
         seeds = getattr(args, name) or []
         if len(set(seeds)) != len(seeds):
             p.error(f"argument --{name.replace('_', '-')}: repeated seeds {seeds}")
-    try:  # every run's flags must parse before hours of training start
-        train_vqvae.build_parser().parse_args(shlex.split(args.train_args))
+    # Every run's flags must parse, and every constructor accept them, before hours of training start.
+    try:
+        train_args = shlex.split(args.train_args)
+        if "--quantizer" not in train_args and train_config.parse(train_args).model.levels == 1:
+            train_args += ["--quantizer", *QUANTIZERS]  # they are given to every run: check them with each quantizer
+        resolved_configs(train_args)
     except SystemExit:
-        p.error(f"argument --train-args: train_vqvae.py rejects {args.train_args!r}")
+        p.error(f"argument --train-args: train_vqvae.py rejects {args.train_args!r} (its message above)")
+    except ValueError as err:
+        p.error(f"argument --train-args: train_vqvae.py rejects {args.train_args!r}: {err}")
     # --no-train only says that the runs existed already.
     args.command = f"python -m {prog} " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
                                                      if a != "--no-train")

@@ -5,7 +5,7 @@
 
 The paper (arXiv 2604.03850) reports ACC 0.772 for DDCL vs 0.756 for k-means on synthetic orbital debris, with
 prototypes that align with the regimes instead of crowding into LEO. This script measures that comparison on
-:func:`softvq.datasets.make_orbital_debris` (features standardised per column, every method on the same data):
+:func:`eval.debris_data.make_orbital_debris` (features standardised per column, every method on the same data):
 
 - **k-means**: ``sklearn.cluster.KMeans(K, random_state=seed)`` with scikit-learn's default ``n_init``.
 - **DDCL (direct)**: ``K`` :class:`~softvq.DDCLQuantizer` prototypes on the standardised features, initialised
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from eval.clustering import cluster_owners, clustering_accuracy, contingency_matrix
+from eval.debris_data import FEATURES, REGIMES, DebrisConfig, make_orbital_debris
 from softvq import DDCLQuantizer, param_groups
-from softvq.clustering import cluster_owners, clustering_accuracy, contingency_matrix
-from softvq.datasets import FEATURES, REGIMES, DebrisConfig, make_orbital_debris
 
 log = logging.getLogger("eval.debris")
 
@@ -362,7 +362,7 @@ def render(summary: dict, argv: list[str] | None) -> str:
         f"Regenerate: `python -m eval.debris{' ' + flags if flags else ''}` ({summary['seconds']:.0f} s on "
         f"{args['threads']} CPU thread, torch {summary['torch']}). Every number below is measured by that command.",
         "",
-        f"Data: `softvq.datasets.make_orbital_debris({args['n_samples']}, seed=s)` for seeds "
+        f"Data: `eval.debris_data.make_orbital_debris({args['n_samples']}, seed=s)` for seeds "
         f"s = 0..{args['seeds'] - 1}; features {', '.join(FEATURES)}, standardised per column; regimes "
         f"{', '.join(REGIMES)} in shares {', '.join(f'{p:.0%}' for p in DebrisConfig().proportions)}. "
         f"k-means: scikit-learn `KMeans(K, random_state=s)`, default `n_init`. DDCL (direct): {settings['direct']}. "

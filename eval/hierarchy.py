@@ -5,8 +5,8 @@ Usage (the head-to-head's settings: 5 epochs, 10,000 training and 5,000 validati
     python -m eval.hierarchy --runs runs/compare --data-root ../shared/data/cifar10-jpeg.tar.gz --jobs 2
     python -m eval.hierarchy --quick --data-root ../shared/data/cifar10-jpeg.tar.gz          # a few minutes
 
-Only the 2-level runs (``train_vqvae.py --levels 2``: 512 codes on the 8x8 latent grid, 128 codes on its 2x2 averages,
-a 4x4 grid; the decoder sees both) are trained here, into ``--runs/ddcl_2level/seed<S>`` (resumed or read like
+Only the 2-level runs (``train_vqvae.py --model.levels 2``: 512 codes on the 8x8 latent grid, 128 codes on its 2x2
+averages, a 4x4 grid; the decoder sees both) are trained here, into ``--runs/ddcl_2level/seed<S>`` (resumed or read like
 :mod:`eval.compare`'s runs). The 1-level DDCL and hard VQ runs are read from ``--runs/{ddcl,hard,hard_ema}/seed<S>``,
 the directories :mod:`eval.compare` writes; a reference run that is missing or unfinished is left out of the report
 (and named there) unless ``--train-references`` trains it. Its test metrics are read from its ``test_metrics.json`` or
@@ -27,18 +27,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from eval import compare, evaluate
+from eval import compare
 from eval._hierarchy_report import write_report
-from models.callbacks import write_atomic
-from models.cli import EXPECTED_ERRORS, run_command
-from softvq.datasets.cifar10 import _sha256
+from softvq.cli import evaluate
+from softvq.cli.common import EXPECTED_ERRORS, run_command
+from softvq.data.cifar10 import sha256_file
+from softvq.models.callbacks import write_atomic
 
 log = logging.getLogger("eval.hierarchy")
 
 LEVELS = 2
 LEVEL_CODES = 128  # K_1: a quarter of K_0 = 512 for a quarter of the tokens
-TWO_LEVEL = ("ddcl_2level", "DDCL, 2 levels", ("--quantizer", "ddcl", "--levels", str(LEVELS), "--level-codes",
-                                               str(LEVEL_CODES), "--level-pool", "2"))
+TWO_LEVEL = ("ddcl_2level", "DDCL, 2 levels", ("--quantizer", "ddcl", "--model.levels", str(LEVELS),
+                                               "--model.level_codes", str(LEVEL_CODES), "--model.level_pool", "2"))
 REFERENCES = tuple((key, label, flags) for key, label, flags in compare.METHODS)
 
 
@@ -57,7 +58,7 @@ def reference_test_metrics(spec: compare.RunSpec, args: argparse.Namespace) -> d
     evaluated here and cached there. Nothing is written into the reference run's directory."""
     out = spec.directory(args.runs)
     checkpoint = out / "checkpoints" / "last.ckpt"
-    digest = _sha256(checkpoint)
+    digest = sha256_file(checkpoint)
     ours = args.new_runs / TWO_LEVEL[0] / "reference_tests" / f"{spec.key}-seed{spec.seed}.json"
     for cache in (out / "test_metrics.json", ours):
         if cache.exists():

@@ -40,10 +40,10 @@ from torch import Tensor, nn
 
 import softvq
 from eval._peers_report import write_report
-from models import VQVAE
-from models.callbacks import HistoryWriter, write_atomic
-from models.cli import run_command
-from softvq.datasets.cifar10 import CIFAR10DataModule
+from softvq.cli.common import run_command
+from softvq.data.cifar10 import CIFAR10DataModule
+from softvq.models import VQVAE
+from softvq.models.callbacks import HistoryWriter, write_atomic
 from softvq.types import QuantizerOutput
 
 log = logging.getLogger("eval.peers")

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from models.callbacks import read_history, write_atomic
-from models.cli import run_command
+from softvq.cli.common import run_command
+from softvq.models.callbacks import read_history, write_atomic
 
 
 def _run(text: str) -> tuple[str, Path]:

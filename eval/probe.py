@@ -21,8 +21,8 @@ from pathlib import Path
 import lightning as L
 
 import softvq
-from models import VQVAE
-from softvq.datasets.cifar10 import CIFAR10DataModule
+from softvq.data.cifar10 import CIFAR10DataModule
+from softvq.models import VQVAE
 
 KEYS = ("epoch", "utilization", "val_utilization", "val_perplexity", "val_psnr", "val_psnr_hard", "temperature",
         "restarts", "assignment_entropy", "identity_residual", "time_s", "train_mse")

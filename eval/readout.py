@@ -42,11 +42,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
-from models.checkpoint_io import load_torch_file
-from models.cli import run_command
-from models.vqvae import VQVAE, load_vqvae
 from softvq import DDCLQuantizer, assignment_entropy
-from softvq.datasets.cifar10 import CIFAR10DataModule, _sha256, check_same_classes, default_cache_dir
+from softvq.cli.common import run_command
+from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, default_cache_dir, sha256_file
+from softvq.models.checkpoint_io import load_torch_file
+from softvq.models.vqvae import VQVAE, load_vqvae
 
 log = logging.getLogger("eval.readout")
 CLASSES = 10
@@ -192,8 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = load_vqvae(args.checkpoint).to(device)
     if model.levels > 1:
         raise ValueError(f"{args.checkpoint} is a {model.levels}-level VQ-VAE; the readout study reads one level of "
-                         f"tokens and a single codebook (train with --levels 1)")
-    digest = _sha256(args.checkpoint)
+                         f"tokens and a single codebook (train with --model.levels 1)")
+    digest = sha256_file(args.checkpoint)
     begin = time.perf_counter()
     train, test = latents(args, model, digest, device)
     encode_seconds = time.perf_counter() - begin

@@ -1,7 +1,8 @@
 """Outputs survive SIGKILL at any moment: checkpoints, history.jsonl and the like hold the old or the new content.
 
 A child process rewrites one 4 MiB file in a loop, alternating two contents, and is killed at a random moment.
-``softvq.io.write_atomic`` must leave a whole file every time; the same loop with a plain ``open(...).write`` is the
+``softvq.models.files.write_atomic`` must leave a whole file every time; the same loop with a plain
+``open(...).write`` is the
 control that shows the kills do land mid-write.
 """
 
@@ -18,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.callbacks import AtomicCheckpointIO
-from softvq.io import TMP_PREFIX, remove_stale_temporaries, write_atomic
+from softvq.models.callbacks import AtomicCheckpointIO
+from softvq.models.files import TMP_PREFIX, remove_stale_temporaries, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 4 << 20
-# Loads softvq/io.py by path: stdlib only, so the child starts in milliseconds instead of importing torch.
+# Loads softvq/models/files.py by path: stdlib only, so the child starts in milliseconds instead of importing torch.
 CHILD = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("softvq_io", sys.argv[1])
@@ -44,7 +45,7 @@ while True:
 
 
 def kill_while_writing(path: Path, atomic: bool, seed: int) -> bytes:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT / "softvq" / "io.py"), str(path),
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT / "softvq" / "models" / "files.py"), str(path),
                               "1" if atomic else "0", str(SIZE)])
     try:
         deadline = time.monotonic() + 60

@@ -1,4 +1,5 @@
-"""bf16 autocast on CPU (``--precision bf16-mixed``): the encoder and decoder run in bfloat16, the codebook in float32.
+"""bf16 autocast on CPU (``--trainer.precision bf16-mixed``): the encoder and decoder run in bfloat16, the codebook
+in float32.
 
 A real training run through the command line, with spies on what the quantizers compute: the latents reach them in
 bfloat16, yet every squared-distance matrix (and hence the Boltzmann softmax and the assignments) is float32, the
@@ -14,12 +15,13 @@ import torch
 
 import softvq.ddcl
 import softvq.hard_vq
-import train_vqvae
 from softvq import DDCLQuantizer, HardVQ
+from softvq.cli import train as train_vqvae
 
-SMALL = ["--epochs", "2", "--batch-size", "16", "--train-subset", "96", "--val-size", "20", "--num-codes", "16",
-         "--code-dim", "8", "--width", "16", "--res-hidden", "8", "--res-blocks", "1", "--num-workers", "0",
-         "--accelerator", "cpu", "--no-progress-bar", "--precision", "bf16-mixed"]
+SMALL = ["--epochs", "2", "--data.batch_size", "16", "--data.train_subset", "96", "--data.val_size", "20",
+         "--model.num_codes", "16", "--model.code_dim", "8", "--model.width", "16", "--model.res_hidden", "8",
+         "--model.res_blocks", "1", "--data.num_workers", "0", "--trainer.accelerator", "cpu",
+         "--trainer.progress_bar", "false", "--trainer.precision", "bf16-mixed"]
 
 
 @pytest.fixture()
@@ -52,7 +54,7 @@ def spies(monkeypatch):
 
 
 def test_bf16_training_step_is_finite_and_the_codebook_computes_in_float32(tmp_path, tiny_cifar, spies):
-    histories = train_vqvae.main(["--data-root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "bf16"),
+    histories = train_vqvae.main(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "bf16"),
                                   "--quantizer", "ddcl", "hard", *SMALL])
     steps = 2 * 6 * 2  # 2 quantizers x 2 epochs x 6 steps
     assert len(spies["inputs"]) == steps

@@ -18,8 +18,8 @@ from PIL import Image
 from torchvision import datasets
 from torchvision.datasets import cifar as cifar_module
 
-from softvq.datasets import cifar10 as svdata
-from softvq.datasets.cifar10 import (
+from softvq.data import cifar10 as svdata
+from softvq.data.cifar10 import (
     CIFAR10DataModule,
     ClassMismatchError,
     CorruptArchiveError,
@@ -278,4 +278,4 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
                     reason="the shared CIFAR-10 archive is not on this machine")
 def test_shared_archive_checksum_matches():
     archive = Path(__file__).resolve().parents[2] / "shared/data/cifar10-jpeg.tar.gz"
-    assert svdata._expected_sha256(archive) == svdata._sha256(archive)
+    assert svdata._expected_sha256(archive) == svdata.sha256_file(archive)

@@ -12,7 +12,8 @@ import pytest
 from eval import _compare_report as report
 from eval import compare
 
-TINY_MODEL = "--width 8 --res-hidden 4 --res-blocks 1 --num-codes 8 --code-dim 4 --batch-size 16"
+TINY_MODEL = ("--model.width 8 --model.res_hidden 4 --model.res_blocks 1 --model.num_codes 8 --model.code_dim 4 "
+              "--data.batch_size 16")
 
 
 def tiny_args(tiny_cifar, tmp_path, *extra: str) -> list[str]:
@@ -53,7 +54,8 @@ def test_quick_comparison_writes_the_report_and_every_plot(quick):
         assert set(compare.evaluate.METRICS) <= set(run["test"])
     eps1 = next(r for r in runs if r["key"] == "ddcl_eps1.0")
     config = json.loads((tmp / "runs" / "ddcl_eps1.0" / "seed0" / "config.json").read_text())
-    assert config["eps"] == 1.0 and config["seed"] == 0 and config["width"] == 8 and eps1["flags"][-1] == "1.0"
+    assert config["model"]["eps"] == 1.0 and config["seed"] == 0 and config["model"]["width"] == 8
+    assert eps1["flags"][-2:] == ["--model.eps", "1.0"]
     assert json.loads((out / "results.json").read_text())["settings"]["seeds"] == [0, 1]
 
 
@@ -73,12 +75,14 @@ def test_finished_runs_are_read_not_retrained_and_other_settings_are_refused(qui
     again = compare.main(tiny_args(tiny_cifar, tmp, "--no-train", "--out", str(tmp / "report2")))
     assert {p: p.stat().st_mtime_ns for p in (tmp / "runs").rglob("last.ckpt")} == stamp
     assert [r["test"]["psnr"] for r in again["runs"]] == [r["test"]["psnr"] for r in results["runs"]]
-    with pytest.raises(ValueError, match=r"seed0 holds a run with other settings \(num_codes: 8 there, 16 here"):
+    other = r"seed0 holds a run with other settings \(.*model\.num_codes: 8 there, 16 here"
+    with pytest.raises(ValueError, match=other):
         compare.main(tiny_args(tiny_cifar, tmp, "--train-args", TINY_MODEL.replace("codes 8", "codes 16"),
                                "--no-train"))
     config = tmp / "runs" / "hard" / "seed0" / "config.json"  # a run from before a flag existed still matches
     saved = json.loads(config.read_text())
-    config.write_text(json.dumps({k: v for k, v in saved.items() if k != "target_entropy"}))
+    older = {**saved, "model": {k: v for k, v in saved["model"].items() if k != "target_entropy"}}
+    config.write_text(json.dumps(older))
     assert compare.run_state(compare.plan([0], [0])[1], compare.parse_args(tiny_args(tiny_cifar, tmp))) == "done"
     config.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="more than --epochs 1"):
@@ -101,7 +105,7 @@ def test_the_head_to_head_alone_without_studies(quick, tiny_cifar):
 def test_a_failing_run_names_its_log(tiny_cifar, tmp_path):
     with pytest.raises(RuntimeError, match=r"training .*seed0 failed.*train\.log"):
         compare.main(tiny_args(tiny_cifar, tmp_path, "--seeds", "0", "--studies", "--train-args",
-                               TINY_MODEL + " --data-root " + str(tmp_path / "no-data")))
+                               TINY_MODEL + " --data.data_root " + str(tmp_path / "no-data")))
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -110,7 +114,10 @@ def test_a_failing_run_names_its_log(tiny_cifar, tmp_path):
     (["--val-size", "0"], "needs a validation set"),
     (["--seeds", "1", "1"], "repeated seeds"),
     (["--test-limit", "0"], "--test-limit"),
-    (["--train-args", "--num-codes -3"], "train_vqvae.py rejects"),
+    (["--train-args", "--model.num_codes -3"], "train_vqvae.py rejects '--model.num_codes -3': num_codes must be a "
+                                               "positive integer, got -3"),
+    (["--train-args", "--model.num_codes x"], "train_vqvae.py rejects '--model.num_codes x'"),
+    (["--train-args", "--hard.beta -1"], "beta must be a non-negative finite number, got -1"),
 ])
 def test_bad_arguments_are_refused(argv, match, capsys):
     with pytest.raises(SystemExit):

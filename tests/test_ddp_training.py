@@ -1,10 +1,11 @@
 """train_vqvae.py on Lightning DDP: 2 CPU processes (gloo) with batch B train exactly as 1 process with batch 2B.
 
-Both runs are the real command line. In float64 (``--precision 64-true``) the only differences between them are
-the rounding of one all-reduce of two half-batch sums against one full-batch sum (~1e-16), too small to move an
+Both runs are the real command line. In float64 (``--trainer.precision 64-true``) the only differences between them
+are the rounding of one all-reduce of two half-batch sums against one full-batch sum (~1e-16), too small to move an
 argmax within a few steps: code counts, utilization, dead codes and perplexity must be equal, everything else equal
-to rounding. ``--check-replicas 1`` makes every DDP step verify that both processes hold the same codebook; the high
-``--dead-code-threshold`` makes codes restart, drawing tokens from both processes' batches.
+to rounding. ``--check_replicas 1`` makes every DDP step verify that both processes hold the same codebook; the high
+``--hard.dead_code_threshold`` and ``--ddcl.dead_code_threshold`` make codes restart, drawing tokens from both
+processes' batches.
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--epochs", "2", "--train-subset", "64", "--val-size", "20", "--num-codes", "16", "--code-dim", "4",
-         "--width", "8", "--res-hidden", "4", "--res-blocks", "1", "--num-workers", "0", "--accelerator", "cpu",
-         "--precision", "64-true", "--no-progress-bar", "--quantizer", "ddcl", "hard", "--ema-decay", "0.9",
-         "--dead-code-threshold", "30", "--check-replicas", "1", "--seed", "4"]
+SMALL = ["--epochs", "2", "--data.train_subset", "64", "--data.val_size", "20", "--model.num_codes", "16",
+         "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4", "--model.res_blocks", "1",
+         "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true",
+         "--trainer.progress_bar", "false", "--quantizer", "ddcl", "hard", "--hard.ema_decay", "0.9",
+         "--ddcl.ema_decay", "0.9", "--hard.dead_code_threshold", "30", "--ddcl.dead_code_threshold", "30",
+         "--check_replicas", "1", "--seed", "4"]
 EXACT = ("epoch", "step", "utilization", "dead_codes", "perplexity", "val_utilization", "val_dead_codes",
          "val_perplexity", "restarts")
 
 
 def train(tmp_path: Path, data: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(ROOT / "train_vqvae.py"), "--data-root", str(data),
+    result = subprocess.run([sys.executable, str(ROOT / "train_vqvae.py"), "--data.data_root", str(data),
                              "--out", str(tmp_path / name), *SMALL, *extra],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -48,8 +51,8 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_cifar):
     tmp = tmp_path_factory.mktemp("ddp")
-    ddp = train(tmp, tiny_cifar["folder"], "ddp", "--devices", "2", "--batch-size", "8")
-    single = train(tmp, tiny_cifar["folder"], "single", "--devices", "1", "--batch-size", "16")
+    ddp = train(tmp, tiny_cifar["folder"], "ddp", "--trainer.devices", "2", "--data.batch_size", "8")
+    single = train(tmp, tiny_cifar["folder"], "single", "--trainer.devices", "1", "--data.batch_size", "16")
     return tmp, ddp, single
 
 
@@ -81,9 +84,9 @@ def test_two_processes_end_with_the_weights_of_one_process(runs, quantizer):
 
 def test_two_level_hierarchy_on_two_processes_equals_one_process(tmp_path, tiny_cifar):
     """Level 1 starts on level 0's temperature scale, from the token variance of both processes' batches."""
-    hierarchy = ["--quantizer", "ddcl", "--levels", "2", "--level-codes", "8"]
-    ddp = train(tmp_path, tiny_cifar["folder"], "ddp", "--devices", "2", "--batch-size", "8", *hierarchy)
-    train(tmp_path, tiny_cifar["folder"], "single", "--devices", "1", "--batch-size", "16", *hierarchy)
+    hierarchy = ["--quantizer", "ddcl", "--model.levels", "2", "--model.level_codes", "8"]
+    ddp = train(tmp_path, tiny_cifar["folder"], "ddp", "--trainer.devices", "2", "--data.batch_size", "8", *hierarchy)
+    train(tmp_path, tiny_cifar["folder"], "single", "--trainer.devices", "1", "--data.batch_size", "16", *hierarchy)
     assert "after each of 8 checked steps" in ddp.stdout
     for a, b in zip(rows(tmp_path / "ddp"), rows(tmp_path / "single"), strict=True):
         for key in ("utilization_l1", "dead_codes_l1", "perplexity_l1", "utilization", "perplexity"):

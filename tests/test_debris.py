@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from eval.clustering import cluster_owners, clustering_accuracy, contingency_matrix
+from eval.debris_data import FEATURES, REGIMES, DebrisConfig, classify_regime, make_orbital_debris
 from softvq import DDCLQuantizer
-from softvq.clustering import cluster_owners, clustering_accuracy, contingency_matrix
-from softvq.datasets import FEATURES, REGIMES, DebrisConfig, classify_regime, make_orbital_debris
 
 R_EARTH, MU = 6378.137, 398600.4418  # km, km^3/s^2, written out again here on purpose
 SIDEREAL_DAY = 86164.1  # s

@@ -17,9 +17,9 @@ import torch.multiprocessing as mp
 from helpers import free_port
 from torch import nn
 
-from models.callbacks import ReplicaCheck, replica_differences
-from models.vqvae import VQVAE, LatentNorm
 from softvq import DDCLQuantizer, HardVQ
+from softvq.models.callbacks import ReplicaCheck, replica_differences
+from softvq.models.vqvae import VQVAE, LatentNorm
 
 
 def _data() -> torch.Tensor:

@@ -12,21 +12,22 @@ from conftest import CLASSES
 from PIL import Image
 from torchvision.transforms.functional import to_tensor
 
-import train_vqvae
 from eval import bench_readout, readout
 from eval._readout_heads import HistogramProbe, fit
-from models import VQVAE
 from softvq import DDCLQuantizer, assignment_entropy
+from softvq.cli import train as train_vqvae
+from softvq.models import VQVAE
 
-TINY = ["--train-subset", "96", "--val-size", "0", "--batch-size", "32", "--width", "16", "--res-hidden", "8",
-        "--res-blocks", "1", "--num-codes", "16", "--code-dim", "8", "--num-workers", "0", "--no-progress-bar",
-        "--epochs", "1"]
+TINY = ["--data.train_subset", "96", "--data.val_size", "0", "--data.batch_size", "32", "--model.width", "16",
+        "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.num_codes", "16", "--model.code_dim", "8",
+        "--data.num_workers", "0", "--trainer.progress_bar", "false", "--epochs", "1"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_cifar):
     out = tmp_path_factory.mktemp("vqvae")
-    train_vqvae.main([*TINY, "--data-root", str(tiny_cifar["folder"]), "--out", str(out), "--temperature", "0.5"])
+    train_vqvae.main([*TINY, "--data.data_root", str(tiny_cifar["folder"]), "--out", str(out),
+                      "--ddcl.temperature", "0.5"])
     return out / "checkpoints" / "last.ckpt"
 
 

@@ -15,21 +15,21 @@ from PIL import Image
 from torchmetrics.functional.image import structural_similarity_index_measure
 from torchvision.transforms.functional import to_tensor
 
-import train_vqvae
-from eval import evaluate
-from models import load_vqvae
+from softvq.cli import evaluate
+from softvq.cli import train as train_vqvae
+from softvq.models import load_vqvae
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--train-subset", "96", "--val-size", "32", "--batch-size", "32", "--width", "16", "--res-hidden", "8",
-        "--res-blocks", "1", "--num-codes", "16", "--code-dim", "8", "--num-workers", "0", "--no-progress-bar",
-        "--epochs", "2"]
+TINY = ["--data.train_subset", "96", "--data.val_size", "32", "--data.batch_size", "32", "--model.width", "16",
+        "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.num_codes", "16", "--model.code_dim", "8",
+        "--data.num_workers", "0", "--trainer.progress_bar", "false", "--epochs", "2"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny_cifar):
     out = tmp_path_factory.mktemp("vqvae")
-    train_vqvae.main([*TINY, "--data-root", str(tiny_cifar["folder"]), "--out", str(out), "--quantizer", "ddcl",
-                      "hard", "--temperature", "0.5"])
+    train_vqvae.main([*TINY, "--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), "--quantizer", "ddcl",
+                      "hard", "--ddcl.temperature", "0.5"])
     return {name: out / name / "checkpoints" / "last.ckpt" for name in ("ddcl", "hard")}
 
 

@@ -1,6 +1,6 @@
 """HierarchicalDDCL against an independent float64 reference: per-level identity and V >= 0, gradients into every
 level, shapes for 1-3 levels on image grids and sequences, invalid configurations by message; and the 2-level VQ-VAE
-(``train_vqvae.py --levels 2``) end to end."""
+(``train_vqvae.py --model.levels 2``) end to end."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from helpers import exact_cdist
 
-import train_vqvae
 from eval import readout
-from models import VQVAE
-from models.codes import extract_codes
 from softvq import DDCLQuantizer, HierarchicalDDCL, HierarchicalOutput
+from softvq.cli import train as train_vqvae
+from softvq.models import VQVAE
+from softvq.models.codes import extract_codes
 
 
 def reference_pool(x: torch.Tensor, window: tuple[int, ...]) -> torch.Tensor:
@@ -217,13 +217,15 @@ def test_upper_levels_start_on_level_0s_temperature_scale():
     assert [layer.temperature for layer in model.quantizer.levels] == temperatures
 
 
-TINY = ["--train-subset", "64", "--val-size", "32", "--batch-size", "32", "--width", "8", "--res-hidden", "4",
-        "--res-blocks", "1", "--num-codes", "16", "--code-dim", "4", "--num-workers", "0", "--no-progress-bar"]
+TINY = ["--data.train_subset", "64", "--data.val_size", "32", "--data.batch_size", "32", "--model.width", "8",
+        "--model.res_hidden", "4", "--model.res_blocks", "1", "--model.num_codes", "16", "--model.code_dim", "4",
+        "--data.num_workers", "0", "--trainer.progress_bar", "false"]
 
 
 def test_two_level_training_writes_per_level_history_and_resumes(tmp_path, tiny_cifar):
     out = tmp_path / "two"
-    argv = [*TINY, "--data-root", str(tiny_cifar["folder"]), "--levels", "2", "--level-codes", "8", "--out", str(out)]
+    argv = [*TINY, "--data.data_root", str(tiny_cifar["folder"]), "--model.levels", "2", "--model.level_codes", "8",
+            "--out", str(out)]
     train_vqvae.main([*argv, "--epochs", "1"])
     rows = train_vqvae.main([*argv, "--epochs", "2", "--resume"])["ddcl"]
     assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["step"] == 4
@@ -238,14 +240,14 @@ def test_two_level_training_writes_per_level_history_and_resumes(tmp_path, tiny_
             assert row["val_utilization" + suffix] is not None and row["temperature" + suffix] > 0
         assert row["utilization"] == row["utilization_l0"] and row["v"] == pytest.approx(row["v_l0"])
     assert rows[1]["temperature_l0"] != rows[1]["temperature_l1"]  # each level controls its own H(Q)
-    assert json.loads((out / "config.json").read_text())["levels"] == 2
+    assert json.loads((out / "config.json").read_text())["model"]["levels"] == 2
     model = VQVAE.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu").eval()
     assert model.levels == 2 and model.quantizer.levels[1].temperature == rows[1]["temperature_l1"]
     x = torch.rand(2, 3, 32, 32)
     codes = model.encode(x)
     assert [tuple(c.shape) for c in codes] == [(2, 8, 8), (2, 4, 4)] and model.decode_indices(codes).shape == x.shape
     with pytest.raises(ValueError, match="levels: checkpoint 2 vs now 1"):
-        train_vqvae.main([*TINY, "--data-root", str(tiny_cifar["folder"]), "--out", str(out), "--epochs", "3",
+        train_vqvae.main([*TINY, "--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), "--epochs", "3",
                           "--resume"])
     # Tools that read one code grid or one codebook refuse a stack clearly instead of failing on a tuple.
     with pytest.raises(ValueError, match="has 2 levels"):
@@ -256,12 +258,22 @@ def test_two_level_training_writes_per_level_history_and_resumes(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--levels", "2", "--quantizer", "hard"], "--levels 2 stacks DDCL codebooks: it needs --quantizer ddcl alone"),
-    (["--levels", "3", "--level-codes", "8", "8", "8"], "--level-codes: give one value or one per level above 0"),
-    (["--levels", "2", "--level-pool", "3"], "needs a latent grid divisible by 3"),
-    (["--levels", "0"], "--levels: expected a positive integer"),
+    (["--model.levels", "2", "--quantizer", "hard"],
+     "levels=2 stacks DDCL codebooks: it needs quantizer='ddcl', got 'hard'"),
+    (["--model.levels", "3", "--model.level_codes", "[8,8,8]"],
+     "level_codes must be an int or hold one codebook size per level above 0 (2 for levels=3), got [8, 8, 8]"),
+    (["--model.levels", "2", "--model.level_pool", "3"], "pooling window (3, 3) does not divide the grid (8, 8)"),
+    (["--model.levels", "0"], "levels must be a positive integer, got 0"),
+    (["--model.levels", "two"], 'Parser key "model.levels"'),
 ])
-def test_bad_level_flags_exit_with_a_message(argv, match, capsys):
-    with pytest.raises(SystemExit):
-        train_vqvae.main(argv)
+def test_bad_level_flags_exit_with_a_message(argv, match, capsys, tmp_path, tiny_cifar):
+    """A wrong type is jsonargparse's usage error, a bad level configuration the constructor's one ``error:`` line;
+    both exit 2 before anything is written."""
+    out = tmp_path / "run"
+    try:
+        code = train_vqvae.cli([*TINY, "--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
     assert match in capsys.readouterr().err
+    assert not out.exists()

@@ -1,5 +1,5 @@
 """eval.hierarchy end to end on a tiny data set: 2-level runs beside 1-level references, the per-level claim check,
-reading the head-to-head's existing runs (also ones trained before --levels existed), missing references."""
+reading the head-to-head's existing runs (also ones trained before --model.levels existed), missing references."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import shutil
 import matplotlib.image
 import pytest
 
-import train_vqvae
 from eval import _hierarchy_report as report
 from eval import compare, hierarchy
+from softvq.cli import train as train_vqvae
 
-TINY_MODEL = "--width 8 --res-hidden 4 --res-blocks 1 --num-codes 8 --code-dim 4 --batch-size 16"
+TINY_MODEL = ("--model.width 8 --model.res_hidden 4 --model.res_blocks 1 --model.num_codes 8 --model.code_dim 4 "
+              "--data.batch_size 16")
 
 
 def tiny_args(tiny_cifar, tmp_path, *extra: str) -> list[str]:
@@ -81,9 +82,10 @@ def test_existing_runs_are_read_and_missing_references_are_left_out(quick, tiny_
     tmp, results = quick
     runs = tmp / "runs-old"
     shutil.copytree(tmp / "runs", runs)
-    for config in (runs / "ddcl").rglob("config.json"):  # trained before --levels existed: no such keys
+    for config in (runs / "ddcl").rglob("config.json"):  # trained before --model.levels existed: no such keys
         saved = json.loads(config.read_text())
-        config.write_text(json.dumps({k: v for k, v in saved.items() if not k.startswith("level")}))
+        saved["model"] = {k: v for k, v in saved["model"].items() if not k.startswith("level")}
+        config.write_text(json.dumps(saved))
     shutil.rmtree(runs / "hard" / "seed0")
     stamp = {p: p.stat().st_mtime_ns for p in runs.rglob("last.ckpt")}
     again = hierarchy.main(tiny_args(tiny_cifar, tmp, "--runs", str(runs), "--out", str(tmp / "again"),
@@ -97,7 +99,7 @@ def test_existing_runs_are_read_and_missing_references_are_left_out(quick, tiny_
 
 def test_plan_trains_two_level_runs_beside_the_reference_seeds():
     new, refs = hierarchy.plan([0], ["ddcl", "hard"], reference_seeds=[0, 1, 2])
-    assert [(s.key, s.seed) for s in new] == [("ddcl_2level", 0)] and "--levels" in new[0].flags
+    assert [(s.key, s.seed) for s in new] == [("ddcl_2level", 0)] and "--model.levels" in new[0].flags
     assert [(s.key, s.seed) for s in refs] == [(k, s) for k in ("ddcl", "hard") for s in (0, 1, 2)]
 
 

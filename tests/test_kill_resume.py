@@ -18,16 +18,18 @@ from pathlib import Path
 
 import torch
 
-from softvq.io import TMP_PREFIX
+from softvq.models.files import TMP_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--epochs", "3", "--train-subset", "240", "--val-size", "20", "--batch-size", "8", "--num-codes", "16",
-        "--code-dim", "4", "--width", "8", "--res-hidden", "4", "--res-blocks", "1", "--num-workers", "1",
-        "--accelerator", "cpu", "--no-progress-bar", "--seed", "5", "--dead-code-threshold", "20"]
+ARGS = ["--epochs", "3", "--data.train_subset", "240", "--data.val_size", "20", "--data.batch_size", "8",
+        "--model.num_codes", "16", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
+        "--model.res_blocks", "1", "--data.num_workers", "1", "--trainer.accelerator", "cpu", "--trainer.progress_bar",
+        "false", "--seed", "5", "--ddcl.dead_code_threshold", "20"]
 
 
 def command(data: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train_vqvae.py"), "--data-root", str(data), "--out", str(out), *ARGS, *extra]
+    return [sys.executable, str(ROOT / "train_vqvae.py"), "--data.data_root", str(data), "--out", str(out), *ARGS,
+            *extra]
 
 
 def env() -> dict[str, str]:

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import VQVAE
-from models.prior import (
+from softvq.data.cifar10 import CLASSES
+from softvq.models import VQVAE
+from softvq.models.prior import (
     CodePrior,
     check_pairing,
     class_index,
@@ -19,8 +20,7 @@ from models.prior import (
     unigram_cross_entropy_bits,
     vqvae_record,
 )
-from models.transformer import CausalSelfAttention, PriorConfig
-from softvq.datasets.cifar10 import CLASSES
+from softvq.models.transformer import CausalSelfAttention, PriorConfig
 
 
 def tiny_prior(num_codes: int = 16, height: int = 8, width: int = 8, num_classes: int = 0, seed: int = 0,

@@ -25,22 +25,24 @@ from pathlib import Path
 import pytest
 import torch
 
-import train_vqvae
-from models.cli import GracefulStop, Interrupted, run_command
-from softvq.io import RunLock, RunLockedError
+from softvq.cli import train as train_vqvae
+from softvq.cli.common import GracefulStop, Interrupted, run_command
+from softvq.models.files import RunLock, RunLockedError
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--train-subset", "96", "--val-size", "16", "--batch-size", "16", "--num-codes", "16", "--code-dim", "4",
-         "--width", "8", "--res-hidden", "4", "--res-blocks", "1", "--num-workers", "0", "--accelerator", "cpu",
-         "--no-progress-bar", "--seed", "2"]
-# As tests/test_kill_resume.py, 2 epochs: long enough to be interrupted in the middle, a loader worker, restarts.
-KILL = ["--epochs", "2", "--train-subset", "240", "--val-size", "20", "--batch-size", "8", "--num-codes", "16",
-        "--code-dim", "4", "--width", "8", "--res-hidden", "4", "--res-blocks", "1", "--num-workers", "1",
-        "--accelerator", "cpu", "--no-progress-bar", "--seed", "5", "--dead-code-threshold", "20"]
+SMALL = ["--data.train_subset", "96", "--data.val_size", "16", "--data.batch_size", "16", "--model.num_codes", "16",
+         "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4", "--model.res_blocks", "1",
+         "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.progress_bar", "false", "--seed", "2"]
+# As tests/test_kill_resume.py, 2 epochs: long enough to be interrupted in the middle, a loader worker, restarts (of
+# both quantizers).
+KILL = ["--epochs", "2", "--data.train_subset", "240", "--data.val_size", "20", "--data.batch_size", "8",
+        "--model.num_codes", "16", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
+        "--model.res_blocks", "1", "--data.num_workers", "1", "--trainer.accelerator", "cpu", "--trainer.progress_bar",
+        "false", "--seed", "5", "--ddcl.dead_code_threshold", "20", "--hard.dead_code_threshold", "20"]
 
 
 def command(data: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train_vqvae.py"), "--data-root", str(data), "--out", str(out), *extra]
+    return [sys.executable, str(ROOT / "train_vqvae.py"), "--data.data_root", str(data), "--out", str(out), *extra]
 
 
 def env() -> dict[str, str]:
@@ -89,7 +91,7 @@ def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
 
 def test_a_lock_left_by_a_killed_run_is_stale_and_recovered(tmp_path):
     run = tmp_path / "run"
-    code = ("import os, signal, sys; from softvq.io import RunLock; RunLock(sys.argv[1]).acquire(); "
+    code = ("import os, signal, sys; from softvq.models.files import RunLock; RunLock(sys.argv[1]).acquire(); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     child = subprocess.run([sys.executable, "-c", code, str(run)], env=env(), timeout=120)
     assert child.returncode == -signal.SIGKILL
@@ -103,7 +105,7 @@ def test_a_forked_child_outliving_a_killed_holder_does_not_hold_the_lock(tmp_pat
     """A DataLoader worker is a fork: it shares the open lock file. SIGKILL the holder while its child lives on (as a
     worker does for a few seconds): the lock must be free at once, or --resume right after a kill is refused."""
     run = tmp_path / "run"
-    code = ("import os, signal, sys, time; from softvq.io import RunLock; RunLock(sys.argv[1]).acquire(); "
+    code = ("import os, signal, sys, time; from softvq.models.files import RunLock; RunLock(sys.argv[1]).acquire(); "
             "child = os.fork()\n"
             "if child == 0:\n"
             "    null = os.open(os.devnull, os.O_WRONLY); os.dup2(null, 1); os.dup2(null, 2)\n"
@@ -198,33 +200,44 @@ def test_sigint_outside_training_raises_interrupted_and_exits_130():
 
 
 # ---- item 4: resume only with the run's settings -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory, tiny_cifar) -> Path:
-    """A finished 1-epoch hard-VQ run (plain codebook, no EMA)."""
+def finished_run(tmp_path_factory, tiny_cifar, quantizer: str) -> Path:
     out = tmp_path_factory.mktemp("resume") / "run"
-    assert train_vqvae.cli(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *SMALL, "--epochs", "1",
-                            "--quantizer", "hard"]) == 0
+    assert train_vqvae.cli(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *SMALL, "--epochs", "1",
+                            "--quantizer", quantizer]) == 0
     return out
 
 
-@pytest.mark.parametrize("flags, diff", [
-    (["--ema-decay", "0.99"], "quantizer_kwargs.ema_decay: checkpoint None vs now 0.99"),
-    (["--distance", "cosine"], "--distance: run 'euclidean' vs now 'cosine'"),
-    (["--codebook-term", "l_q"], "--codebook-term: run 'free_energy' vs now 'l_q'"),
-    (["--init", "normal"], "--init: run 'data' vs now 'normal'"),
-    (["--temperature", "2"], "--temperature: run * vs now 2.0"),  # * = the recorded default, whatever it is
-    (["--eps", "0.1"], "eps: checkpoint 0.01 vs now 0.1"),
-    (["--lr", "0.001"], "lr: checkpoint 0.0003 vs now 0.001"),
-    (["--batch-size", "8"], "--batch-size: run 16 vs now 8"),
-    (["--seed", "1"], "--seed: run 2 vs now 1"),
-    (["--train-subset", "64"], "--train-subset: run 96 vs now 64"),
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_cifar) -> Path:
+    """A finished 1-epoch hard-VQ run (plain codebook, no EMA)."""
+    return finished_run(tmp_path_factory, tiny_cifar, "hard")
+
+
+@pytest.fixture(scope="module")
+def finished_ddcl(tmp_path_factory, tiny_cifar) -> Path:
+    """A finished 1-epoch DDCL run (the default recipe): the --ddcl.* settings are its layer's."""
+    return finished_run(tmp_path_factory, tiny_cifar, "ddcl")
+
+
+@pytest.mark.parametrize("quantizer, flags, diff", [
+    ("hard", ["--hard.ema_decay", "0.99"], "quantizer_kwargs.ema_decay: checkpoint None vs now 0.99"),
+    ("ddcl", ["--ddcl.distance", "cosine"], "quantizer_kwargs.distance: checkpoint 'euclidean' vs now 'cosine'"),
+    ("ddcl", ["--ddcl.codebook_term", "l_q"], "quantizer_kwargs.codebook_term: checkpoint 'free_energy' vs now 'l_q'"),
+    ("ddcl", ["--ddcl.init", "normal"], "quantizer_kwargs.init: checkpoint 'data' vs now 'normal'"),
+    ("ddcl", ["--ddcl.temperature", "2"], "quantizer_kwargs.temperature: checkpoint * vs now 2.0"),  # * = the default
+    ("hard", ["--model.eps", "0.1"], "eps: checkpoint 0.01 vs now 0.1"),
+    ("hard", ["--model.lr", "0.001"], "lr: checkpoint 0.0003 vs now 0.001"),
+    ("hard", ["--data.batch_size", "8"], "--data.batch_size: run 16 vs now 8"),
+    ("hard", ["--seed", "1"], "--seed: run 2 vs now 1"),
+    ("hard", ["--data.train_subset", "64"], "--data.train_subset: run 96 vs now 64"),
+    ("hard", ["--trainer.precision", "64-true"], "--trainer.precision: run '32-true' vs now '64-true'"),
 ])
-def test_resume_with_other_settings_is_refused_and_writes_nothing(capsys, tmp_path, tiny_cifar, finished, flags,
-                                                                  diff):
+def test_resume_with_other_settings_is_refused_and_writes_nothing(capsys, request, tmp_path, tiny_cifar, quantizer,
+                                                                  flags, diff):
     out = tmp_path / "run"
-    shutil.copytree(finished, out)
+    shutil.copytree(request.getfixturevalue("finished" if quantizer == "hard" else "finished_ddcl"), out)
     before = snapshot(out)
-    argv = ["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *SMALL, "--quantizer", "hard",
+    argv = ["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *SMALL, "--quantizer", quantizer,
             "--epochs", "2", "--resume", *flags]
     assert train_vqvae.cli(argv) == 2
     err = capsys.readouterr().err
@@ -237,12 +250,12 @@ def test_resume_that_extends_the_run_is_recorded_and_keeps_config(tmp_path, tiny
     shutil.copytree(finished, out)
     config = (out / "config.json").read_bytes()
     first = (out / "invocations.jsonl").read_text()
-    train_vqvae.main(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *SMALL, "--quantizer", "hard",
-                      "--epochs", "2", "--num-workers", "1", "--resume"])
+    train_vqvae.main(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *SMALL, "--quantizer", "hard",
+                      "--epochs", "2", "--data.num_workers", "1", "--resume"])
     assert (out / "config.json").read_bytes() == config  # still describes the run as it was started
     log = (out / "invocations.jsonl").read_text()
     assert log.startswith(first)  # appended, the original line untouched
     second = json.loads(log.splitlines()[1])
-    assert second["resume"] == "last" and second["changed"] == {"epochs": [1, 2], "num_workers": [0, 1],
+    assert second["resume"] == "last" and second["changed"] == {"epochs": [1, 2], "data.num_workers": [0, 1],
                                                                 "out": [str(finished), str(out)]}  # it was copied
     assert [r["epoch"] for r in rows(out)] == [1, 2]

@@ -17,18 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
-import train_prior
-import train_vqvae
-from eval import evaluate, readout
-from models import PriorConfig, load_prior, load_vqvae
-from models.callbacks import AtomicCheckpointIO
-from models.checkpoint_io import UnsafeCheckpointError
-from models.codes import cache_key, cache_path, code_splits
-from softvq.datasets.cifar10 import CIFAR10DataModule
+from eval import readout
+from softvq.cli import evaluate
+from softvq.cli import prior as train_prior
+from softvq.cli import train as train_vqvae
+from softvq.data.cifar10 import CIFAR10DataModule
+from softvq.models import PriorConfig, load_prior, load_vqvae
+from softvq.models.callbacks import AtomicCheckpointIO
+from softvq.models.checkpoint_io import UnsafeCheckpointError
+from softvq.models.codes import cache_key, cache_path, code_splits
 
-TINY = ["--epochs", "1", "--batch-size", "16", "--train-subset", "48", "--val-size", "16", "--num-codes", "16",
-        "--code-dim", "4", "--width", "8", "--res-hidden", "4", "--res-blocks", "1", "--num-workers", "0",
-        "--accelerator", "cpu", "--no-progress-bar", "--quantizer", "hard"]
+TINY = ["--epochs", "1", "--data.batch_size", "16", "--data.train_subset", "48", "--data.val_size", "16",
+        "--model.num_codes", "16", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
+        "--model.res_blocks", "1", "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.progress_bar",
+        "false", "--quantizer", "hard"]
 
 
 class Payload:
@@ -64,7 +66,7 @@ def _torch_would_load_pickles(monkeypatch):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, tiny_cifar) -> Path:
     out = tmp_path_factory.mktemp("safe") / "run"
-    assert train_vqvae.cli(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *TINY]) == 0
+    assert train_vqvae.cli(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *TINY]) == 0
     return out
 
 
@@ -83,7 +85,7 @@ def test_the_payload_is_live(tmp_path, marker):
 def test_resume_from_a_payload_file(capsys, tmp_path, tiny_cifar, marker):
     evil = write_payload(tmp_path / "evil.ckpt", marker)
     out = tmp_path / "new"
-    assert train_vqvae.cli(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *TINY,
+    assert train_vqvae.cli(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *TINY,
                             "--resume", str(evil)]) == 2
     err = capsys.readouterr().err
     assert not marker.exists()
@@ -97,7 +99,7 @@ def test_resume_from_a_planted_last_checkpoint(capsys, tmp_path, tiny_cifar, fin
     last = out / "checkpoints" / "last.ckpt"
     write_payload(last, marker, like=torch.load(last, weights_only=True))
     before = snapshot(out)
-    assert train_vqvae.cli(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *TINY, "--epochs", "2",
+    assert train_vqvae.cli(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *TINY, "--epochs", "2",
                             "--resume"]) == 2
     assert not marker.exists()
     assert f"checkpoint {last} is unsafe to load" in capsys.readouterr().err
@@ -167,4 +169,4 @@ def test_config_of_a_refused_run_is_valid_json(finished):
     """The run's own files load safely (the fixture's checkpoint holds only tensors and plain containers)."""
     ckpt = torch.load(finished / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["CIFAR10DataModule"]["classes"][0] == "airplane"
-    assert json.loads((finished / "config.json").read_text())["quantizer"] == "hard"
+    assert json.loads((finished / "config.json").read_text())["quantizer"] == ["hard"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from softvq.datasets import GlobalBatchSampler
+from softvq.data import GlobalBatchSampler
 
 
 def batches(n, batch_size, world, rank, **kw) -> list[list[int]]:

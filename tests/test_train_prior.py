@@ -13,15 +13,16 @@ from conftest import CLASSES
 from PIL import Image
 from torchvision.transforms.functional import to_tensor
 
-import sample
-import train_prior
-import train_vqvae
 from eval import prior_report
-from models import load_prior, load_vqvae
-from models.codes import extract_codes
+from softvq.cli import prior as train_prior
+from softvq.cli import sample
+from softvq.cli import train as train_vqvae
+from softvq.models import load_prior, load_vqvae
+from softvq.models.codes import extract_codes
 
-VQVAE_TINY = ["--train-subset", "96", "--val-size", "0", "--batch-size", "32", "--width", "16", "--res-hidden", "8",
-              "--res-blocks", "1", "--code-dim", "8", "--num-workers", "0", "--no-progress-bar", "--epochs", "1"]
+VQVAE_TINY = ["--data.train_subset", "96", "--data.val_size", "0", "--data.batch_size", "32", "--model.width", "16",
+              "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.code_dim", "8", "--data.num_workers", "0",
+              "--trainer.progress_bar", "false", "--epochs", "1"]
 PRIOR_TINY = ["--layers", "1", "--heads", "2", "--dim", "32", "--batch-size", "64", "--val-size", "50",
               "--warmup-steps", "2", "--no-progress-bar"]
 
@@ -32,7 +33,7 @@ def vqvaes(tmp_path_factory, tiny_cifar):
     paths = {}
     for name, quantizer, codes in (("ddcl", "ddcl", "16"), ("hard", "hard", "16"), ("hard32", "hard", "32")):
         out = tmp_path_factory.mktemp(name)
-        train_vqvae.main([*VQVAE_TINY, "--quantizer", quantizer, "--num-codes", codes, "--data-root",
+        train_vqvae.main([*VQVAE_TINY, "--quantizer", quantizer, "--model.num_codes", codes, "--data.data_root",
                           str(tiny_cifar["folder"]), "--out", str(out)])
         paths[name] = out / "checkpoints" / "last.ckpt"
     return paths
@@ -220,7 +221,7 @@ def test_prior_refuses_data_with_other_classes_than_its_vqvae_and_records_them(t
 
 
 def test_train_prior_refuses_an_out_in_use(vqvaes, tiny_cifar, tmp_path):
-    from softvq.io import RunLock, RunLockedError
+    from softvq.models.files import RunLock, RunLockedError
 
     with RunLock(tmp_path / "run"), pytest.raises(RunLockedError, match=r"is in use by another run \(pid \d+"):
         train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -11,12 +12,15 @@ import lightning as L
 import pytest
 import torch
 
-import train_vqvae
-from models import VQVAE
+from softvq import DDCLQuantizer
+from softvq.cli import config
+from softvq.cli import train as train_vqvae
+from softvq.models import VQVAE
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--train-subset", "96", "--val-size", "48", "--batch-size", "32", "--width", "16", "--res-hidden", "8",
-        "--res-blocks", "1", "--num-codes", "32", "--code-dim", "8", "--num-workers", "0", "--no-progress-bar"]
+TINY = ["--data.train_subset", "96", "--data.val_size", "48", "--data.batch_size", "32", "--model.width", "16",
+        "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.num_codes", "32", "--model.code_dim", "8",
+        "--data.num_workers", "0", "--trainer.progress_bar", "false"]
 COMMON_KEYS = {"epoch", "step", "quantizer", "utilization", "dead_codes", "perplexity", "soft_perplexity",
                "train_mse", "val_mse", "val_psnr", "val_ssim", "val_psnr_hard", "val_mse_hard", "val_ssim_hard",
                "l_q", "l_ols", "v", "assignment_entropy", "separation", "separation_min", "time_s"}
@@ -24,7 +28,7 @@ DDCL_KEYS = COMMON_KEYS | {"identity_residual", "temperature", "restarts"}
 
 
 def run(tmp_path: Path, data: Path, *extra: str) -> dict:
-    return train_vqvae.main([*TINY, "--data-root", str(data), *extra])
+    return train_vqvae.main([*TINY, "--data.data_root", str(data), *extra])
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -35,8 +39,8 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifar, capsys):
     out = tmp_path / "cmp"
     histories = run(tmp_path, tiny_cifar["archive"], "--quantizer", "ddcl", "hard", "--epochs", "2",
-                    "--out", str(out), "--temperature", "0.05", "--temperature-schedule", "exponential",
-                    "--temperature-final", "0.005", "--train-subset", "240", "--val-size", "60")
+                    "--out", str(out), "--ddcl.temperature", "0.05", "--model.temperature_schedule", "exponential",
+                    "--model.temperature_final", "0.005", "--data.train_subset", "240", "--data.val_size", "60")
     for name, keys in (("ddcl", DDCL_KEYS), ("hard", COMMON_KEYS)):
         rows = [json.loads(line) for line in (out / name / "history.jsonl").read_text().splitlines()]
         assert rows == histories[name] and [r["epoch"] for r in rows] == [1, 2]
@@ -52,7 +56,7 @@ def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifa
             png = out / name / f"recon_epoch{epoch:02d}.png"
             assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert list((out / name / "tb").glob("events.out.tfevents.*"))
-        assert json.loads((out / name / "config.json").read_text())["quantizer"] == name
+        assert json.loads((out / name / "config.json").read_text())["quantizer"] == [name]  # as --quantizer takes it
     ddcl = histories["ddcl"]
     assert all(r["identity_residual"] < 1e-5 for r in ddcl)
     # T is set before each of the 16 steps: steps 0..15 run from 0.05 to 0.005 geometrically; the record holds the
@@ -69,13 +73,13 @@ def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifa
 def test_resume_continues_from_the_last_checkpoint_exactly(tmp_path, tiny_cifar):
     straight = tmp_path / "straight"
     run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "2", "--out", str(straight),
-        "--temperature", "0.05", "--seed", "3")
+        "--ddcl.temperature", "0.05", "--seed", "3")
     parts = tmp_path / "parts"
     run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(parts),
-        "--temperature", "0.05", "--seed", "3")
+        "--ddcl.temperature", "0.05", "--seed", "3")
     after_one = weights(parts / "checkpoints" / "last.ckpt")
     history = run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "2", "--out", str(parts),
-                  "--temperature", "0.05", "--seed", "3", "--resume")["ddcl"]
+                  "--ddcl.temperature", "0.05", "--seed", "3", "--resume")["ddcl"]
     assert [r["epoch"] for r in history] == [1, 2] and history[1]["step"] == 6
     ckpt = torch.load(parts / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["epoch"] == 1 and ckpt["global_step"] == 6  # Lightning counts epochs from 0
@@ -103,7 +107,7 @@ def test_resume_refuses_a_checkpoint_of_another_configuration(tmp_path, tiny_cif
     run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "1", "--out", str(out))
     with pytest.raises(ValueError, match="num_codes: checkpoint 32 vs now 64"):
         run(tmp_path, tiny_cifar["folder"], "--quantizer", "hard", "--epochs", "2", "--out", str(out),
-            "--resume", "--num-codes", "64")
+            "--resume", "--model.num_codes", "64")
     truncated = tmp_path / "truncated.ckpt"
     raw = (out / "checkpoints" / "last.ckpt").read_bytes()
     truncated.write_bytes(raw[: len(raw) // 2])
@@ -134,7 +138,7 @@ def test_overwrite_starts_afresh_without_stale_artefacts(tmp_path, tiny_cifar):
 def test_checkpoint_loads_back_into_a_model(tmp_path, tiny_cifar):
     out = tmp_path / "run"
     run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(out),
-        "--temperature", "0.02", "--target-entropy", "off")
+        "--ddcl.temperature", "0.02", "--ddcl.target_entropy", "null")
     model = VQVAE.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu").eval()
     assert model.quantizer.temperature == 0.02 and model.quantizer.initialized
     images = model.decode_indices(model.encode(torch.rand(2, 3, 32, 32)))
@@ -151,61 +155,78 @@ def test_help_documents_every_flag(capsys):
         train_vqvae.main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--quantizer", "--epochs", "--batch-size", "--train-subset", "--data-root", "--out", "--seed",
-                 "--num-codes", "--code-dim", "--width", "--lr", "--eps", "--temperature", "--temperature-schedule",
-                 "--temperature-final", "--beta", "--ema-decay", "--dead-code-threshold", "--resume", "--download",
-                 "--latent-norm", "--codebook-term", "--commitment-weight", "--target-entropy"):
+    for flag in ("--quantizer", "--epochs", "--data.batch_size", "--data.train_subset", "--data.data_root", "--out",
+                 "--seed", "--model.num_codes", "--model.code_dim", "--model.width", "--model.lr", "--model.eps",
+                 "--ddcl.temperature", "--model.temperature_schedule", "--model.temperature_final", "--hard.beta",
+                 "--hard.ema_decay", "--ddcl.ema_decay", "--hard.dead_code_threshold", "--ddcl.dead_code_threshold",
+                 "--resume", "--overwrite", "--data.download", "--model.latent_norm", "--ddcl.codebook_term",
+                 "--ddcl.commitment_weight", "--ddcl.target_entropy", "--model.target_entropy", "--trainer.devices",
+                 "--check_replicas", "--config", "--print_config"):
         assert flag in text, flag
 
 
 def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_for_hard():
-    args = train_vqvae.build_parser().parse_args([])
-    ddcl, hard = train_vqvae.model_config(args, "ddcl"), train_vqvae.model_config(args, "hard")
-    assert ddcl["latent_norm"] == "none" and ddcl["target_entropy"] == "auto"  # the layer standardises and holds T
-    assert ddcl["quantizer_kwargs"] == {"temperature": None, "distance": "euclidean", "codebook_term": "free_energy",
-                                        "codebook_weight": 1.0, "commitment_term": "l_ols", "commitment_weight": 0.0,
-                                        "init": "data", "recipe": "auto"}
-    assert hard["latent_norm"] == "none"
-    assert hard["quantizer_kwargs"] == {"beta": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}
+    cfg = config.parse([])
+    ddcl, hard = config.model_kwargs(cfg, "ddcl"), config.model_kwargs(cfg, "hard")
+    assert ddcl["latent_norm"] is None and ddcl["target_entropy"] == "auto"  # the model's defaults decide
+    layer_defaults = {k: p.default for k, p in inspect.signature(DDCLQuantizer).parameters.items()
+                      if k not in config.LAYER_SKIP}
+    assert ddcl["quantizer_kwargs"] == layer_defaults  # the flags' defaults are the layer's own: its recipe
+    assert ddcl["quantizer_kwargs"]["recipe"] == "auto" and ddcl["quantizer_kwargs"]["temperature"] is None
+    assert hard["latent_norm"] is None
+    assert {k: hard["quantizer_kwargs"][k] for k in ("beta", "ema_decay", "dead_code_threshold")} == {
+        "beta": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}  # straight-through, gradient codebook
     model = VQVAE(**ddcl)  # what the library's own defaults build: the layer's recipe
     layer = model.quantizer
+    assert model.latent_norm == "none" and VQVAE(**hard).latent_norm == "none"
     assert layer.recipe == "auto" and layer.standardize and layer.hard_output and layer.prototype_update == "ema"
     assert layer.dead_code_threshold == 1.0 and layer.temperature is None and layer.target_entropy == 2.5
     assert model.target_entropy is None and VQVAE(**hard).target_entropy is None  # no model-side control
-    parse = train_vqvae.build_parser().parse_args
-    off = VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "off"]), "ddcl"))
+
+    def build(*argv: str) -> VQVAE:
+        return VQVAE(**config.model_kwargs(config.parse(list(argv)), "ddcl"))
+
+    off = build("--ddcl.target_entropy", "null")
     assert off.target_entropy is None and off.quantizer.target_entropy is None
-    assert VQVAE(**train_vqvae.model_config(parse(["--target-entropy", "1.5"]), "ddcl")).quantizer.target_entropy == 1.5
-    annealed = parse(["--temperature", "4", "--temperature-schedule", "cosine", "--temperature-final", "1"])
-    model = VQVAE(**train_vqvae.model_config(annealed, "ddcl"))
+    assert build("--ddcl.target_entropy", "1.5").quantizer.target_entropy == 1.5
+    model = build("--ddcl.temperature", "4", "--model.temperature_schedule", "cosine", "--model.temperature_final", "1")
     assert model.target_entropy is None and model.quantizer.target_entropy is None  # the schedule sets T
     # the paper's layer: the model keeps its issue-4 control of T at 2.5 nats
-    plain = VQVAE(**train_vqvae.model_config(parse(["--recipe", "plain", "--temperature", "4"]), "ddcl"))
+    plain = build("--ddcl.recipe", "plain", "--ddcl.temperature", "4")
     assert plain.target_entropy == 2.5 and plain.quantizer.target_entropy is None
     assert plain.quantizer.prototypes.requires_grad and not plain.quantizer.hard_output
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--no-such-flag"], "unrecognized arguments"),
+    # a wrong flag, type or choice: jsonargparse's usage error
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--quantizer", "fsq"], "invalid choice"),
-    (["--epochs", "-1"], "--epochs: expected a positive integer"),
-    (["--eps", "0"], "--eps: expected a positive finite number"),
-    (["--temperature", "-0.5"], "--temperature: expected a positive"),
-    (["--ema-decay", "1.5"], "--ema-decay: expected a number in"),
-    (["--temperature-schedule", "cosine"], "needs --temperature and --temperature-final"),
-    (["--target-entropy", "2", "--temperature-schedule", "linear", "--temperature-final", "1"], "choose one"),
-    (["--target-entropy", "-1"], "--target-entropy: expected a non-negative"),
-    (["--width", "15"], "--width: must be even"),
+    (["--model.width", "wide"], 'Parser key "model.width"'),
+    # a value out of range: the constructor's error line, before anything is written
+    (["--epochs", "-1"], "error: epochs must be a positive integer, got -1"),
+    (["--model.eps", "0"], "error: eps must be a positive finite number, got 0.0"),
+    (["--ddcl.temperature", "-0.5"], "error: temperature must be a positive finite number, got -0.5"),
+    (["--ddcl.ema_decay", "1.5"], "error: ema_decay must be in (0, 1), got 1.5"),
+    (["--quantizer", "hard", "--hard.ema_decay", "1.5"], "error: ema_decay must be None or in (0, 1), got 1.5"),
+    (["--model.temperature_schedule", "cosine"], "error: temperature_schedule='cosine' needs temperature_final"),
+    (["--ddcl.recipe", "plain", "--model.target_entropy", "2", "--model.temperature_schedule", "linear",
+      "--model.temperature_final", "1"], "choose one"),
+    (["--ddcl.target_entropy", "-1"], "error: target_entropy must be a positive finite number, got -1.0"),
+    (["--model.width", "15"], "error: width must be even"),
 ])
-def test_bad_flags_exit_with_a_message(argv, match, capsys):
-    with pytest.raises(SystemExit) as info:
-        train_vqvae.main(argv)
-    assert info.value.code == 2
+def test_bad_flags_exit_with_a_message(argv, match, capsys, tmp_path):
+    out = tmp_path / "run"
+    try:
+        code = train_vqvae.cli(["--data.data_root", str(tmp_path / "no-data"), "--out", str(out), *argv])
+    except SystemExit as exit_:  # jsonargparse
+        code = exit_.code
+    assert code == 2
     assert match in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_script_runs_as_a_command(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "train_vqvae.py"), "--data-root", str(tmp_path / "none"),
+    result = subprocess.run([sys.executable, str(ROOT / "train_vqvae.py"), "--data.data_root", str(tmp_path / "none"),
                              "--out", str(tmp_path / "o"), "--epochs", "1"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
@@ -237,8 +258,8 @@ def test_last_checkpoint_holds_the_final_epoch_even_when_validation_got_worse(tm
     trainer.fit(_WorseEveryEpoch(), data, data)
     last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
     assert (last["epoch"], last["global_step"]) == (2, 6)  # 0-based epoch 2 = the third
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-epoch00.ckpt", "last.ckpt"]
-    best = torch.load(tmp_path / "best-epoch00.ckpt", map_location="cpu", weights_only=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-epoch01.ckpt", "last.ckpt"]  # epochs from 1
+    best = torch.load(tmp_path / "best-epoch01.ckpt", map_location="cpu", weights_only=False)
     assert best["global_step"] == 2
     without_val = tmp_path / "no-val"
     trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,

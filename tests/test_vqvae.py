@@ -10,8 +10,8 @@ from einops import rearrange
 from helpers import exact_cdist
 
 import softvq
-from models import VQVAE, Decoder, Encoder, build_quantizer
-from models.vqvae import LatentNorm
+from softvq.models import VQVAE, Decoder, Encoder, build_quantizer
+from softvq.models.vqvae import LatentNorm
 from softvq.schedule import anneal_temperature
 
 SMALL = {"num_codes": 16, "code_dim": 8, "width": 16, "res_hidden": 8, "res_blocks": 1}
@@ -300,7 +300,7 @@ def test_a_checkpoint_from_before_the_in_layer_recipe_loads_and_evaluates_as_tra
     ``load_vqvae`` as the plain layer it was, and the model-side temperature control comes back on for resuming."""
     import lightning as L
 
-    from models import load_vqvae
+    from softvq.models import load_vqvae
 
     torch.manual_seed(0)
     old_kwargs = {"temperature": 4.0, "distance": "euclidean", "codebook_term": "free_energy", "codebook_weight": 1.0,
