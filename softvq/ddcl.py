@@ -10,15 +10,15 @@ Math (DESIGN §1, arXiv 2604.03850). Tokens ``z_n``, prototypes ``p_k``, tempera
     V     = mean_n sum_k q_nk ||p_k - mu_n||^2 prototype variance, >= 0
     L_q   = L_OLS + V                          exact identity
 
-The forward pass and its gradient are one :class:`torch.autograd.Function` so that distances take one
-``(N, D) x (D, K)`` matmul, no ``(N, K, D)`` tensor is ever built, everything runs in float32 (float64 for
-float64 input) under autocast, and the training objective can send *different* terms to the encoder and to
-the prototypes without recomputing the layer (see :class:`DDCLQuantizer`).
+The forward pass and its gradient are one :class:`torch.autograd.Function` (``softvq._soft_centroid``) so that
+distances take one ``(N, D) x (D, K)`` matmul, no ``(N, K, D)`` tensor is ever built, everything runs in float32
+(float64 for float64 input) under autocast, and the training objective can send *different* terms to the encoder
+and to the prototypes without recomputing the layer (see :class:`DDCLQuantizer`). The in-layer recipe's options and
+training-mode updates (temperature, EMA prototypes, dead-code restart) are the mixin ``softvq._recipe.InLayerRecipe``.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Literal
 
@@ -26,12 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from softvq._recipe import InLayerRecipe
+from softvq._soft_centroid import _SoftCentroid
 from softvq.norm import TokenStandardizer
-from softvq.schedule import adapt_temperature
 from softvq.types import QuantizerOutput
 from softvq.utils import (
-    all_reduce_sum_,
     broadcast_,
+    check_bool,
     check_choice,
     check_float,
     check_indices,
@@ -40,8 +41,6 @@ from softvq.utils import (
     empty_output,
     flatten_tokens,
     pick_tokens,
-    restart_dead_codes_,
-    squared_distances,
 )
 
 Term = Literal["l_q", "l_ols", "free_energy"]
@@ -49,168 +48,7 @@ CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
 _TERMS = ("l_q", "l_ols", "free_energy")
 
 
-def _mean(x: Tensor) -> Tensor:
-    """The mean of per-token values, accumulated in float64: a float32 sum of N values near the largest
-    representable square distance would overflow where their mean does not."""
-    return x.mean(dtype=torch.float64).to(x.dtype)
-
-
-def _rows_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``(a * b).sum(-1)`` for ``(N, M)`` matrices, without materialising the product."""
-    return torch.linalg.vecdot(a, b)
-
-
-class _SoftCentroid(torch.autograd.Function):
-    """Soft centroid of ``z (N, D)`` over ``prototypes (K, D)`` with the routed DDCL objective.
-
-    Returns ``mu (N, D)``, ``q (N, K)``, ``indices (N,)``, ``loss ()``, ``stats (4,) = [l_q, l_ols, v, H(q)]``.
-    ``loss = (cb_w * L_cb(sg z, P) + cm_w * L_cm(z, sg P)) / D``: the codebook term only reaches the prototypes,
-    the commitment term only reaches ``z``; ``mu`` and ``q`` are differentiable w.r.t. both.
-
-    The backward pass is written out so that it touches each ``(N, K)`` array as few times as possible (it is
-    memory-bound on CPU): per side one matmul for ``dL/dq`` and three element-wise passes.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        z: Tensor,
-        prototypes: Tensor,
-        temperature: float,
-        cb_term: str,
-        cb_weight: float,
-        cm_term: str,
-        cm_weight: float,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        n, dim = z.shape
-        # Distances, q and V are translation invariant: centre both sides on the prototypes' mean so that the
-        # expansion |z|^2 - 2 z.p + |p|^2 cancels little when tokens and prototypes sit far from the origin.
-        center = prototypes.mean(0)
-        zc = z - center  # (N, D)
-        pc = prototypes - center  # (K, D)
-        p_sq = pc.square().sum(1)  # (K,)
-        d = squared_distances(zc, pc)  # (N, K), one matmul
-        indices = d.argmin(dim=1)
-        logits = d.mul_(-1.0 / temperature)  # in place: d is not kept, d = -T * logits
-        lse = torch.logsumexp(logits, dim=1)  # (N,)
-        q = (logits - lse[:, None]).exp_()  # (N, K) softmax, log-sum-exp stable; lse also gives H(q) and F
-        mu_c = q @ pc  # (N, D)
-        mu = mu_c + center
-
-        q_logits = _rows_dot(q, logits)  # (N,) <q, -d / T>
-        lq_n = q_logits * -temperature  # (N,) per-token L_q = sum_k q d
-        r = zc - mu_c  # (N, D) residual z - mu
-        l_ols = _mean(r.square().sum(1))
-        v = _mean(q @ p_sq - mu_c.square().sum(1))
-        l_q = _mean(lq_n)
-        entropy = _mean(lse - q_logits)  # H(q) = -sum_k q log q, log q = logits - lse
-        stats = torch.stack([l_q, l_ols, v, entropy])
-
-        def term(name: str) -> Tensor:
-            if name == "free_energy":  # F = -T log sum_k exp(-d_k / T) = L_q - T H(q)
-                return _mean(lse) * -temperature
-            return l_q if name == "l_q" else l_ols
-
-        loss = zc.new_zeros(())
-        for name, weight in ((cb_term, cb_weight), (cm_term, cm_weight)):
-            if weight > 0:  # a dropped term is not computed (0 * inf would be NaN)
-                loss = loss + weight * term(name)
-        loss = loss / dim
-
-        ctx.temperature = temperature
-        ctx.routing = (cb_term, cb_weight, cm_term, cm_weight)
-        need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
-        ctx.save_for_backward(zc, pc, q, r, mu_c, logits if need_d else None, lq_n if need_d else None)
-        ctx.mark_non_differentiable(indices, stats)
-        ctx.set_materialize_grads(False)
-        return mu, q, indices, loss, stats
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any,
-        g_mu: Tensor | None,
-        g_q: Tensor | None,
-        _g_idx: Tensor | None,
-        g_loss: Tensor | None,
-        _g_stats: Tensor | None,
-    ) -> tuple[Tensor | None, ...]:
-        zc, pc, q, r, mu_c, logits, lq_n = ctx.saved_tensors
-        temperature = ctx.temperature
-        cb_term, cb_weight, cm_term, cm_weight = ctx.routing
-        n, dim = zc.shape
-        with torch.autocast(device_type=zc.device.type, enabled=False):
-            # Per-token weights of the two loss terms: d loss / d (per-token term).
-            scale = (g_loss / (n * dim)) if g_loss is not None else None
-            a_cb = scale * cb_weight if scale is not None and cb_weight > 0 else None
-            a_cm = scale * cm_weight if scale is not None and cm_weight > 0 else None
-
-            def scaled_grad_d(g_mu_side: Tensor | None, a_lq: Tensor | None,
-                              a_fe: Tensor | None) -> Tensor | None:
-                """``W`` with ``dL/dd = -W / T``, from mu / q (through the softmax), ``a_lq * L_q`` and ``a_fe * F``.
-
-                Through the softmax (logits = -d/T): dL/dd = -q (g_q - <q, g_q>) / T. From L_q:
-                dL_q/dd = q (1 - (d - L_q,n) / T), attraction of near prototypes and repulsion of far ones.
-                From the free energy F: dF/dd = q, attraction only (soft k-means).
-                Together: -q (g_q + a d - <q, g_q> - a L_q,n - a T - a_fe T) / T.
-                """
-                w = None
-                row = None  # (N,) per-token constant subtracted inside the bracket
-                if g_mu_side is not None:
-                    w = g_mu_side @ pc.t()  # (N, K) dL/dq; mu = q @ P and the centre cancels in the softmax
-                    row = _rows_dot(g_mu_side, mu_c)  # <q, g_mu P^T> = g_mu . mu, an (N, D) product
-                if g_q is not None:
-                    w = g_q.clone() if w is None else w.add_(g_q)
-                    row = _rows_dot(q, g_q) if row is None else row.add_(_rows_dot(q, g_q))
-                if a_lq is not None:
-                    # a * d = -a T * logits
-                    w = logits * (-temperature * a_lq) if w is None else w.add_(logits * (-temperature * a_lq))
-                    extra = a_lq * (lq_n + temperature)
-                    row = extra if row is None else row.add_(extra)
-                if a_fe is not None:
-                    if w is None:
-                        w = torch.zeros_like(q)
-                    extra = (a_fe * temperature).expand(n)
-                    row = extra if row is None else row.add_(extra)
-                if w is None:
-                    return None
-                return w.sub_(row[:, None]).mul_(q)
-
-            # L_OLS = mean ||z - mu||^2 enters through mu (dL/dmu = -2 r) and, on z's side, directly (+2 r).
-            g_mu_p = g_mu
-            if a_cb is not None and cb_term == "l_ols":
-                g_mu_p = r * (-2.0 * a_cb) if g_mu_p is None else g_mu_p - 2.0 * a_cb * r
-            g_mu_z = g_mu
-            if a_cm is not None and cm_term == "l_ols":
-                g_mu_z = r * (-2.0 * a_cm) if g_mu_z is None else g_mu_z - 2.0 * a_cm * r
-            lq_cb = a_cb if cb_term == "l_q" else None
-            lq_cm = a_cm if cm_term == "l_q" else None
-            fe_cb = a_cb if cb_term == "free_energy" else None
-            fe_cm = a_cm if cm_term == "free_energy" else None
-
-            # d_nk = ||z_n - p_k||^2: dd/dp_k = 2 (p_k - z_n), dd/dz_n = 2 (z_n - p_k); with dL/dd = -W / T.
-            grad_z = grad_p = w_p = None
-            if ctx.needs_input_grad[1]:
-                w_p = scaled_grad_d(g_mu_p, lq_cb, fe_cb)
-                grad_p = torch.zeros_like(pc) if g_mu_p is None else q.t() @ g_mu_p  # direct path of mu
-                if w_p is not None:
-                    grad_p.add_(w_p.sum(0)[:, None] * pc - w_p.t() @ zc, alpha=-2.0 / temperature)
-            if ctx.needs_input_grad[0]:
-                reuse = (w_p is not None and g_mu_z is g_mu_p and lq_cb is None and lq_cm is None
-                         and fe_cb is None and fe_cm is None)
-                w_z = w_p if reuse else scaled_grad_d(g_mu_z, lq_cm, fe_cm)
-                grad_z = torch.zeros_like(zc)
-                if w_z is not None:
-                    grad_z.add_(w_z @ pc, alpha=2.0 / temperature)  # the row sums of W are known in closed form
-                if lq_cm is not None:
-                    grad_z.add_(2.0 * lq_cm * zc)
-                if fe_cm is not None:
-                    grad_z.add_(2.0 * fe_cm * zc)
-                if a_cm is not None and cm_term == "l_ols":
-                    grad_z.add_(2.0 * a_cm * r)
-        return grad_z, grad_p, None, None, None, None, None
-
-
-class DDCLQuantizer(nn.Module):
+class DDCLQuantizer(InLayerRecipe, nn.Module):
     """DDCL differentiable codebook: a bank of ``num_codes`` global prototypes with Boltzmann soft assignments.
 
     Input: tokens ``z`` of shape ``(..., dim)`` (channel-last; all other dimensions are flattened), or with
@@ -329,7 +167,6 @@ class DDCLQuantizer(nn.Module):
         self.num_codes = check_positive_int("num_codes", num_codes)
         self.dim = check_positive_int("dim", dim)
         self.recipe = check_choice("recipe", recipe, ("auto", "plain"))
-        auto = recipe == "auto"
         self.distance = check_choice("distance", distance, ("euclidean", "cosine"))
         self.codebook_term = check_choice("codebook_term", codebook_term, _TERMS)
         self.commitment_term = check_choice("commitment_term", commitment_term, (*_TERMS, "hard"))
@@ -338,28 +175,11 @@ class DDCLQuantizer(nn.Module):
         self.init = check_choice("init", init, ("data", "normal"))
         init_scale = check_float("init_scale", init_scale)
         self.check_finite = bool(check_finite)
-        self.channel_first = _check_bool("channel_first", channel_first)
-        self.standardize = _check_bool("standardize", auto if standardize is None else standardize)
-        self.output_scale = check_choice("output_scale", output_scale, ("input", "standardized"))
-        self.hard_output = _check_bool("hard_output", auto if hard_output is None else hard_output)
-        self.prototype_update = check_choice("prototype_update", prototype_update or ("ema" if auto else "gradient"),
-                                             ("ema", "soft_ema", "gradient"))
-        self.ema_decay = _check_unit("ema_decay", ema_decay)
-        if target_entropy == "auto":
-            target_entropy = min(2.5, 0.5 * math.log(num_codes)) if auto else None
-        self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
-        if self.target_entropy is not None and not self.target_entropy < math.log(num_codes):
-            raise ValueError(f"target_entropy must be below log(num_codes) = {math.log(num_codes):.4g} nats (uniform "
-                             f"assignments), got {target_entropy!r}")
-        self.temperature_rate = check_float("temperature_rate", temperature_rate)
-        if temperature is None and self.target_entropy is None:
-            temperature = 1.0
-        self._temperature = None if temperature is None else check_float("temperature", temperature)
-        threshold = (1.0 if auto else 0.0) if dead_code_threshold is None else dead_code_threshold
-        self.dead_code_threshold = check_float("dead_code_threshold", threshold, allow_zero=True)
-        # The recipe's threshold never exceeds a quarter of the mean tokens per code (an explicit one is kept as given)
-        self._capped_threshold = dead_code_threshold is None
-        self.dead_code_decay = _check_unit("dead_code_decay", dead_code_decay)
+        self.channel_first = check_bool("channel_first", channel_first)
+        self._set_recipe_options(recipe == "auto", temperature, standardize=standardize, output_scale=output_scale,
+                                 hard_output=hard_output, prototype_update=prototype_update, ema_decay=ema_decay,
+                                 target_entropy=target_entropy, temperature_rate=temperature_rate,
+                                 dead_code_threshold=dead_code_threshold, dead_code_decay=dead_code_decay)
         # Python-side state (no device sync to read it); saved through get_extra_state.
         self._initialized = init != "data"
         self._restarts = 0  # prototypes restarted so far (dead-code restart)
@@ -418,13 +238,6 @@ class DDCLQuantizer(nn.Module):
         for name, value in self.standardizer.state_dict().items():
             state_dict.setdefault(f"{prefix}standardizer.{name}", value.clone())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def _become_plain(self) -> None:
-        self.recipe = "plain"
-        self.standardize = self.hard_output = False
-        self.prototype_update = "gradient"
-        self.prototypes.requires_grad_(True)
-        self.target_entropy = None
 
     def extra_repr(self) -> str:
         t = "auto" if self._temperature is None else f"{self._temperature:g}"
@@ -507,20 +320,7 @@ class DDCLQuantizer(nn.Module):
                                 ("l_q", "l_ols", "v", "identity_residual", "entropy"))
         ctype = compute_dtype(z.dtype)
         with torch.autocast(device_type=z.device.type, enabled=False):
-            zf = flat.to(ctype)
-            mean = std = None
-            if self.standardize:
-                zf, mean, std = self.standardizer(zf)
-            if not self._initialized:
-                if self.training:
-                    self.init_from_data(zf.detach())
-                else:
-                    warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
-                                  "its prototypes: it is using random placeholder prototypes", stacklevel=3)
-            if self.training and self.dead_code_threshold > 0:
-                self._restart_dead_codes(zf.detach())
-            if self.distance == "cosine":
-                zf = F.normalize(zf, dim=-1)
+            zf, mean, std = self._codebook_space(flat.to(ctype))
             p = self.prototypes.to(ctype)
             p = F.normalize(p, dim=-1) if self.distance == "cosine" else p
             temperature = self._temperature
@@ -557,97 +357,27 @@ class DDCLQuantizer(nn.Module):
             terms=terms,
         )
 
+    def _codebook_space(self, zf: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Tokens ``(N, D)`` in the compute dtype -> the tokens the distances see (standardised; L2-normalised for
+        cosine) and the standardiser's ``mean`` and ``std`` (``None`` without ``standardize``). In training mode, first
+        initialises the prototypes from data and restarts dead codes, both on the standardised tokens."""
+        mean = std = None
+        if self.standardize:
+            zf, mean, std = self.standardizer(zf)
+        if not self._initialized:
+            if self.training:
+                self.init_from_data(zf.detach())
+            else:
+                warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
+                              "its prototypes: it is using random placeholder prototypes", stacklevel=4)
+        if self.training and self.dead_code_threshold > 0:
+            self._restart_dead_codes(zf.detach())
+        if self.distance == "cosine":
+            zf = F.normalize(zf, dim=-1)
+        return zf, mean, std
+
     def _soft_commitment(self) -> tuple[str, float]:
         """The commitment term the autograd function computes (``"hard"`` is added outside it)."""
         if self.commitment_term == "hard":
             return "l_ols", 0.0
         return self.commitment_term, self.commitment_weight
-
-    # ---- the in-layer updates (training mode) --------------------------------------------------------------------
-    @torch.no_grad()
-    def _after_step(self, z: Tensor, q: Tensor, indices: Tensor, entropy: Tensor) -> None:
-        """After a training forward: usage for dead-code restart, the EMA prototype update and the temperature
-        control, each with its statistics summed over processes (every process ends with the same state)."""
-        if self.dead_code_threshold > 0 or self.prototype_update == "ema":
-            counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
-            all_reduce_sum_(counts)
-            if self.dead_code_threshold > 0:
-                self._update_usage(counts)
-        if self.prototype_update != "gradient":
-            if self.prototype_update == "ema":
-                mass = counts.to(self.ema_mass.dtype)  # summed over processes already
-                total = torch.zeros_like(self.ema_sum).index_add_(0, indices, z.to(self.ema_sum.dtype))
-            else:  # soft_ema: the free-energy M-step, tokens weighted by their assignments
-                mass = all_reduce_sum_(q.sum(0).to(self.ema_mass.dtype))
-                total = (q.t() @ z).to(self.ema_sum.dtype)
-            all_reduce_sum_(total)
-            self.ema_mass.lerp_(mass, 1.0 - self.ema_decay)
-            self.ema_sum.lerp_(total, 1.0 - self.ema_decay)
-            self.prototypes.copy_(self.ema_sum / self.ema_mass.clamp_min(1e-12)[:, None])
-        if self.target_entropy is not None:
-            n = torch.tensor([entropy.item() * indices.numel(), indices.numel()], dtype=torch.float64,
-                             device=indices.device)
-            all_reduce_sum_(n)
-            self._temperature = adapt_temperature(self._temperature, float(n[0] / n[1]), self.target_entropy,
-                                                  self.temperature_rate)
-
-    @torch.no_grad()
-    def _calibrate_temperature(self, z: Tensor, p: Tensor) -> float:
-        """The first ``T``: bisection in ``log T`` until the mean assignment entropy of this batch (of every
-        process's batch) equals ``target_entropy``; H(Q) rises monotonically with ``T``."""
-        sample = z[:: max(1, z.shape[0] // 4096)]  # a strided sample: no random draw, so restarts draw alike
-        center = p.mean(0)
-        d = squared_distances(sample - center, p - center)  # (n, K)
-        total = all_reduce_sum_(torch.stack([d.sum(dtype=torch.float64),
-                                             torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device)]))
-        scale = max(float(total[0] / total[1]), 1e-12)  # the same bracket on every process
-        lo, hi = math.log(scale * 1e-6), math.log(scale * 1e3)
-        for _ in range(50):
-            mid = 0.5 * (lo + hi)
-            logq = torch.log_softmax(d * -math.exp(-mid), dim=1)
-            h = torch.stack([-(logq.exp() * logq).sum(1).sum(dtype=torch.float64),
-                             torch.tensor(float(d.shape[0]), dtype=torch.float64, device=d.device)])
-            all_reduce_sum_(h)
-            if float(h[0] / h[1]) > self.target_entropy:
-                hi = mid
-            else:
-                lo = mid
-        return math.exp(0.5 * (lo + hi))
-
-    # ---- dead-code restart -------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _update_usage(self, counts: Tensor) -> None:
-        if bool((self.usage < 0).any()):  # first batch: start from its counts
-            self.usage.copy_(counts)
-        else:
-            self.usage.mul_(self.dead_code_decay).add_(counts, alpha=1.0 - self.dead_code_decay)
-
-    @torch.no_grad()
-    def _restart_dead_codes(self, z: Tensor) -> None:
-        """Before a training step: prototypes whose running argmax count per batch fell below the threshold (the
-        recipe's: at most a quarter of the mean tokens per code) move onto random tokens of this batch (before the
-        forward pass, so no tensor saved for backward changes); their EMA statistics restart from that token."""
-        if bool((self.usage < 0).any()):
-            return
-        threshold = self.dead_code_threshold
-        if self._capped_threshold:
-            threshold = min(threshold, 0.25 * float(self.usage.sum()) / self.num_codes)
-        dead = restart_dead_codes_(self.prototypes.data, self.usage, z, threshold)
-        if bool(dead.any()):
-            self.ema_sum[dead] = self.prototypes.data[dead]
-            self.ema_mass[dead] = 1.0
-        self._restarts += int(dead.sum())
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _check_unit(name: str, value: float) -> float:
-    """A float strictly inside (0, 1)."""
-    value_f = check_float(name, value)
-    if not value_f < 1.0:
-        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
-    return value_f

@@ -15,15 +15,27 @@ the real tokens, so it is invariant to permuting them and to whatever the padded
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+import inspect
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from softvq.ddcl import DDCLQuantizer, Term
+from softvq.ddcl import DDCLQuantizer
 from softvq.utils import compute_dtype
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
+# The readout is the plain layer: where its defaults differ from DDCLQuantizer's.
+_DEFAULTS: dict[str, Any] = {"recipe": "plain", "temperature": 1.0, "standardize": False, "hard_output": False,
+                             "dead_code_threshold": 0.0}
+# DDCLQuantizer keywords the readout cannot honour: the values it accepts, and why it takes no other.
+_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "recipe": (("plain",), "the readout is the plain layer; set the parts of the recipe it supports one by one "
+                           "(standardize, prototype_update, target_entropy, dead_code_threshold, ...)"),
+    "hard_output": ((False, None), "slots and pooled are built from the soft assignments and soft centroids, "
+                                   "not from the argmax codes"),
+    "channel_first": ((False,), "the readout takes tokens (B, T, D) and a padding mask, not feature maps"),
+}
 
 
 class ReadoutOutput(NamedTuple):
@@ -62,18 +74,25 @@ class DDCLReadout(nn.Module):
     use L2-normalised tokens).
 
     Args:
-        num_codes, dim, temperature, distance, codebook_term, codebook_weight, commitment_term,
-        commitment_weight, init, init_scale, dead_code_threshold, dead_code_decay: as for
-            :class:`~softvq.DDCLQuantizer`, with the same defaults (``init="data"`` and dead-code restart draw
-            from the real tokens only).
+        num_codes: ``K``, the number of prototypes.
+        dim: ``D``, the token dimension.
         check_finite: raise on NaN/Inf at real positions (padded positions may hold anything).
-        standardize: standardise the real tokens per dimension before the assignments (as a
-            :class:`~softvq.DDCLQuantizer` with the default recipe does; :meth:`from_quantizer` copies it).
+        **quantizer_kwargs: any :class:`~softvq.DDCLQuantizer` keyword (``temperature``, ``distance``,
+            ``codebook_term``, ``commitment_weight``, ``init``, ``standardize``, ...), forwarded to the inner
+            quantizer, which only ever sees the real tokens (``init="data"``, dead-code restart, standardisation and
+            the in-layer updates draw from them alone). The readout is the plain layer, so its defaults differ as
+            follows: ``recipe="plain"`` (the only value accepted), ``temperature=1.0`` (a fixed temperature; with
+            ``target_entropy`` the start of the control, ``None`` calibrates it on the first training batch),
+            ``standardize=False`` (``True`` standardises the real tokens per dimension, as the default recipe does;
+            :meth:`from_quantizer` copies it), ``hard_output=False`` (the only value accepted) and
+            ``dead_code_threshold=0.0`` (no restarts). ``channel_first`` only accepts ``False``. Every other keyword
+            has :class:`~softvq.DDCLQuantizer`'s default.
 
     Raises:
-        ValueError: on invalid hyperparameters; in ``forward`` on tokens that are not ``(B, T, dim)`` floats, a
-            mask that is not a ``(B, T)`` bool tensor, a row without any real token (the error names the row),
-            or non-finite real tokens.
+        ValueError: on invalid hyperparameters, a keyword :class:`~softvq.DDCLQuantizer` does not have, or one the
+            readout cannot honour (``recipe="auto"``, ``hard_output=True``, ``channel_first=True``; the error names
+            it); in ``forward`` on tokens that are not ``(B, T, dim)`` floats, a mask that is not a ``(B, T)`` bool
+            tensor, a row without any real token (the error names the row), or non-finite real tokens.
 
     Example:
         >>> readout = DDCLReadout(num_codes=32, dim=64)
@@ -83,32 +102,12 @@ class DDCLReadout(nn.Module):
         >>> loss = F.cross_entropy(logits, y) + out.loss
     """
 
-    def __init__(
-        self,
-        num_codes: int,
-        dim: int,
-        temperature: float = 1.0,
-        distance: Literal["euclidean", "cosine"] = "euclidean",
-        codebook_term: Term = "free_energy",
-        codebook_weight: float = 1.0,
-        commitment_term: Term = "l_ols",
-        commitment_weight: float = 0.0,
-        init: Literal["data", "normal"] = "data",
-        init_scale: float = 1.0,
-        dead_code_threshold: float = 0.0,
-        dead_code_decay: float = 0.9,
-        check_finite: bool = True,
-        standardize: bool = False,
-    ) -> None:
+    def __init__(self, num_codes: int, dim: int, *, check_finite: bool = True, **quantizer_kwargs: Any) -> None:
         super().__init__()
-        # The inner quantizer only ever sees real tokens, which forward checks itself.
+        _check_quantizer_kwargs(quantizer_kwargs)
         # The plain layer: a readout pools soft assignments of tokens, it is not a discrete bottleneck.
-        self.quantizer = DDCLQuantizer(num_codes, dim, temperature=temperature, recipe="plain", distance=distance,
-                                       codebook_term=codebook_term, codebook_weight=codebook_weight,
-                                       commitment_term=commitment_term, commitment_weight=commitment_weight,
-                                       init=init, init_scale=init_scale, dead_code_threshold=dead_code_threshold,
-                                       dead_code_decay=dead_code_decay, check_finite=False,
-                                       standardize=standardize)
+        # The inner quantizer only ever sees real tokens, which forward checks itself.
+        self.quantizer = DDCLQuantizer(num_codes, dim, **{**_DEFAULTS, **quantizer_kwargs}, check_finite=False)
         self.check_finite = bool(check_finite)
 
     @classmethod
@@ -166,6 +165,23 @@ class DDCLReadout(nn.Module):
             raise ValueError(f"mask must have shape (B, T) = {tuple(tokens.shape[:2])} like the tokens, "
                              f"got {tuple(mask.shape)}")
 
+    def _real_tokens(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+        """``(N, D)``, the real tokens row by row; a ValueError for a row without any, or a non-finite one."""
+        batch, length, dim = tokens.shape
+        if batch > 0:
+            empty = ~mask.any(1) if mask is not None else torch.full((batch,), length == 0, device=tokens.device)
+            if bool(empty.any()):
+                rows = empty.nonzero().flatten().tolist()
+                raise ValueError(f"row(s) {rows[:10]} of the batch hold no real token (all padding, or T = 0); a "
+                                 f"readout of an empty sequence is undefined: drop those rows or unmask a token")
+        real = tokens.reshape(-1, dim) if mask is None else tokens[mask]  # (N, D) real tokens, row-major
+        if self.check_finite and real.numel() > 0 and not bool(torch.isfinite(real).all()):
+            bad = ~torch.isfinite(tokens).all(-1)  # (B, T)
+            bad = bad if mask is None else bad & mask
+            raise ValueError(f"tokens hold {int(bad.sum())} real token(s) with NaN or Inf, the first in row "
+                             f"{int(bad.nonzero()[0, 0])}")
+        return real
+
     def forward(self, tokens: Tensor, mask: Tensor | None = None) -> ReadoutOutput:
         """Read out a batch of token sequences.
 
@@ -181,19 +197,7 @@ class DDCLReadout(nn.Module):
         batch, length, dim = tokens.shape
         k = self.num_codes
         ctype = compute_dtype(tokens.dtype)
-        if batch > 0:
-            empty = ~mask.any(1) if mask is not None else torch.full((batch,), length == 0, device=tokens.device)
-            if bool(empty.any()):
-                rows = empty.nonzero().flatten().tolist()
-                raise ValueError(f"row(s) {rows[:10]} of the batch hold no real token (all padding, or T = 0); a "
-                                 f"readout of an empty sequence is undefined: drop those rows or unmask a token")
-        real = tokens.reshape(-1, dim) if mask is None else tokens[mask]  # (N, D) real tokens, row-major
-        if self.check_finite and real.numel() > 0 and not bool(torch.isfinite(real).all()):
-            bad = ~torch.isfinite(tokens).all(-1)  # (B, T)
-            bad = bad if mask is None else bad & mask
-            raise ValueError(f"tokens hold {int(bad.sum())} real token(s) with NaN or Inf, the first in row "
-                             f"{int(bad.nonzero()[0, 0])}")
-        out = self.quantizer(real)  # mu (N, D), q (N, K), loss and terms over the real tokens
+        out = self.quantizer(self._real_tokens(tokens, mask))  # mu (N, D), q (N, K), loss and terms over them
         if batch == 0:  # empty batch: empty outputs and a zero loss still connected to the prototypes
             return ReadoutOutput(tokens.new_zeros(batch, k, dim), tokens.new_zeros(batch, dim),
                                  tokens.new_zeros(batch, length, k, dtype=ctype), tokens.new_zeros(batch, k),
@@ -230,3 +234,17 @@ class DDCLReadout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"check_finite={self.check_finite}"
+
+
+def _check_quantizer_kwargs(kwargs: dict[str, Any]) -> None:
+    """A ValueError naming the first keyword of ``kwargs`` that DDCLQuantizer does not have or the readout cannot
+    honour."""
+    own = ("num_codes", "dim", "check_finite")  # the readout's own arguments
+    known = [name for name in inspect.signature(DDCLQuantizer).parameters if name not in own]
+    for name, value in kwargs.items():
+        if name not in known:
+            raise ValueError(f"DDCLReadout got {name}={value!r}, which is not a DDCLQuantizer keyword; "
+                             f"it takes check_finite and {', '.join(known)}")
+        if name in _FIXED and not any(value is a or (isinstance(value, str) and value == a) for a in _FIXED[name][0]):
+            accepted, why = _FIXED[name]
+            raise ValueError(f"DDCLReadout cannot honour {name}={value!r} (only {name}={accepted[0]!r}): {why}")

@@ -47,6 +47,21 @@ def check_float(name: str, value: float, *, allow_zero: bool = False) -> float:
     return value_f
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False`` (not 0, 1 or None), else a ValueError."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_unit(name: str, value: float) -> float:
+    """A float strictly inside (0, 1), else a ValueError."""
+    value_f = check_float(name, value)
+    if not value_f < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return value_f
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")

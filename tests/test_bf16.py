@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-import softvq.ddcl
+import softvq._recipe
+import softvq._soft_centroid
 import softvq.hard_vq
 from softvq import DDCLQuantizer, HardVQ
 from softvq.cli import train as train_vqvae
@@ -37,7 +38,8 @@ def spies(monkeypatch):
             return d
         monkeypatch.setattr(module, "squared_distances", squared_distances)
 
-    spy(softvq.ddcl)
+    spy(softvq._soft_centroid)  # DDCLQuantizer's forward pass
+    spy(softvq._recipe)  # its temperature calibration
     spy(softvq.hard_vq)
     for cls in (DDCLQuantizer, HardVQ):
         original_forward = cls.forward

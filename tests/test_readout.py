@@ -293,3 +293,105 @@ def test_from_a_standardising_quantizer_assigns_as_the_trained_quantizer_evaluat
     torch.testing.assert_close(readout(tokens).assignments, quantizer(tokens).probs)
     readout(torch.randn(2, 5, D))  # another distribution: the frozen statistics stay the trained ones
     assert torch.equal(readout.quantizer.standardizer.running_mean, quantizer.standardizer.running_mean)
+
+
+def train_steps(readout: DDCLReadout, steps: int = 3, seed: int = 30) -> list:
+    """A few training calls on ragged batches (the gradient of a stand-in loss included), with the RNG reseeded
+    before each so that data init and restarts draw the same tokens for any two readouts."""
+    results = []
+    for step in range(steps):
+        z, mask = ragged(batch=3, length=7, seed=seed + step)
+        z = z.nan_to_num(0.0).requires_grad_(True)
+        torch.manual_seed(seed + 100 + step)
+        out = readout(z, mask)
+        (out.slots.square().sum() + out.pooled.sum() + out.assignments[..., 0].sum() + out.loss).backward()
+        results.append((out, z.grad))
+    return results
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"temperature": 0.4, "distance": "cosine", "commitment_term": "hard", "commitment_weight": 0.5},
+    {"init": "normal", "codebook_term": "l_q", "codebook_weight": 0.3, "commitment_term": "free_energy",
+     "commitment_weight": 0.2, "dead_code_threshold": 1.5, "dead_code_decay": 0.5},
+    {"standardize": True, "temperature": 2.0, "codebook_term": "l_ols"},
+])
+def test_keywords_build_the_readout_from_quantizer_builds_from_an_explicit_quantizer(kwargs):
+    """DDCLReadout(K, D, **kw) against DDCLReadout.from_quantizer(DDCLQuantizer(K, D, recipe="plain", **kw)), output
+    for output and gradient for gradient, through data init, dead-code restarts and standardisation."""
+    torch.manual_seed(21)
+    readout = DDCLReadout(K, D, **kwargs).double()
+    torch.manual_seed(21)
+    reference = DDCLReadout.from_quantizer(DDCLQuantizer(K, D, recipe="plain", **kwargs).double())
+    assert repr(readout) == repr(reference)
+    for (out, grad), (ref, ref_grad) in zip(train_steps(readout), train_steps(reference), strict=True):
+        for name in ("slots", "pooled", "assignments", "mass", "loss"):
+            assert torch.equal(getattr(out, name), getattr(ref, name)), name
+        assert out.terms.keys() == ref.terms.keys() and all(torch.equal(out.terms[k], ref.terms[k]) for k in out.terms)
+        assert torch.equal(grad, ref_grad)
+        assert torch.equal(readout.prototypes.grad, reference.prototypes.grad)
+    state, ref_state = readout.state_dict(), reference.state_dict()
+    assert state.keys() == ref_state.keys()
+    for key, value in state.items():
+        assert torch.equal(value, ref_state[key]) if torch.is_tensor(value) else value == ref_state[key], key
+    if kwargs.get("dead_code_threshold"):
+        assert readout.quantizer.restarts > 0  # the forwarded threshold acted
+
+
+def test_the_readout_defaults_are_the_plain_layer_at_temperature_1():
+    torch.manual_seed(22)
+    readout = DDCLReadout(K, D)
+    torch.manual_seed(22)
+    explicit = DDCLQuantizer(K, D, recipe="plain", temperature=1.0, standardize=False, hard_output=False,
+                             dead_code_threshold=0.0, check_finite=False)
+    assert readout.quantizer.extra_repr() == explicit.extra_repr()
+    assert readout.quantizer.temperature == 1.0 and readout.quantizer.dead_code_threshold == 0.0
+    assert not readout.quantizer.standardize and not readout.quantizer.hard_output
+    assert readout.quantizer.prototype_update == "gradient" and readout.prototypes.requires_grad
+    assert readout.check_finite and not readout.quantizer.check_finite  # the readout checks the real tokens itself
+    assert torch.equal(readout.prototypes, explicit.prototypes)
+
+
+def test_recipe_keywords_act_in_the_inner_quantizer_on_the_real_tokens_only():
+    """EMA prototypes, the entropy-controlled temperature, standardisation and restarts, forwarded: the readout's
+    quantizer ends each step in the state of a DDCLQuantizer fed only the real tokens."""
+    kwargs = {"prototype_update": "ema", "target_entropy": 0.9, "temperature": None, "standardize": True,
+              "output_scale": "input", "dead_code_threshold": 0.5}
+    torch.manual_seed(23)
+    readout = DDCLReadout(K, D, **kwargs).double()
+    torch.manual_seed(23)
+    reference = DDCLQuantizer(K, D, recipe="plain", **kwargs).double()
+    assert not readout.prototypes.requires_grad  # EMA: the prototypes are not trained by the gradient
+    for step in range(4):
+        z, mask = ragged(batch=3, length=7, seed=40 + step)
+        torch.manual_seed(step)
+        out = readout(z, mask)
+        torch.manual_seed(step)
+        ref = reference(z[mask])
+        assert torch.equal(out.assignments[mask], ref.probs)
+        rows = mask.nonzero()[:, 0]
+        pooled = torch.stack([ref.quantized[rows == b].mean(0) for b in range(3)])
+        torch.testing.assert_close(out.pooled, pooled, rtol=1e-12, atol=1e-12)  # on the input's scale
+        state, ref_state = readout.quantizer.state_dict(), reference.state_dict()
+        for key, value in state.items():
+            assert torch.equal(value, ref_state[key]) if torch.is_tensor(value) else value == ref_state[key], key
+    assert readout.quantizer.temperature != 1.0  # calibrated, then controlled
+    assert abs(out.terms["l_q"].item()) > 0 and readout.quantizer.standardizer.running_var.ne(1.0).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"recipe": "auto"}, r"DDCLReadout cannot honour recipe='auto' \(only recipe='plain'\)"),
+    ({"hard_output": True}, r"DDCLReadout cannot honour hard_output=True \(only hard_output=False\)"),
+    ({"channel_first": True}, r"DDCLReadout cannot honour channel_first=True .* tokens \(B, T, D\)"),
+    ({"temprature": 0.5}, "DDCLReadout got temprature=0.5, which is not a DDCLQuantizer keyword"),
+    ({"target_entropy": 10.0}, "target_entropy must be below log"),  # the quantizer's own checks still apply
+])
+def test_keywords_the_readout_cannot_honour_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DDCLReadout(K, D, **kwargs)
+
+
+def test_the_values_the_readout_fixes_may_still_be_passed():
+    readout = DDCLReadout(K, D, recipe="plain", hard_output=False, channel_first=False)
+    assert readout.quantizer.recipe == "plain" and not readout.quantizer.hard_output
+    assert not readout.quantizer.channel_first
