@@ -223,17 +223,35 @@ TINY = ["--data.train_subset", "64", "--data.val_size", "32", "--data.batch_size
 
 
 def test_two_level_training_writes_per_level_history_and_resumes(tmp_path, tiny_cifar):
+    """Per-level usage against references outside the metrics that wrote it: each epoch's utilization and dead codes
+    of each level from the distinct indices the stack emitted in that epoch's training steps (a forward hook, a
+    Python set), and the last epoch's validation ones from last.ckpt's codes of the validation images."""
+    from softvq.data.cifar10 import CIFAR10DataModule
+
+    steps: list[tuple[torch.Tensor, ...]] = []
+
+    def record(module, args, output):  # every training step's per-level indices, as the stack emitted them
+        if isinstance(module, HierarchicalDDCL) and module.training:
+            steps.append(tuple(i.detach().clone() for i in output.indices))
+
     out = tmp_path / "two"
     argv = [*TINY, "--data.data_root", str(tiny_cifar["folder"]), "--model.levels", "2", "--model.level_codes", "8",
             "--out", str(out)]
-    train_vqvae.main([*argv, "--epochs", "1"])
-    rows = train_vqvae.main([*argv, "--epochs", "2", "--resume"])["ddcl"]
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        train_vqvae.main([*argv, "--epochs", "1"])
+        rows = train_vqvae.main([*argv, "--epochs", "2", "--resume"])["ddcl"]
+    finally:
+        handle.remove()
     assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["step"] == 4
+    assert len(steps) == 4  # 64 images in batches of 32, two epochs
     for row in rows:
         for level, k in ((0, 16), (1, 8)):
             suffix = f"_l{level}"
+            used = set(torch.cat([s[level].flatten() for s in steps[2 * row["epoch"] - 2:2 * row["epoch"]]]).tolist())
+            assert row["utilization" + suffix] == pytest.approx(len(used) / k, rel=1e-12), (row["epoch"], level)
+            assert row["dead_codes" + suffix] == k - len(used), (row["epoch"], level)
             assert 0 < row["utilization" + suffix] <= 1 and 1 <= row["perplexity" + suffix] <= k
-            assert row["dead_codes" + suffix] == round(k * (1 - row["utilization" + suffix]))
             assert row["identity_residual" + suffix] < 1e-5
             assert row["v_min" + suffix] >= 0 and row["v" + suffix] >= row["v_min" + suffix]
             assert row["l_q" + suffix] == pytest.approx(row["l_ols" + suffix] + row["v" + suffix], rel=1e-5)
@@ -243,6 +261,13 @@ def test_two_level_training_writes_per_level_history_and_resumes(tmp_path, tiny_
     assert json.loads((out / "config.json").read_text())["model"]["levels"] == 2
     model = VQVAE.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu").eval()
     assert model.levels == 2 and model.quantizer.levels[1].temperature == rows[1]["temperature_l1"]
+    data = CIFAR10DataModule(tiny_cifar["folder"], val_size=32, train_subset=64, num_workers=0)
+    data.setup("fit")
+    val_images = torch.stack([data.val_set[i][0] for i in range(len(data.val_set))])
+    for level, (k, val_codes) in enumerate(zip((16, 8), model.encode(val_images), strict=True)):
+        used = set(val_codes.flatten().tolist())
+        assert rows[1][f"val_utilization_l{level}"] == pytest.approx(len(used) / k, rel=1e-12), level
+        assert rows[1][f"val_dead_codes_l{level}"] == k - len(used), level
     x = torch.rand(2, 3, 32, 32)
     codes = model.encode(x)
     assert [tuple(c.shape) for c in codes] == [(2, 8, 8), (2, 4, 4)] and model.decode_indices(codes).shape == x.shape

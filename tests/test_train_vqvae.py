@@ -37,19 +37,64 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifar, capsys):
+    """The history rows against references computed outside the metrics that wrote them: each epoch's utilization
+    and dead codes from the distinct indices the quantizer emitted in that epoch's training steps (recorded by a
+    forward hook, counted with a Python set); the last epoch's validation utilization and dead codes, and hard VQ's
+    val_psnr and val_psnr_hard, from last.ckpt by brute-force nearest neighbour on the validation images and a
+    float64 10 log10(1 / MSE) per image (data range 1, clamped to [0, 1]), averaged over the images."""
+    from helpers import exact_cdist
+
+    from softvq import DDCLQuantizer, HardVQ
+    from softvq.data.cifar10 import CIFAR10DataModule
+
+    steps: dict[str, list[torch.Tensor]] = {"ddcl": [], "hard": []}
+
+    def record(module, args, output):  # the indices of every training step, as the quantizer emitted them
+        if isinstance(module, (DDCLQuantizer, HardVQ)) and module.training:
+            steps["ddcl" if isinstance(module, DDCLQuantizer) else "hard"].append(output.indices.detach().clone())
+
     out = tmp_path / "cmp"
-    histories = run(tmp_path, tiny_cifar["archive"], "--quantizer", "ddcl", "hard", "--epochs", "2",
-                    "--out", str(out), "--ddcl.temperature", "0.05", "--model.temperature_schedule", "exponential",
-                    "--model.temperature_final", "0.005", "--data.train_subset", "240", "--data.val_size", "60")
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        histories = run(tmp_path, tiny_cifar["archive"], "--quantizer", "ddcl", "hard", "--epochs", "2",
+                        "--out", str(out), "--ddcl.temperature", "0.05", "--model.temperature_schedule",
+                        "exponential", "--model.temperature_final", "0.005", "--data.train_subset", "240",
+                        "--data.val_size", "60")
+    finally:
+        handle.remove()
+    data = CIFAR10DataModule(tiny_cifar["archive"], val_size=60, train_subset=240, num_workers=0)
+    data.prepare_data()
+    data.setup("fit")
+    val_images = torch.stack([data.val_set[i][0] for i in range(len(data.val_set))])
+    assert val_images.shape == (60, 3, 32, 32)
     for name, keys in (("ddcl", DDCL_KEYS), ("hard", COMMON_KEYS)):
         rows = [json.loads(line) for line in (out / name / "history.jsonl").read_text().splitlines()]
         assert rows == histories[name] and [r["epoch"] for r in rows] == [1, 2]
+        assert len(steps[name]) == 16  # one quantizer call per training step
         for row in rows:
             assert keys <= set(row), keys - set(row)
             assert row["quantizer"] == name and row["step"] == 8 * row["epoch"]  # 240 images in batches of 32
-            assert 0 < row["utilization"] <= 1 and 0 <= row["dead_codes"] < 32
-            assert row["dead_codes"] == round(32 * (1 - row["utilization"]))
+            used = set(torch.cat([i.flatten() for i in steps[name][8 * row["epoch"] - 8:8 * row["epoch"]]]).tolist())
+            assert row["utilization"] == pytest.approx(len(used) / 32, rel=1e-12) and 0 < row["utilization"] <= 1
+            assert row["dead_codes"] == 32 - len(used) and 0 <= row["dead_codes"] < 32
             assert 1 <= row["perplexity"] <= 32 and row["val_psnr"] > 0 and -1 <= row["val_ssim"] <= 1
+        model = VQVAE.load_from_checkpoint(out / name / "checkpoints" / "last.ckpt", map_location="cpu").eval()
+        state = weights(out / name / "checkpoints" / "last.ckpt")
+        with torch.no_grad():  # brute force in the space the layer measures distances in
+            tokens = model.latents(val_images).permute(0, 2, 3, 1).reshape(-1, 8).double()
+            if name == "ddcl":
+                tokens = model.quantizer.standardizer(tokens)[0]
+            codes = state["quantizer.prototypes" if name == "ddcl" else "quantizer.embedding"].double()
+            nearest = exact_cdist(tokens, codes).argmin(1)
+            used = set(nearest.tolist())
+            assert rows[-1]["val_utilization"] == pytest.approx(len(used) / 32, rel=1e-12), name
+            assert rows[-1]["val_dead_codes"] == 32 - len(used), name
+            if name == "hard":  # straight-through: the reconstruction is the hard decode, so both PSNRs are its PSNR
+                hard = model.decode_indices(nearest.reshape(60, 8, 8)).clamp(0, 1).double()
+                mse = (hard - val_images.double()).square().mean(dim=(1, 2, 3))
+                psnr = float((10 * torch.log10(1.0 / mse)).mean())
+                assert rows[-1]["val_psnr_hard"] == pytest.approx(psnr, rel=1e-5)
+                assert rows[-1]["val_psnr"] == pytest.approx(psnr, rel=1e-5)
         ckpts = sorted(p.name for p in (out / name / "checkpoints").iterdir())
         assert "last.ckpt" in ckpts and any(c.startswith("best-epoch") for c in ckpts)
         for epoch in (1, 2):
@@ -64,7 +109,7 @@ def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifa
     assert ddcl[0]["temperature"] == pytest.approx(0.05 * 0.1 ** (7 / 15))
     assert ddcl[1]["temperature"] == pytest.approx(0.005)
     hard = histories["hard"]
-    assert all(r["val_psnr"] == r["val_psnr_hard"] and r["v"] == 0 for r in hard)
+    assert all(r["val_psnr"] == r["val_psnr_hard"] and r["v"] == 0 for r in hard)  # the last one by hand above
     table = (out / "comparison.md").read_text()
     assert table.count("\n") == 4 and "ddcl util %" in table and "hard val PSNR" in table
     assert table in capsys.readouterr().out
@@ -136,13 +181,40 @@ def test_overwrite_starts_afresh_without_stale_artefacts(tmp_path, tiny_cifar):
 
 
 def test_checkpoint_loads_back_into_a_model(tmp_path, tiny_cifar):
+    """By value, not by shape: the reloaded model's state dict equals the checkpoint's and the trained model's
+    (captured by a forward hook during the run) tensor for tensor, the layer's extra state included, and on a fixed
+    batch its codes and reconstructions equal the trained model's bit for bit."""
+    trained: list[VQVAE] = []
+
+    def capture(module, args, output):  # the model train_vqvae.main builds and trains
+        if isinstance(module, VQVAE) and not trained:
+            trained.append(module)
+
     out = tmp_path / "run"
-    run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(out),
-        "--ddcl.temperature", "0.02", "--ddcl.target_entropy", "null")
+    handle = torch.nn.modules.module.register_module_forward_hook(capture)
+    try:
+        run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "1", "--out", str(out),
+            "--ddcl.temperature", "0.02", "--ddcl.target_entropy", "null")
+    finally:
+        handle.remove()
+    original = trained[0].eval()
     model = VQVAE.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu").eval()
+    assert model is not original
     assert model.quantizer.temperature == 0.02 and model.quantizer.initialized
-    images = model.decode_indices(model.encode(torch.rand(2, 3, 32, 32)))
-    assert images.shape == (2, 3, 32, 32)
+    saved = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    loaded, reference = model.state_dict(), original.state_dict()
+    assert set(loaded) == set(saved) == set(reference)
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value) and torch.equal(reference[key], value), key
+        else:  # the quantizer's extra state: temperature, initialized, restarts, ...
+            assert loaded[key] == value == reference[key], key
+    x = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        codes = model.encode(x)
+        assert torch.equal(codes, original.encode(x)) and codes.unique().numel() > 1
+        torch.testing.assert_close(model.decode_indices(codes), original.decode_indices(codes), rtol=0, atol=0)
+        torch.testing.assert_close(model(x).reconstruction, original(x).reconstruction, rtol=0, atol=0)
 
 
 def test_missing_data_is_a_clear_error(tmp_path):

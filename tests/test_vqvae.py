@@ -40,22 +40,37 @@ def test_encoder_rejects_bad_configs(kwargs, match):
 
 @pytest.mark.parametrize("name", ["ddcl", "hard"])
 def test_encode_and_decode_match_the_parts(name):
+    """encode/decode against the parts, and the layouts checked by value: code_dim 6 on an 8x8 grid (with D equal to
+    the grid size a (B, h, w, D) tensor has the shape of a (B, D, h, w) one), ``out.latents[:, :, i, j]`` is the
+    encoder's conv output at (i, j) and ``quantized[:, i, j]`` the codebook row of ``indices[:, i, j]``. The codes
+    are 16 of the batch's own tokens: a fresh encoder's latents barely vary, and a random codebook sends them all to
+    one code, which no layout bug can change."""
     torch.manual_seed(0)
     options = {"init": "normal", "init_scale": 0.1} if name == "ddcl" else {}
-    model = VQVAE(name, quantizer_kwargs=options, **SMALL).eval()
+    model = VQVAE(name, quantizer_kwargs=options, **{**SMALL, "code_dim": 6}).eval()
     x = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
-        tokens = rearrange(model.norm(model.encoder(x - 0.5)), "b d h w -> (b h w) d")
+        conv = model.norm(model.encoder(x - 0.5))  # a conv stack's output: (B, D, h, w) by construction
+        assert conv.shape == (3, 6, 8, 8)
+        tokens = rearrange(conv, "b d h w -> (b h w) d")
+        rows = tokens[torch.randperm(len(tokens))[:16]]
+        (model.quantizer.prototypes if name == "ddcl" else model.quantizer.embedding).copy_(rows)
         assert torch.equal(rearrange(model.latents(x), "b d h w -> (b h w) d"), tokens)
         codebook = model.quantizer.codebook
         expected = exact_cdist(tokens.double(), codebook.double()).argmin(dim=1).reshape(3, 8, 8)
         indices = model.encode(x)
         assert indices.shape == (3, 8, 8) and torch.equal(indices, expected)
+        assert indices.unique().numel() > 8 and not torch.equal(indices, indices.transpose(1, 2))
         images = model.decode_indices(indices)
         by_hand = model.decoder(rearrange(codebook[indices], "b h w d -> b d h w")) + 0.5
         assert images.shape == x.shape and torch.allclose(images, by_hand, atol=1e-6)
         out = model(x)
-    assert out.reconstruction.shape == x.shape and out.latents.shape == (3, 8, 8, 8)
+    assert out.reconstruction.shape == x.shape and out.latents.shape == (3, 6, 8, 8)
+    quantized = out.quantizer.quantized
+    assert quantized.shape == (3, 8, 8, 6) and torch.equal(out.quantizer.indices, indices)
+    for i, j in ((0, 0), (2, 5), (7, 3)):  # off-diagonal cells too: a transposed grid fails there
+        assert torch.equal(out.latents[:, :, i, j], conv[:, :, i, j]), (i, j)
+        torch.testing.assert_close(quantized[:, i, j], codebook[indices[:, i, j]], rtol=0, atol=1e-6)
     if name == "hard":  # straight-through: the forward value is the hard decode
         assert torch.allclose(out.reconstruction, images, atol=1e-6)
 
@@ -286,12 +301,30 @@ def test_anneal_temperature_errors(args, match):
 
 
 def test_build_quantizer_passes_options():
+    """Options reach the layer; and each built layer's codes are the rows of its state dict (``embedding`` /
+    ``prototypes``, read by key, not through ``codebook``): ``decode_indices`` of given indices returns those rows,
+    and in evaluation it picks and outputs the row that brute-force nearest neighbour picks for tokens placed next
+    to known rows (an independent reference, where ``codebook == prototypes`` held by construction)."""
     q = build_quantizer("hard", 8, 4, beta=0.5, ema_decay=0.9)
     assert isinstance(q, softvq.HardVQ) and q.beta == 0.5 and q.ema_decay == 0.9
     q = build_quantizer("ddcl", 8, 4, temperature=0.3, prototype_update="soft_ema")
     assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3 and q.prototype_update == "soft_ema"
     with pytest.raises(ValueError, match="invalid option for quantizer 'ddcl'"):
         build_quantizer("ddcl", 8, 4, beta=0.5)
+    torch.manual_seed(0)
+    for name, key, options in (("hard", "embedding", {}), ("ddcl", "prototypes", {"init": "normal"})):
+        layer = build_quantizer(name, 8, 4, **options).eval()
+        rows = layer.state_dict()[key].clone()  # (K, D)
+        given = torch.tensor([[5, 0, 7], [2, 5, 1]])
+        assert torch.equal(layer.decode_indices(given), rows[given]), name
+        chosen = torch.tensor([3, 6, 0, 6, 1, 4])
+        tokens = rows[chosen] + 1e-3 * torch.randn(len(chosen), 4)  # far closer to their row than to any other
+        nearest = (tokens[:, None, :] - rows[None, :, :]).square().sum(-1).argmin(1)  # brute force, (N, K)
+        assert torch.equal(nearest, chosen), name
+        with torch.no_grad():
+            out = layer(tokens)
+        assert torch.equal(out.indices, nearest), name
+        torch.testing.assert_close(out.quantized, rows[nearest], rtol=0, atol=1e-6, msg=name)
 
 
 def test_a_checkpoint_from_before_the_in_layer_recipe_loads_and_evaluates_as_trained(tmp_path):
