@@ -48,7 +48,7 @@ class InLayerRecipe:
     def _set_recipe_options(
         self,
         auto: bool,
-        temperature: float | None,
+        temperature: float | str | None,
         *,
         standardize: bool | None,
         output_scale: str,
@@ -57,7 +57,7 @@ class InLayerRecipe:
         ema_decay: float,
         target_entropy: float | str | None,
         temperature_rate: float,
-        dead_code_threshold: float | None,
+        dead_code_threshold: float | str | None,
         dead_code_decay: float,
     ) -> None:
         """Validate the options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the
@@ -76,6 +76,9 @@ class InLayerRecipe:
             raise ValueError(f"target_entropy must be below log(num_codes) = {math.log(num_codes):.4g} nats (uniform "
                              f"assignments), got {target_entropy!r}")
         self.temperature_rate = check_float("temperature_rate", temperature_rate)
+        temperature = None if isinstance(temperature, str) and temperature == "auto" else temperature
+        dead_code_threshold = None if isinstance(dead_code_threshold, str) and dead_code_threshold == "auto" \
+            else dead_code_threshold
         if temperature is None and self.target_entropy is None:
             temperature = 1.0
         self._temperature = None if temperature is None else check_float("temperature", temperature)

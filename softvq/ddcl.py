@@ -91,8 +91,9 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
     Args:
         num_codes: ``K``, the number of prototypes.
         dim: ``D``, the token dimension.
-        temperature: Boltzmann ``T > 0`` in units of squared (standardised) distance at the start, or ``None``: set on
-            the first training batch from ``target_entropy`` (``recipe="auto"``; 1.0 for ``"plain"``). It may be
+        temperature: Boltzmann ``T > 0`` in units of squared (standardised) distance at the start, or ``"auto"`` (or
+            ``None``): set on the first training batch from ``target_entropy`` (``recipe="auto"``; 1.0 for
+            ``"plain"``). It may be
             assigned during training (``quantizer.temperature = t``) and is saved in the ``state_dict``.
         recipe: ``"auto"`` (the defaults above) or ``"plain"``.
         target_entropy: the H(Q) in nats that the temperature control holds, ``None`` for a fixed ``T``; ``"auto"``:
@@ -122,7 +123,8 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
             ``N(0, init_scale^2)``.
         init_scale: standard deviation of the ``"normal"`` initialisation.
         dead_code_threshold: restart a prototype whose running number of won tokens per batch (decay
-            ``dead_code_decay``) is below this; 0 = never. ``None``: the recipe's, 1.0 for ``"auto"`` (but never above
+            ``dead_code_decay``) is below this; 0 = never. ``"auto"`` (or ``None``): the recipe's, 1.0 for ``"auto"``
+            (but never above
             a quarter of the mean tokens per code, so that a small batch does not restart live codes) and 0 for
             ``"plain"``.
         dead_code_decay: decay of that running count, in ``(0, 1)``.
@@ -141,7 +143,7 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
         self,
         num_codes: int,
         dim: int,
-        temperature: float | None = None,
+        temperature: float | Literal["auto"] | None = "auto",
         *,
         recipe: Literal["auto", "plain"] = "auto",
         target_entropy: float | Literal["auto"] | None = "auto",
@@ -158,7 +160,7 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
         commitment_weight: float = 0.0,  # soft commitment is mean-shift: it collapses the tokens into few modes
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
-        dead_code_threshold: float | None = None,
+        dead_code_threshold: float | Literal["auto"] | None = "auto",
         dead_code_decay: float = 0.9,
         channel_first: bool = False,
         check_finite: bool = True,

@@ -53,7 +53,9 @@ def test_saved_config_is_resolved_and_reproduces_the_run(tiny_cifar, tmp_path):
     assert saved["ddcl"]["standardize"] is True and saved["ddcl"]["hard_output"] is True
     assert saved["ddcl"]["prototype_update"] == "ema" and saved["model"]["latent_norm"] == "none"
     assert saved["ddcl"]["target_entropy"] == pytest.approx(min(2.5, 0.5 * __import__("math").log(8)))
-    assert saved["ddcl"]["dead_code_threshold"] == 1.0
+    # "auto" only where it names a rule applied while training: T from the first batch, the capped restart threshold
+    assert saved["ddcl"]["temperature"] == "auto" and saved["ddcl"]["dead_code_threshold"] == "auto"
+    assert None not in (saved["ddcl"]["standardize"], saved["ddcl"]["hard_output"], saved["model"]["latent_norm"])
     # the file is a config: parsed again it describes the same run, key for key
     cfg = train_config.parse(["--config", str(out / "config.json")])
     model = train_vqvae.VQVAE(**train_config.model_kwargs(cfg, "ddcl"))

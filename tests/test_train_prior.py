@@ -57,7 +57,7 @@ def test_train_prior_writes_history_checkpoints_and_test_nll(trained, vqvaes):
     for row in rows:
         assert {"train_bits", "val_bits", "lr", "time_s"} <= set(row)
         assert 0 < row["val_bits"] < 2 * math.log2(16) and 0 < row["train_bits"]
-    best = min(rows, key=lambda r: r["val_bits"])["epoch"] - 1  # Lightning numbers the checkpoint's epoch from 0
+    best = min(rows, key=lambda r: r["val_bits"])["epoch"]  # checkpoint names count epochs from 1, as the history
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"best-epoch{best:02d}.ckpt", "last.ckpt"]
     assert list((out / "tb").glob("events.out.tfevents.*"))
     saved = json.loads((out / "test.json").read_text())
@@ -92,7 +92,7 @@ def test_cached_codes_equal_the_vqvae_encoding_of_the_same_images(trained, vqvae
     assert saved["test"]["labels"].long().tolist() == [c for c in range(10) for _ in range(5)]
     assert saved["train"]["codes"].shape == (250, 8, 8) and saved["val"]["codes"].shape == (50, 8, 8)
     # A second run over the same checkpoint and selection reads the cache instead of encoding.
-    monkeypatch.setattr("models.codes.extract_codes", None)  # would raise if called
+    monkeypatch.setattr("softvq.models.codes.extract_codes", None)  # would raise if called
     train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes[name]), "--data-root", str(tiny_cifar["folder"]),
                       "--out", str(tmp_path / "again"), "--epochs", "1", "--cache-dir", str(cache)])
 

@@ -244,7 +244,7 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     layer_defaults = {k: p.default for k, p in inspect.signature(DDCLQuantizer).parameters.items()
                       if k not in config.LAYER_SKIP}
     assert ddcl["quantizer_kwargs"] == layer_defaults  # the flags' defaults are the layer's own: its recipe
-    assert ddcl["quantizer_kwargs"]["recipe"] == "auto" and ddcl["quantizer_kwargs"]["temperature"] is None
+    assert ddcl["quantizer_kwargs"]["recipe"] == "auto" and ddcl["quantizer_kwargs"]["temperature"] == "auto"
     assert hard["latent_norm"] is None
     assert {k: hard["quantizer_kwargs"][k] for k in ("beta", "ema_decay", "dead_code_threshold")} == {
         "beta": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}  # straight-through, gradient codebook

@@ -119,20 +119,44 @@ def layer_kwargs(cfg: Namespace, quantizer: str) -> dict[str, Any]:
     if quantizer == "ddcl" and cfg.model.levels > 1:
         defaults = {k: p.default for k, p in inspect.signature(DDCLQuantizer).parameters.items()}
         section = {k: v for k, v in section.items() if v != defaults.get(k)}
+    elif quantizer == "ddcl" and cfg.model.temperature_schedule != "constant" \
+            and section.get("target_entropy") == "auto":
+        del section["target_entropy"]  # a schedule sets T: VQVAE then turns the layer's entropy control off
     return section
 
 
 def model_kwargs(cfg: Namespace, quantizer: str) -> dict[str, Any]:
-    """The :class:`~softvq.models.VQVAE` constructor arguments of one run."""
-    return {**cfg.model.as_dict(), "quantizer": quantizer, "quantizer_kwargs": layer_kwargs(cfg, quantizer)}
+    """The :class:`~softvq.models.VQVAE` constructor arguments of one run. The temperature schedule is DDCL's: a hard
+    VQ run next to it keeps ``constant``."""
+    model = cfg.model.as_dict()
+    if quantizer != "ddcl":
+        model.update(temperature_schedule="constant", temperature_final=None)
+    return {**model, "quantizer": quantizer, "quantizer_kwargs": layer_kwargs(cfg, quantizer)}
+
+
+def check_all(cfg: Namespace) -> None:
+    """Every constructor's checks for every run of the command, before the first one starts: a setting that would
+    fail the second run fails the command at once. Each ``--<quantizer>.*`` section is checked by its class even when
+    that quantizer is not trained, so that a bad value is never silently carried in a config file."""
+    run_options(cfg)
+    hardware(cfg)
+    for name, cls in QUANTIZER_CLASSES.items():
+        cls(cfg.model.num_codes, cfg.model.code_dim, **cfg[name].as_dict())
+    for quantizer in cfg.quantizer:
+        VQVAE(**model_kwargs(cfg, quantizer))
+
+
+# "auto" values that name a rule the layer applies while it trains rather than a value it picks at construction:
+# the temperature set on the first batch, the restart threshold capped at a quarter of the mean tokens per code.
+RUNTIME_AUTO = ("temperature", "dead_code_threshold")
 
 
 def _resolved(given: dict[str, Any], module: Any) -> dict[str, Any]:
     """``given`` with every null or ``"auto"`` replaced by the value ``module`` resolved it to (its attribute of the
-    same name), so that config.json says what the run used rather than "the default"."""
+    same name), so that config.json says what the run used rather than "the default" (except :data:`RUNTIME_AUTO`)."""
     out = {}
     for key, value in given.items():
-        if value is None or value == "auto":
+        if value is None or (value == "auto" and key not in RUNTIME_AUTO):
             value = getattr(module, key, value)
         out[key] = value
     return out
@@ -142,8 +166,10 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     """What config.json records of one run: every setting as the run used it, as JSON values.
 
     Nulls that stand for a default are replaced by the value the constructors chose (e.g. ``model.latent_norm``,
-    ``ddcl.standardize``, ``ddcl.target_entropy``); a null that remains means "off" or "not used" (for the DDCL
-    temperature: set on the first training batch by bisection to the target entropy).
+    ``ddcl.standardize``, ``ddcl.target_entropy``); a null that remains means "off" or "not used". ``"auto"`` remains
+    only where it names a rule applied in training (:data:`RUNTIME_AUTO`): ``ddcl.temperature`` set on the first
+    training batch by bisection to the target entropy, ``ddcl.dead_code_threshold`` 1 capped at a quarter of the mean
+    tokens per code.
     """
     layer = model.quantizer.levels[0] if model.levels > 1 else model.quantizer  # level 0 for the hierarchy
     section = layer_kwargs(cfg, quantizer) if model.levels == 1 else {

@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     if cfg.resume not in (None, "last") and len(cfg.quantizer) > 1:
         raise ValueError("--resume with a checkpoint path needs a single --quantizer (use --resume alone to resume "
                          "every run from its own last checkpoint)")
-    config.run_options(cfg), config.hardware(cfg)  # their checks, before any run starts
+    config.check_all(cfg)  # every constructor's checks, before any run starts
     several, out = len(cfg.quantizer) > 1, Path(cfg.out)
     histories = {}
     with GracefulStop() as stop, run_locks(cfg):

@@ -212,7 +212,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
             target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
             if target_entropy is not None and self._layer_controls_temperature():
                 raise ValueError("target_entropy: the DDCL layer controls its own temperature; set it with "
-                                 "quantizer_kwargs={'target_entropy': ...}")
+                                 "quantizer_kwargs={'target_entropy': ...} (softvq-train: --ddcl.target_entropy)")
         self._target_entropy = target_entropy
         self.temperature_rate = check_float("temperature_rate", temperature_rate)
         if self.target_entropy is not None:
