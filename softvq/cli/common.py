@@ -8,11 +8,13 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -218,3 +220,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
             return text
         return super()._get_help_string(action)
+
+
+def claim_run_directory(out: Path, resume: str | None, overwrite: bool, stale: Sequence[str]) -> None:
+    """The output-directory rule of every training command: refuse to start afresh over an old run (one with a
+    ``history.jsonl`` or ``checkpoints/``) unless ``resume`` or ``overwrite``; with ``overwrite`` (and no ``resume``)
+    remove the old run's ``stale`` entries (names or glob patterns below ``out``, files or directories), so that its
+    artefacts do not mix with the new run's. Call with the run's lock held."""
+    if resume is None and not overwrite and ((out / "history.jsonl").exists() or (out / "checkpoints").exists()):
+        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
+                              f"start afresh (or choose another --out)")
+    if overwrite and resume is None:
+        remove_entries(out, stale)
+
+
+def remove_entries(out: Path, patterns: Sequence[str]) -> None:
+    """Remove the files and directories below ``out`` that match ``patterns`` (names or glob patterns)."""
+    for pattern in patterns:
+        for path in out.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

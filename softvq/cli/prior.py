@@ -26,7 +26,6 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import signal
 import sys
 import time
@@ -47,6 +46,7 @@ from softvq.cli.common import (
     HelpFormatter,
     Interrupted,
     add_hardware_args,
+    claim_run_directory,
     hardware_kwargs,
     non_negative_float,
     non_negative_int,
@@ -154,21 +154,12 @@ def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None
 
 def prepare_out(args: argparse.Namespace) -> None:
     """Refuse to start afresh over an old run (unless --overwrite, which clears it); write config.json."""
-    out = args.out
-    if args.resume is None and not args.overwrite and ((out / "history.jsonl").exists()
-                                                       or (out / "checkpoints").exists()):
-        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
-                              f"start afresh (or choose another --out)")
+    claim_run_directory(args.out, args.resume, args.overwrite, ("history.jsonl", "test.json", "checkpoints", "tb"))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "config.json", json.dumps(vars(args), default=str, indent=2))
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "config.json", json.dumps(vars(args), default=str, indent=2))
     except OSError as err:
-        raise OSError(f"cannot write to the output directory {out}: {err}") from err
-    if args.overwrite and args.resume is None:
-        for stale in ("history.jsonl", "test.json"):
-            (out / stale).unlink(missing_ok=True)
-        for stale_dir in (out / "checkpoints", out / "tb"):
-            shutil.rmtree(stale_dir, ignore_errors=True)
+        raise OSError(f"cannot write to the output directory {args.out}: {err}") from err
 
 
 def loader(split: CodeSet, batch_size: int, shuffle: bool) -> DataLoader:

@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import warnings
@@ -44,6 +43,8 @@ from softvq.cli import config
 from softvq.cli.common import (
     GracefulStop,
     Interrupted,
+    claim_run_directory,
+    remove_entries,
     run_command,
 )
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes
@@ -63,6 +64,8 @@ from softvq.models.files import RunLock
 log = logging.getLogger("softvq")
 
 INVOCATIONS = "invocations.jsonl"  # one line per start or resume of a run: when, which pid, the argv, what changed
+# What --overwrite removes of an old run, so that its artefacts do not mix with the new run's.
+STALE = ("history.jsonl", INVOCATIONS, "config.json", "checkpoints", "tb", "recon_epoch*.png")
 
 
 def check_checkpoint(path: Path, model: dict[str, Any]) -> dict[str, Any]:
@@ -113,19 +116,9 @@ def prepare_out(cfg: Namespace, run: dict[str, Any], out: Path, changed: dict[st
                 argv: Sequence[str] | None = None) -> None:
     """Refuse to start afresh over an old run (unless --overwrite, which clears it); write config.json for a new run
     (a resumed one keeps its own) and append this invocation to invocations.jsonl. Call with the run's lock held."""
-    if cfg.resume is None and not cfg.overwrite and ((out / "history.jsonl").exists()
-                                                     or (out / "checkpoints").exists()):
-        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or --overwrite to "
-                              f"start afresh (or choose another --out)")
+    claim_run_directory(out, cfg.resume, cfg.overwrite, STALE)
     for directory in (out, out / "checkpoints"):  # a killed run's half-written temporaries, never its outputs
         remove_stale_temporaries(directory)
-    if cfg.overwrite and cfg.resume is None:  # the previous run's artefacts would mix with the new ones
-        for stale_file in (out / "history.jsonl", out / INVOCATIONS, out / "config.json"):
-            stale_file.unlink(missing_ok=True)
-        for stale in (out / "checkpoints", out / "tb"):
-            shutil.rmtree(stale, ignore_errors=True)
-        for png in out.glob("recon_epoch*.png"):
-            png.unlink()
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "pid": os.getpid(), "argv": list(sys.argv[1:] if argv is None else argv),
               "resume": cfg.resume, "changed": changed or {}}
@@ -232,12 +225,8 @@ def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | No
 def discard_unstarted(out: Path) -> None:
     """Remove what a new run wrote into ``out`` when it failed before its first checkpoint: a directory that holds only
     a config.json would look like a run and make the next attempt need --overwrite. A run with a checkpoint is kept."""
-    if (out / "checkpoints" / "last.ckpt").exists():
-        return
-    for name in ("config.json", INVOCATIONS, "history.jsonl", *(p.name for p in out.glob("recon_epoch*.png"))):
-        (out / name).unlink(missing_ok=True)
-    for directory in ("tb", "checkpoints"):
-        shutil.rmtree(out / directory, ignore_errors=True)
+    if not (out / "checkpoints" / "last.ckpt").exists():
+        remove_entries(out, STALE)
 
 
 def _fit(trainer: L.Trainer, model: VQVAE, data: CIFAR10DataModule, ckpt_path: Path | None, out: Path,
