@@ -243,45 +243,44 @@ def winners(groups: dict[str, list], labels: dict[str, str]) -> list[str]:
     return lines
 
 
-def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path,
-                 seconds: dict[str, float]) -> dict[str, Any]:
-    """Write ``report.md``, ``results.json`` and the plots of :data:`PLOTS` into ``out``; returns the results."""
-    out.mkdir(parents=True, exist_ok=True)
-    epochs = int(settings["epochs"])
-    labels = {r["key"]: r["label"] for r in runs}
-    by_key = {k: _by_key(runs, k) for k in dict.fromkeys(r["key"] for r in runs)}
-    groups = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "methods"}
-    ablation_seeds = set(settings["ablation_seeds"])
-    # The studies' reference is the plain layer at eps = 0.01 with entropy-controlled T ("ddcl_plain", in the eps
-    # group); the method "ddcl" is the layer's own recipe, whose prototypes no optimizer trains.
-    eps_all = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "eps"}
-    eps = {k: rs for k, rs in eps_all.items() if k != "ddcl_plain"}
-    temp = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "temperature"}
-    default = [r for r in eps_all.get("ddcl_plain", []) if r["seed"] in ablation_seeds]
-    labels_eps = {**labels, "ddcl_plain": "plain layer, eps = 0.01 (the issue-4 recipe)"}
-    labels_temp = {**labels, "ddcl_plain": "plain layer, T entropy-controlled (the issue-4 recipe)"}
-    temp_all = {"ddcl_plain": default, **temp} if default else temp
+def train_minutes(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Training minutes per run (``key/seedN``), summed over the epochs of its history."""
+    return {f"{r['key']}/seed{r['seed']}": round(sum(row.get("time_s", 0) for row in r["history"]) / 60, 2)
+            for r in runs}
 
-    plot_health(groups, labels, epochs, out / "health.png")
-    plot_terms(groups.get("ddcl", []), epochs, out / "ddcl_terms.png")
-    plot_usage(groups, labels, out / "usage.png")
-    train_minutes = {r["key"] + f"/seed{r['seed']}": round(sum(row.get("time_s", 0) for row in r["history"]) / 60, 2)
-                     for r in runs}
+
+def runs_for_json(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs as ``results.json`` keeps them: everything but the test split's per-code counts."""
+    return [{k: v for k, v in r.items() if k != "test"}
+            | {"test": {k: v for k, v in r["test"].items() if k != "code_counts"}} for r in runs]
+
+
+def _intro(runs: list[dict[str, Any]], settings: dict[str, Any], seconds: dict[str, float]) -> list[str]:
+    """Title, the command that regenerates the report, what every run was, and this invocation's time."""
+    minutes = train_minutes(runs)
     subset = settings["train_subset"] or 45000
     limit = settings["test_limit"]
     test_images = "all 10,000" if limit is None else f"the first {limit:,}"
-    lines = [
+    return [
         "# Head-to-head: DDCL vs hard VQ-VAE on CIFAR-10", "",
         f"Regenerate: `{settings['command']}`", "",
-        f"Every run: {epochs} epochs on {subset:,} training images, {settings['val_size']:,} held-out validation "
-        f"images, test metrics on {test_images} "
+        f"Every run: {int(settings['epochs'])} epochs on {subset:,} training images, {settings['val_size']:,} held-out "
+        f"validation images, test metrics on {test_images} "
         f"test images from the last epoch's checkpoint. Method seeds {settings['seeds']}, ablation seeds "
         f"{settings['ablation_seeds']}. Extra trainer flags: `{settings['train_args'] or 'none'}`. ± is the sample "
         f"standard deviation over seeds.", "",
         f"This invocation: {seconds['total'] / 60:.1f} min of wall time, {seconds['train'] / 60:.1f} min of it "
         f"training ({settings['jobs']} runs at a time; runs that already existed were read, not retrained). "
-        f"Training time summed over the runs' epochs: {sum(train_minutes.values()):.1f} min; per run (minutes): "
-        + ", ".join(f"{k} {v}" for k, v in train_minutes.items()) + ".", "",
+        f"Training time summed over the runs' epochs: {sum(minutes.values()):.1f} min; per run (minutes): "
+        + ", ".join(f"{k} {v}" for k, v in minutes.items()) + ".", "",
+    ]
+
+
+def _head_to_head(groups: dict[str, list], labels: dict[str, str], eps: dict[str, list], epochs: int) -> list[str]:
+    """The methods' sections: the paper's claims, the test table and its winners, codebook health per epoch, DDCL's
+    decomposition per epoch, prototype usage (the plots of :func:`plot_health`, :func:`plot_terms`,
+    :func:`plot_usage`)."""
+    return [
         "## Against the paper's claims", "", *claims(groups, labels, eps, epochs), "",
         "## Test split, last epoch", "", *test_table(groups, labels), "",
         "PSNR is per image, averaged; *hard* decodes the argmax codes (for hard VQ it is the model's output itself). "
@@ -299,32 +298,64 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
                       ("identity_residual", "max residual", "{:.1e}", 1.0)), epochs), "",
         "## Prototype usage at the last epoch (test split)", "", "![usage](usage.png)", "",
     ]
+
+
+def _eps_study(eps_all: dict[str, list], labels: dict[str, str], epochs: int, out: Path) -> list[str]:
+    """``eps.png`` and the eps ablation's section: the reference layer at eps = 0.01 beside the other eps."""
+    plot_study(eps_all, labels, (("separation", "S(P), mean prototype separation", 1.0),
+                                 ("utilization", "utilization %", 100.0),
+                                 ("perplexity", "perplexity of hard codes", 1.0)), epochs, out / "eps.png")
+    return [
+        "## eps ablation (DDCL, eps = encoder lr / prototype lr)", "", "![eps](eps.png)", "",
+        *epoch_table(eps_all, labels, (("separation", "S(P)", "{:.2f}", 1.0),
+                                       ("utilization", "util %", "{:.1f}", 100.0),
+                                       ("perplexity", "ppl", "{:.0f}", 1.0),
+                                       ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0)), epochs), "",
+        *test_table(eps_all, labels), ""]
+
+
+def _temperature_study(temp_all: dict[str, list], labels: dict[str, str], epochs: int, out: Path) -> list[str]:
+    """``temperature.png`` and the temperature study's section: entropy-controlled T beside fixed and annealed."""
+    plot_study(temp_all, labels, (("temperature", "T at the epoch's last step", 1.0),
+                                  ("gap", "val PSNR gap, soft - hard (dB)", 1.0),
+                                  ("val_psnr_hard", "val PSNR from hard indices (dB)", 1.0)), epochs,
+               out / "temperature.png")
+    return [
+        "## Temperature: entropy-controlled, fixed, annealed", "", "![temperature](temperature.png)", "",
+        *epoch_table(temp_all, labels, (("temperature", "T", "{:.2f}", 1.0),
+                                        ("val_psnr", "PSNR soft", "{:.2f}", 1.0),
+                                        ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0),
+                                        ("gap", "gap dB", "{:.2f}", 1.0)), epochs), "",
+        *test_table(temp_all, labels), ""]
+
+
+def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path,
+                 seconds: dict[str, float]) -> dict[str, Any]:
+    """Write ``report.md``, ``results.json`` and the plots of :data:`PLOTS` into ``out``; returns the results."""
+    out.mkdir(parents=True, exist_ok=True)
+    epochs = int(settings["epochs"])
+    labels = {r["key"]: r["label"] for r in runs}
+    by_key = {k: _by_key(runs, k) for k in dict.fromkeys(r["key"] for r in runs)}
+    groups = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "methods"}
+    # The studies' reference is the plain layer at eps = 0.01 with entropy-controlled T ("ddcl_plain", in the eps
+    # group); the method "ddcl" is the layer's own recipe, whose prototypes no optimizer trains.
+    eps_all = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "eps"}
+    eps = {k: rs for k, rs in eps_all.items() if k != "ddcl_plain"}
+    temp = {k: rs for k, rs in by_key.items() if rs[0]["group"] == "temperature"}
+    default = [r for r in eps_all.get("ddcl_plain", []) if r["seed"] in set(settings["ablation_seeds"])]
+
+    plot_health(groups, labels, epochs, out / "health.png")
+    plot_terms(groups.get("ddcl", []), epochs, out / "ddcl_terms.png")
+    plot_usage(groups, labels, out / "usage.png")
+    lines = [*_intro(runs, settings, seconds), *_head_to_head(groups, labels, eps, epochs)]
     if eps:
-        plot_study(eps_all, labels_eps, (("separation", "S(P), mean prototype separation", 1.0),
-                                         ("utilization", "utilization %", 100.0),
-                                         ("perplexity", "perplexity of hard codes", 1.0)), epochs, out / "eps.png")
-        lines += [
-            "## eps ablation (DDCL, eps = encoder lr / prototype lr)", "", "![eps](eps.png)", "",
-            *epoch_table(eps_all, labels_eps, (("separation", "S(P)", "{:.2f}", 1.0),
-                                               ("utilization", "util %", "{:.1f}", 100.0),
-                                               ("perplexity", "ppl", "{:.0f}", 1.0),
-                                               ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0)), epochs), "",
-            *test_table(eps_all, labels_eps), ""]
+        lines += _eps_study(eps_all, {**labels, "ddcl_plain": "plain layer, eps = 0.01 (the issue-4 recipe)"},
+                            epochs, out)
     if temp:
-        plot_study(temp_all, labels_temp, (("temperature", "T at the epoch's last step", 1.0),
-                                           ("gap", "val PSNR gap, soft - hard (dB)", 1.0),
-                                           ("val_psnr_hard", "val PSNR from hard indices (dB)", 1.0)), epochs,
-                   out / "temperature.png")
-        lines += [
-            "## Temperature: entropy-controlled, fixed, annealed", "", "![temperature](temperature.png)", "",
-            *epoch_table(temp_all, labels_temp, (("temperature", "T", "{:.2f}", 1.0),
-                                                 ("val_psnr", "PSNR soft", "{:.2f}", 1.0),
-                                                 ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0),
-                                                 ("gap", "gap dB", "{:.2f}", 1.0)), epochs), "",
-            *test_table(temp_all, labels_temp), ""]
+        lines += _temperature_study({"ddcl_plain": default, **temp} if default else temp,
+                                    {**labels, "ddcl_plain": "plain layer, T entropy-controlled (the issue-4 recipe)"},
+                                    epochs, out)
     write_atomic(out / "report.md", "\n".join(lines))
-    results = {"settings": settings, "seconds": seconds,
-               "runs": [{k: v for k, v in r.items() if k != "test"}
-                        | {"test": {k: v for k, v in r["test"].items() if k != "code_counts"}} for r in runs]}
+    results = {"settings": settings, "seconds": seconds, "runs": runs_for_json(runs)}
     write_atomic(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     return results

@@ -118,36 +118,26 @@ def level_test_table(runs: list[dict[str, Any]], levels: int) -> list[str]:
     return lines
 
 
-def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], settings: dict[str, Any], out: Path,
-                 seconds: dict[str, float]) -> dict[str, Any]:
-    """Write ``report.md``, ``results.json`` and :data:`PLOTS` into ``out``; returns the results."""
-    out.mkdir(parents=True, exist_ok=True)
-    epochs = int(settings["epochs"])
-    groups = _groups(runs)
-    labels = {r["key"]: r["label"] for r in runs}
-    two = groups.get(TWO_LEVEL, [])
-    levels = _levels(two)
-    rep.plot_health(groups, labels, epochs, out / "health.png")
-    plot_levels(groups, labels, epochs, out / "levels.png")
-    minutes = {f"{r['key']}/seed{r['seed']}": round(sum(row.get("time_s", 0) for row in r["history"]) / 60, 2)
-               for r in runs}
+def _intro(runs: list[dict[str, Any]], settings: dict[str, Any], seconds: dict[str, float]) -> list[str]:
+    """Title, the command that regenerates the report, what every run and the 2-level model were, this invocation's
+    time, and the reference runs left out."""
+    two = _groups(runs).get(TWO_LEVEL, [])
+    minutes = rep.train_minutes(runs)
     subset = settings["train_subset"] or 45000
     limit = settings["test_limit"]
     missing = settings.get("missing_references") or []
     ref_seeds = settings.get("reference_seeds") or settings["seeds"]
-    columns = (("utilization", "util %", "{:.1f}", 100.0), ("perplexity", "ppl", "{:.0f}", 1.0),
-               ("val_psnr_hard", "val PSNR hard", "{:.2f}", 1.0))
     lines = [
         "# Hierarchical DDCL: 1 level vs 2 levels vs hard VQ on CIFAR-10", "",
         f"Regenerate: `{settings['command']}`", "",
-        f"Every run: {epochs} epochs on {subset:,} training images, {settings['val_size']:,} validation images, test "
-        f"metrics on {'all 10,000' if limit is None else f'the first {limit:,}'} test images from the last epoch's "
-        f"checkpoint; 2-level seeds {settings['seeds']}, reference seeds {ref_seeds}; extra trainer flags "
-        f"`{settings['train_args'] or 'none'}`. The 2-level "
-        f"model: {_codes(two, 0)} codes on the 8x8 latent grid (level 0, the same codebook as 1-level DDCL) and "
-        f"{_codes(two, 1)} codes on the 2x2 averages of level 0's soft centroids (level 1, a 4x4 grid); the "
-        f"decoder sees both levels (level 1 upsampled, concatenated). ± is the sample standard deviation over seeds; "
-        f"plain columns of the 2-level model are its level 0.", "",
+        f"Every run: {int(settings['epochs'])} epochs on {subset:,} training images, {settings['val_size']:,} "
+        f"validation images, test metrics on {'all 10,000' if limit is None else f'the first {limit:,}'} test images "
+        f"from the last epoch's checkpoint; 2-level seeds {settings['seeds']}, reference seeds {ref_seeds}; extra "
+        f"trainer flags `{settings['train_args'] or 'none'}`. The 2-level model: {_codes(two, 0)} codes on the 8x8 "
+        f"latent grid (level 0, the same codebook as 1-level DDCL) and {_codes(two, 1)} codes on the 2x2 averages of "
+        "level 0's soft centroids (level 1, a 4x4 grid); the decoder sees both levels (level 1 upsampled, "
+        "concatenated). ± is the sample standard deviation over seeds; plain columns of the 2-level model are its "
+        "level 0.", "",
         f"This invocation: {seconds['total'] / 60:.1f} min of wall time, {seconds['train_2level'] / 60:.1f} min of it "
         f"training 2-level runs ({settings['jobs']} at a time; existing runs were read, not retrained). Training time "
         f"per run (sum of its epochs, minutes): " + ", ".join(f"{k} {v}" for k, v in minutes.items()) + ".", "",
@@ -155,17 +145,48 @@ def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], setti
     if missing:
         lines += ["Reference runs missing or unfinished when this report was written, left out: "
                   + ", ".join(f"`{m}`" for m in missing) + ".", ""]
-    lines += [
+    return lines
+
+
+def _claim_and_test(groups: dict[str, list], labels: dict[str, str], checks: list[dict[str, Any]],
+                    tolerance: float) -> list[str]:
+    """The verdict on the hierarchical claim, the test table and its winners, and every level of the 2-level model
+    on the test split."""
+    two = groups.get(TWO_LEVEL, [])
+    lines = [
         "## The paper's hierarchical claim: V^(l) >= 0 and L_q = L_OLS + V at every level and every epoch", "",
-        *claim_lines(checks, labels, float(settings["identity_tolerance"])), "",
+        *claim_lines(checks, labels, tolerance), "",
         "## Test split, last epoch", "", *rep.test_table(groups, labels), "",
         "*hard* decodes the argmax codes (for 2 levels: both levels' codes); utilization, dead codes and perplexity "
         "are level 0's (the bottom codebook, the same size in both DDCL models).", "",
         *rep.winners(groups, labels), "",
     ]
     if two:
-        lines += ["2-level DDCL, every level on the test split:", "", *level_test_table(two, levels), ""]
-    lines += [
+        lines += ["2-level DDCL, every level on the test split:", "", *level_test_table(two, _levels(two)), ""]
+    return lines
+
+
+def _level_epoch_table(two: list[dict[str, Any]], level: int, epochs: int) -> list[str]:
+    """One level of the 2-level model per epoch: its terms, smallest V, residual, usage and T."""
+    s = f"_l{level}"
+    return [f"2-level DDCL, level {level} (epoch means; smallest batch V; largest batch residual; T at the "
+            f"epoch's last step):", "",
+            *rep.epoch_table({TWO_LEVEL: two}, {TWO_LEVEL: f"level {level}"},
+                             (("l_q" + s, "L_q", "{:.3f}", 1.0), ("l_ols" + s, "L_OLS", "{:.3f}", 1.0),
+                              ("v" + s, "V", "{:.3f}", 1.0), ("v_min" + s, "min V", "{:.3f}", 1.0),
+                              ("identity_residual" + s, "max residual", "{:.1e}", 1.0),
+                              ("utilization" + s, "util %", "{:.1f}", 100.0),
+                              ("perplexity" + s, "ppl", "{:.0f}", 1.0),
+                              ("temperature" + s, "T", "{:.2f}", 1.0)), epochs), ""]
+
+
+def _per_epoch(groups: dict[str, list], labels: dict[str, str], epochs: int) -> list[str]:
+    """Codebook health and validation PSNR per epoch (``health.png``), then the decomposition per epoch
+    (``levels.png``): 1-level DDCL, and each level of the 2-level model."""
+    two = groups.get(TWO_LEVEL, [])
+    columns = (("utilization", "util %", "{:.1f}", 100.0), ("perplexity", "ppl", "{:.0f}", 1.0),
+               ("val_psnr_hard", "val PSNR hard", "{:.2f}", 1.0))
+    lines = [
         "## Codebook health and validation PSNR per epoch", "", "![health](health.png)", "",
         *rep.epoch_table(groups, labels, columns, epochs), "",
         "## Per-level decomposition per epoch", "", "![levels](levels.png)", "",
@@ -176,21 +197,24 @@ def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], setti
                                    (("l_q", "L_q", "{:.3f}", 1.0), ("l_ols", "L_OLS", "{:.3f}", 1.0),
                                     ("v", "V", "{:.3f}", 1.0), ("identity_residual", "max residual", "{:.1e}", 1.0)),
                                    epochs), ""]
-    for level in range(levels if two else 0):
-        s = f"_l{level}"
-        lines += [f"2-level DDCL, level {level} (epoch means; smallest batch V; largest batch residual; T at the "
-                  f"epoch's last step):", "",
-                  *rep.epoch_table({TWO_LEVEL: two}, {TWO_LEVEL: f"level {level}"},
-                                   (("l_q" + s, "L_q", "{:.3f}", 1.0), ("l_ols" + s, "L_OLS", "{:.3f}", 1.0),
-                                    ("v" + s, "V", "{:.3f}", 1.0), ("v_min" + s, "min V", "{:.3f}", 1.0),
-                                    ("identity_residual" + s, "max residual", "{:.1e}", 1.0),
-                                    ("utilization" + s, "util %", "{:.1f}", 100.0),
-                                    ("perplexity" + s, "ppl", "{:.0f}", 1.0),
-                                    ("temperature" + s, "T", "{:.2f}", 1.0)), epochs), ""]
+    for level in range(_levels(two) if two else 0):
+        lines += _level_epoch_table(two, level, epochs)
+    return lines
+
+
+def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], settings: dict[str, Any], out: Path,
+                 seconds: dict[str, float]) -> dict[str, Any]:
+    """Write ``report.md``, ``results.json`` and :data:`PLOTS` into ``out``; returns the results."""
+    out.mkdir(parents=True, exist_ok=True)
+    epochs = int(settings["epochs"])
+    groups = _groups(runs)
+    labels = {r["key"]: r["label"] for r in runs}
+    rep.plot_health(groups, labels, epochs, out / "health.png")
+    plot_levels(groups, labels, epochs, out / "levels.png")
+    lines = [*_intro(runs, settings, seconds),
+             *_claim_and_test(groups, labels, checks, float(settings["identity_tolerance"])),
+             *_per_epoch(groups, labels, epochs)]
     write_atomic(out / "report.md", "\n".join(lines))
-    results = {"settings": settings, "seconds": seconds, "claim": checks,
-               "runs": [{k: v for k, v in r.items() if k != "test"}
-                        | {"test": {k: v for k, v in r["test"].items() if k != "code_counts"}} for r in runs]}
+    results = {"settings": settings, "seconds": seconds, "claim": checks, "runs": rep.runs_for_json(runs)}
     write_atomic(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
     return results
-
