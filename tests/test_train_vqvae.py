@@ -32,7 +32,7 @@ def run(tmp_path: Path, data: Path, *extra: str) -> dict:
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
@@ -126,7 +126,7 @@ def test_resume_continues_from_the_last_checkpoint_exactly(tmp_path, tiny_cifar)
     history = run(tmp_path, tiny_cifar["folder"], "--quantizer", "ddcl", "--epochs", "2", "--out", str(parts),
                   "--ddcl.temperature", "0.05", "--seed", "3", "--resume")["ddcl"]
     assert [r["epoch"] for r in history] == [1, 2] and history[1]["step"] == 6
-    ckpt = torch.load(parts / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(parts / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["global_step"] == 6  # Lightning counts epochs from 0
     resumed, reference = weights(parts / "checkpoints" / "last.ckpt"), weights(straight / "checkpoints" / "last.ckpt")
     assert any(not torch.equal(resumed[k], after_one[k]) for k in resumed)  # it trained on
@@ -328,14 +328,14 @@ def test_last_checkpoint_holds_the_final_epoch_even_when_validation_got_worse(tm
     trainer = L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=train_vqvae.checkpoint_callbacks(tmp_path, validation=True))
     trainer.fit(_WorseEveryEpoch(), data, data)
-    last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
+    last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
     assert (last["epoch"], last["global_step"]) == (2, 6)  # 0-based epoch 2 = the third
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-epoch01.ckpt", "last.ckpt"]  # epochs from 1
-    best = torch.load(tmp_path / "best-epoch01.ckpt", map_location="cpu", weights_only=False)
+    best = torch.load(tmp_path / "best-epoch01.ckpt", map_location="cpu", weights_only=True)
     assert best["global_step"] == 2
     without_val = tmp_path / "no-val"
     trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=train_vqvae.checkpoint_callbacks(without_val, validation=False))
     trainer.fit(_WorseEveryEpoch(), data)
     assert sorted(p.name for p in without_val.iterdir()) == ["last.ckpt"]
-    assert torch.load(without_val / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
+    assert torch.load(without_val / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4

@@ -1,9 +1,9 @@
 """Loading the files this project writes with ``torch.save`` (checkpoints, code caches) without running code.
 
-A ``.ckpt`` or ``.pt`` file is a pickle: loaded with ``torch.load(weights_only=False)`` it can execute anything its
-author chose. Every loader here passes ``weights_only=True`` explicitly (so ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``
-cannot turn it off): tensors, numbers, strings and plain containers load, anything else is refused with one line that
-names the file. This project's own files hold only those types.
+A ``.ckpt`` or ``.pt`` file is a pickle: unpickled in full it can execute anything its author chose. Every loader
+here passes ``weights_only=True`` explicitly (so ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` cannot turn it off): tensors,
+numbers, strings and plain containers load, anything else is refused with one line that names the file. This
+project's own files hold only those types.
 """
 
 from __future__ import annotations
