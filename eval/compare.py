@@ -42,9 +42,8 @@ from eval._compare_report import write_report
 from softvq.cli import config as train_config
 from softvq.cli import evaluate
 from softvq.cli.common import EXPECTED_ERRORS, run_command
-from softvq.data import CIFAR10DataModule
 from softvq.data.cifar10 import sha256_file
-from softvq.models import QUANTIZERS, VQVAE
+from softvq.models import QUANTIZERS
 from softvq.models.callbacks import read_history, write_atomic
 
 log = logging.getLogger("eval.compare")
@@ -127,13 +126,8 @@ def resolved_configs(argv: list[str]) -> tuple[Any, dict[str, dict[str, Any]]]:
         ValueError: a setting out of range (the constructor's message).
     """
     cfg = train_config.parse(argv)
-    train_config.run_options(cfg), train_config.hardware(cfg)
-    CIFAR10DataModule(**train_config.data_kwargs(cfg))  # the constructor's checks only: nothing is read
-    configs = {}
-    for quantizer in cfg.quantizer:
-        model = VQVAE(**train_config.model_kwargs(cfg, quantizer))
-        configs[quantizer] = train_config.flat(train_config.resolved_config(cfg, quantizer, model))
-    return cfg, configs
+    models = train_config.check_all(cfg)
+    return cfg, {q: train_config.flat(train_config.resolved_config(cfg, q, m)) for q, m in models.items()}
 
 
 def run_state(spec: RunSpec, args: argparse.Namespace) -> str:

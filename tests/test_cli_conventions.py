@@ -89,11 +89,18 @@ def test_run_failing_before_its_first_checkpoint_leaves_no_directory(tiny_cifar,
         def training_step(self, batch, batch_idx):
             raise FloatingPointError("non-finite loss at step 0 (test)")
 
+    argv = ["--data.data_root", str(tiny_cifar["folder"]), *TINY, "--epochs", "1"]
+    old = tmp_path / "old"  # a finished run, then replaced by one that fails at once
+    assert train_vqvae.cli([*argv, "--out", str(old)]) == 0
     monkeypatch.setattr(train_vqvae, "VQVAE", Exploding)
     out = tmp_path / "fresh"
-    assert train_vqvae.cli(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *TINY]) == 2
+    assert train_vqvae.cli([*argv, "--out", str(out)]) == 2
     assert "non-finite loss at step 0" in capsys.readouterr().err
     assert not out.exists()  # not a directory holding only config.json, which the next attempt would refuse
+    assert train_vqvae.cli([*argv, "--out", str(old), "--overwrite"]) == 2
+    # --overwrite removed the old run and the failed new one left nothing: the directory, which existed before the
+    # command, stays, empty
+    assert list(old.iterdir()) == []
 
 
 @pytest.mark.parametrize("module", [prior, evaluate, sample])

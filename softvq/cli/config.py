@@ -93,9 +93,10 @@ def build_parser() -> ArgumentParser:
 
 def parse(argv: Sequence[str] | None = None) -> Namespace:
     """Parsed flags (exit 2 with a usage message on a bad one, as argparse does)."""
-    cfg = build_parser().parse_args(None if argv is None else list(argv))
+    parser = build_parser()
+    cfg = parser.parse_args(None if argv is None else list(argv))
     if len(set(cfg.quantizer)) != len(cfg.quantizer):
-        build_parser().error(f"argument --quantizer: repeated names {cfg.quantizer}")
+        parser.error(f"argument --quantizer: repeated names {cfg.quantizer}")
     return cfg
 
 
@@ -134,16 +135,18 @@ def model_kwargs(cfg: Namespace, quantizer: str) -> dict[str, Any]:
     return {**model, "quantizer": quantizer, "quantizer_kwargs": layer_kwargs(cfg, quantizer)}
 
 
-def check_all(cfg: Namespace) -> None:
+def check_all(cfg: Namespace) -> dict[str, VQVAE]:
     """Every constructor's checks for every run of the command, before the first one starts: a setting that would
     fail the second run fails the command at once. Each ``--<quantizer>.*`` section is checked by its class even when
-    that quantizer is not trained, so that a bad value is never silently carried in a config file."""
+    that quantizer is not trained, so that a bad value is never silently carried in a config file. The data module is
+    only constructed (nothing is read). Returns the VQ-VAE of every ``--quantizer`` (unseeded: for its settings, not
+    its weights)."""
     run_options(cfg)
     hardware(cfg)
+    CIFAR10DataModule(**data_kwargs(cfg))
     for name, cls in QUANTIZER_CLASSES.items():
         cls(cfg.model.num_codes, cfg.model.code_dim, **cfg[name].as_dict())
-    for quantizer in cfg.quantizer:
-        VQVAE(**model_kwargs(cfg, quantizer))
+    return {quantizer: VQVAE(**model_kwargs(cfg, quantizer)) for quantizer in cfg.quantizer}
 
 
 # "auto" values that name a rule the layer applies while it trains rather than a value it picks at construction:

@@ -202,7 +202,8 @@ def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | No
     saved_classes = checkpoint_classes(ckpt) if ckpt is not None else None
     if saved_classes is not None:
         check_same_classes(saved_classes, data.classes, f"checkpoint {ckpt_path}", f"the data at {cfg.data.data_root}")
-    fresh = ckpt_path is None and not (out / "history.jsonl").exists()
+    # A new run (or one --overwrite replaces): if it fails before its first checkpoint, nothing of it is kept.
+    fresh = ckpt_path is None and (cfg.overwrite or not (out / "history.jsonl").exists())
     if rank_zero_only.rank == 0:  # under DDP the other processes re-run this script: one process owns --out
         prepare_out(cfg, run, out, changed, argv)
 
@@ -210,8 +211,7 @@ def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | No
     # process, so data initialisation and dead-code restarts draw alike whatever the number of processes.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     hw = config.hardware(cfg)
-    images = cfg.data.train_subset or 45_000
-    steps_per_epoch = math.ceil(images / (cfg.data.batch_size * hw.devices_per_node * hw.num_nodes))
+    steps_per_epoch = math.ceil(len(data.train_set) / (cfg.data.batch_size * hw.devices_per_node * hw.num_nodes))
     trainer = build_trainer(cfg, out, validation=cfg.data.val_size > 0, steps_per_epoch=steps_per_epoch)
     try:
         _fit(trainer, model, data, ckpt_path, out, stop)
@@ -277,7 +277,8 @@ def last_good_checkpoint(out: Path, advice: str = "fix the cause and continue wi
 
 
 def comparison_table(histories: dict[str, list[dict[str, Any]]]) -> str:
-    """A markdown table with one row per epoch and, per quantizer, utilization, dead codes, perplexity, PSNR."""
+    """A markdown table with one row per epoch and, per quantizer, utilization, dead codes, restarts, perplexity and
+    the validation PSNR."""
     names = list(histories)
     columns = ("util %", "dead", "restarts", "ppl", "val PSNR (hard)")
     header = ["epoch"] + [f"{n} {col}" for n in names for col in columns]
