@@ -18,6 +18,7 @@ from PIL import Image
 from torchvision import datasets
 from torchvision.datasets import cifar as cifar_module
 
+from softvq.data import archive as archive_io
 from softvq.data import cifar10 as svdata
 from softvq.data.cifar10 import (
     CIFAR10DataModule,
@@ -278,4 +279,4 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
                     reason="the shared CIFAR-10 archive is not on this machine")
 def test_shared_archive_checksum_matches():
     archive = Path(__file__).resolve().parents[2] / "shared/data/cifar10-jpeg.tar.gz"
-    assert svdata._expected_sha256(archive) == svdata.sha256_file(archive)
+    assert archive_io.expected_sha256(archive) == svdata.sha256_file(archive)

@@ -36,7 +36,7 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "softvq"
 
 
-def _is_archive(path: Path) -> bool:
+def is_archive(path: Path) -> bool:
     return path.is_file() and path.name.endswith(ARCHIVE_SUFFIXES)
 
 
@@ -48,7 +48,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _expected_sha256(archive: Path) -> str | None:
+def expected_sha256(archive: Path) -> str | None:
     """The digest in ``<archive>.sha256`` (``sha256sum`` format) if that file exists."""
     sidecar = archive.with_name(archive.name + ".sha256")
     if not sidecar.is_file():
@@ -57,7 +57,7 @@ def _expected_sha256(archive: Path) -> str | None:
     return text[0].lower() if text else None
 
 
-def _find_image_folder(root: Path) -> Path | None:
+def find_image_folder(root: Path) -> Path | None:
     """``root`` or a single sub-directory of it that holds ``train/`` and ``test/``."""
     for candidate in (root, *sorted(p for p in root.iterdir() if p.is_dir())):
         if (candidate / "train").is_dir() and (candidate / "test").is_dir():
@@ -101,7 +101,7 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
     if not archive.is_file():
         raise FileNotFoundError(f"archive not found: {archive}")
     digest = sha256_file(archive)
-    expected = _expected_sha256(archive)
+    expected = expected_sha256(archive)
     if expected is not None and expected != digest:
         raise CorruptArchiveError(
             f"{archive} is corrupt or incomplete: its sha256 is {digest}, but {archive.name}.sha256 says {expected}; "
@@ -109,7 +109,7 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache / f"{archive.name.split('.')[0]}-{digest[:16]}"
     if (target / _MARKER).is_file():
-        found = _find_image_folder(target)
+        found = find_image_folder(target)
         if found is not None:
             return found
     cache.mkdir(parents=True, exist_ok=True)
@@ -124,18 +124,18 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
         except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
             raise CorruptArchiveError(f"cannot extract {archive}: {type(err).__name__}: {err}. The archive is "
                                       f"corrupt or truncated; copy or download it again") from err
-        if _find_image_folder(tmp) is None:
+        if find_image_folder(tmp) is None:
             raise CorruptArchiveError(f"{archive} holds no train/ and test/ folders (ImageFolder layout expected)")
         (tmp / _MARKER).write_text(digest + "\n")
         if target.exists():  # an incomplete earlier attempt, or a concurrent extraction that finished first
             if (target / _MARKER).is_file():
                 shutil.rmtree(tmp)
-                return _find_image_folder(target)  # type: ignore[return-value]
+                return find_image_folder(target)  # type: ignore[return-value]
             shutil.rmtree(target)
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _find_image_folder(target)  # type: ignore[return-value]
+    return find_image_folder(target)  # type: ignore[return-value]
 
 

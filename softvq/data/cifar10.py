@@ -36,15 +36,14 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-from softvq.data.archive import (  # noqa: F401 - re-exported: the archive API is part of the data module's
+from softvq.data.archive import (  # noqa: F401 - the archive errors and helpers, re-exported with the data module
     ARCHIVE_SUFFIXES,
     CorruptArchiveError,
     UnsafeArchiveError,
-    _expected_sha256,
-    _find_image_folder,
-    _is_archive,
     default_cache_dir,
     extract_archive,
+    find_image_folder,
+    is_archive,
     sha256_file,
 )
 from softvq.data.sampling import GlobalBatchSampler
@@ -114,15 +113,15 @@ def resolve_cifar10(
     nothing is found and ``download`` is off or fails.
     """
     root = Path(data_root).expanduser()
-    if _is_archive(root):
+    if is_archive(root):
         return "imagefolder", extract_archive(root, cache_dir)
     if root.is_dir():
         if (root / "cifar-10-batches-py").is_dir():
             return "torchvision", root
-        folder = _find_image_folder(root)
+        folder = find_image_folder(root)
         if folder is not None:
             return "imagefolder", folder
-        archives = sorted(p for p in root.iterdir() if _is_archive(p))
+        archives = sorted(p for p in root.iterdir() if is_archive(p))
         if len(archives) == 1:
             return "imagefolder", extract_archive(archives[0], cache_dir)
         if len(archives) > 1:
