@@ -41,6 +41,10 @@ def test_two_quantizers_name_checkpoints_by_epoch_from_one_and_table_restarts(ti
         column = header.index(f"{name} restarts")
         rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
         assert [row[column] for row in rows] == [str(r["restarts"]) for r in history]
+        # codebook health is the validation split's (training-epoch counts include the codes a restart revived)
+        util, dead = header.index(f"{name} util %"), header.index(f"{name} dead")
+        assert [(row[util], row[dead]) for row in rows] == [
+            (f"{100 * r['val_utilization']:.1f}", str(r["val_dead_codes"])) for r in history]
     assert any(json.loads(line)["restarts"] > 0 for line in (out / "hard" / "history.jsonl").read_text().splitlines())
 
 

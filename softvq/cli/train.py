@@ -277,10 +277,11 @@ def last_good_checkpoint(out: Path, advice: str = "fix the cause and continue wi
 
 
 def comparison_table(histories: dict[str, list[dict[str, Any]]]) -> str:
-    """A markdown table with one row per epoch and, per quantizer, utilization, dead codes, restarts, perplexity and
-    the validation PSNR."""
+    """A markdown table with one row per epoch and, per quantizer, codebook health on the validation split
+    (utilization, dead codes, perplexity; training-epoch counts include the codes a restart revived, so they are shown
+    only for a run without validation, marked "train"), the training epoch's restarts and the validation PSNR."""
     names = list(histories)
-    columns = ("util %", "dead", "restarts", "ppl", "val PSNR (hard)")
+    columns = ("util %", "dead", "ppl", "restarts", "val PSNR (hard)")
     header = ["epoch"] + [f"{n} {col}" for n in names for col in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     epochs = sorted({row["epoch"] for rows in histories.values() for row in rows})
@@ -288,15 +289,19 @@ def comparison_table(histories: dict[str, list[dict[str, Any]]]) -> str:
         cells = [str(epoch)]
         for name in names:
             row = next((r for r in histories[name] if r["epoch"] == epoch), None)
-            if row is None:
-                cells += [""] * len(columns)
-                continue
-            psnr = "n/a" if row.get("val_psnr") is None else f"{row['val_psnr']:.2f} ({row['val_psnr_hard']:.2f})"
-            restarts = "n/a" if row.get("restarts") is None else str(row["restarts"])
-            cells += [f"{100 * row['utilization']:.1f}", str(row["dead_codes"]), restarts, f"{row['perplexity']:.1f}",
-                      psnr]
+            cells += [""] * len(columns) if row is None else _table_cells(row)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _table_cells(row: dict[str, Any]) -> list[str]:
+    val = row.get("val_utilization") is not None
+    util, dead, ppl = ((row["val_utilization"], row["val_dead_codes"], row["val_perplexity"]) if val else
+                       (row["utilization"], row["dead_codes"], row["perplexity"]))
+    mark = "" if val else " (train)"
+    psnr = "n/a" if row.get("val_psnr") is None else f"{row['val_psnr']:.2f} ({row['val_psnr_hard']:.2f})"
+    restarts = "n/a" if row.get("restarts") is None else str(row["restarts"])
+    return [f"{100 * util:.1f}{mark}", f"{dead}{mark}", f"{ppl:.1f}{mark}", restarts, psnr]
 
 
 def run_locks(cfg: Namespace) -> contextlib.ExitStack:
@@ -341,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         return histories
     if several:
         write_atomic(out / "comparison.md", table)
-    print("\nPer-epoch codebook health and validation PSNR (soft and decoded from hard indices):\n" + table)
+    print("\nPer-epoch codebook health on the validation split, restarts in the training epoch, and validation PSNR "
+          "(soft and decoded from hard indices):\n" + table)
     return histories
 
 
