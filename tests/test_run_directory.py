@@ -124,7 +124,9 @@ def test_a_forked_child_outliving_a_killed_holder_does_not_hold_the_lock(tmp_pat
 
 def test_two_runs_started_together_into_one_out(tmp_path, tiny_cifar):
     data = tiny_cifar["folder"]
-    args = [*SMALL, "--epochs", "1", "--quantizer", "hard"]
+    # 34 steps, so that the winner still trains when the loser, started at the same moment, reaches the lock even on
+    # a loaded machine (with 6 steps it could finish first, and the loser met a finished run instead)
+    args = [*SMALL, "--epochs", "1", "--quantizer", "hard", "--data.train_subset", "272", "--data.batch_size", "8"]
     out = tmp_path / "shared"
     both = [subprocess.Popen(command(data, out, *args), env=env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -327,10 +327,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     if cfg.resume not in (None, "last") and len(cfg.quantizer) > 1:
         raise ValueError("--resume with a checkpoint path needs a single --quantizer (use --resume alone to resume "
                          "every run from its own last checkpoint)")
-    config.check_all(cfg)  # every constructor's checks, before any run starts
     several, out = len(cfg.quantizer) > 1, Path(cfg.out)
     histories = {}
-    with GracefulStop() as stop, run_locks(cfg):
+    with GracefulStop() as stop, run_locks(cfg):  # first: a second run into the same --out is refused at once
+        config.check_all(cfg)  # every constructor's checks, before any run starts (they read and write nothing)
         for i, quantizer in enumerate(cfg.quantizer):
             try:
                 histories[quantizer] = train_one(cfg, quantizer, out / quantizer if several else out, stop, argv)
