@@ -20,13 +20,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from softvq.schedule import adapt_temperature
 from softvq.utils import (
     all_reduce_sum_,
     check_bool,
     check_choice,
     check_float,
     check_unit,
+    is_distributed,
     restart_dead_codes_,
     squared_distances,
 )
@@ -42,8 +42,9 @@ class InLayerRecipe:
     usage: Tensor  # (K,) running argmax count per training batch; -1 = no batch seen yet
     ema_mass: Tensor  # (K,)
     ema_sum: Tensor  # (K, D)
-    _temperature: float | None
-    _restarts: int
+    temperature_t: Tensor  # () the temperature (meaningful once _has_temperature)
+    restart_count: Tensor  # () int64, prototypes restarted so far
+    _has_temperature: bool
 
     def _set_recipe_options(
         self,
@@ -81,7 +82,7 @@ class InLayerRecipe:
             else dead_code_threshold
         if temperature is None and self.target_entropy is None:
             temperature = 1.0
-        self._temperature = None if temperature is None else check_float("temperature", temperature)
+        self._initial_temperature = None if temperature is None else check_float("temperature", temperature)
         threshold = (1.0 if auto else 0.0) if dead_code_threshold is None else dead_code_threshold
         self.dead_code_threshold = check_float("dead_code_threshold", threshold, allow_zero=True)
         # The recipe's threshold never exceeds a quarter of the mean tokens per code (an explicit one is kept as given)
@@ -97,12 +98,16 @@ class InLayerRecipe:
         self.target_entropy = None
 
     # ---- the in-layer updates (training mode) --------------------------------------------------------------------
+    # None of them synchronises the host with the device (no .item(), no data-dependent shape), so a GPU step never
+    # waits on the CPU and torch.compile traces them whole; the state they change is all in tensors.
     @torch.no_grad()
     def _after_step(self, z: Tensor, q: Tensor, indices: Tensor, entropy: Tensor) -> None:
         """After a training forward: usage for dead-code restart, the EMA prototype update and the temperature
         control, each with its statistics summed over processes (every process ends with the same state)."""
         if self.dead_code_threshold > 0 or self.prototype_update == "ema":
-            counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
+            # index_add_ rather than bincount: a fixed (K,) shape that torch.compile can trace
+            counts = torch.zeros(self.num_codes, dtype=self.usage.dtype, device=indices.device)
+            counts.index_add_(0, indices, torch.ones_like(indices, dtype=counts.dtype))
             all_reduce_sum_(counts)
             if self.dead_code_threshold > 0:
                 self._update_usage(counts)
@@ -118,55 +123,81 @@ class InLayerRecipe:
             self.ema_sum.lerp_(total, 1.0 - self.ema_decay)
             self.prototypes.copy_(self.ema_sum / self.ema_mass.clamp_min(1e-12)[:, None])
         if self.target_entropy is not None:
-            n = torch.tensor([entropy.item() * indices.numel(), indices.numel()], dtype=torch.float64,
-                             device=indices.device)
-            all_reduce_sum_(n)
-            self._temperature = adapt_temperature(self._temperature, float(n[0] / n[1]), self.target_entropy,
-                                                  self.temperature_rate)
+            if is_distributed():  # the mean entropy over every process's tokens
+                n = torch.full((), float(indices.numel()), dtype=torch.float64, device=indices.device)
+                total_h = all_reduce_sum_(torch.stack([entropy.to(torch.float64) * n, n]))
+                entropy = total_h[0] / total_h[1]
+            self._control_temperature(entropy)
 
     @torch.no_grad()
-    def _calibrate_temperature(self, z: Tensor, p: Tensor) -> float:
-        """The first ``T``: bisection in ``log T`` until the mean assignment entropy of this batch (of every
-        process's batch) equals ``target_entropy``; H(Q) rises monotonically with ``T``."""
+    def _control_temperature(self, entropy: Tensor) -> None:
+        """``T <- T exp(rate (target - H))`` (:func:`softvq.adapt_temperature`) on the device; a non-finite entropy
+        leaves ``T`` unchanged."""
+        factor = torch.exp(self.temperature_rate * (self.target_entropy - entropy.to(self.temperature_t.dtype)))
+        self.temperature_t.copy_(torch.where(torch.isfinite(factor), self.temperature_t * factor, self.temperature_t))
+
+    @torch.no_grad()
+    def _calibrate_temperature(self, z: Tensor, p: Tensor) -> Tensor:
+        """The first ``T`` (a ``()`` tensor): bisection in ``log T`` until the mean assignment entropy of this batch
+        (of every process's batch) equals ``target_entropy`` (:func:`calibrate_temperature`)."""
         sample = z[:: max(1, z.shape[0] // 4096)]  # a strided sample: no random draw, so restarts draw alike
-        center = p.mean(0)
-        d = squared_distances(sample - center, p - center)  # (n, K)
-        total = all_reduce_sum_(torch.stack([d.sum(dtype=torch.float64),
-                                             torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device)]))
-        scale = max(float(total[0] / total[1]), 1e-12)  # the same bracket on every process
-        lo, hi = math.log(scale * 1e-6), math.log(scale * 1e3)
-        for _ in range(50):
-            mid = 0.5 * (lo + hi)
-            logq = torch.log_softmax(d * -math.exp(-mid), dim=1)
-            h = torch.stack([-(logq.exp() * logq).sum(1).sum(dtype=torch.float64),
-                             torch.tensor(float(d.shape[0]), dtype=torch.float64, device=d.device)])
-            all_reduce_sum_(h)
-            if float(h[0] / h[1]) > self.target_entropy:
-                hi = mid
-            else:
-                lo = mid
-        return math.exp(0.5 * (lo + hi))
+        return calibrate_temperature(sample, p, self.target_entropy).to(self.temperature_t.dtype)
 
     # ---- dead-code restart -------------------------------------------------------------------------------------
     @torch.no_grad()
     def _update_usage(self, counts: Tensor) -> None:
-        if bool((self.usage < 0).any()):  # first batch: start from its counts
-            self.usage.copy_(counts)
-        else:
-            self.usage.mul_(self.dead_code_decay).add_(counts, alpha=1.0 - self.dead_code_decay)
+        """The running argmax count per batch; the first batch (usage still -1) starts it from its counts."""
+        running = self.usage * self.dead_code_decay + counts * (1.0 - self.dead_code_decay)
+        self.usage.copy_(torch.where((self.usage < 0).any(), counts, running))
 
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:
         """Before a training step: prototypes whose running argmax count per batch fell below the threshold (the
         recipe's: at most a quarter of the mean tokens per code) move onto random tokens of this batch (before the
         forward pass, so no tensor saved for backward changes); their EMA statistics restart from that token."""
-        if bool((self.usage < 0).any()):
-            return
-        threshold = self.dead_code_threshold
+        threshold: float | Tensor = self.dead_code_threshold
         if self._capped_threshold:
-            threshold = min(threshold, 0.25 * float(self.usage.sum()) / self.num_codes)
+            threshold = torch.clamp(0.25 * self.usage.sum() / self.num_codes, max=self.dead_code_threshold)
         dead = restart_dead_codes_(self.prototypes.data, self.usage, z, threshold)
-        if bool(dead.any()):
-            self.ema_sum[dead] = self.prototypes.data[dead]
-            self.ema_mass[dead] = 1.0
-        self._restarts += int(dead.sum())
+        self.ema_sum.copy_(torch.where(dead[:, None], self.prototypes.data, self.ema_sum))
+        self.ema_mass.copy_(torch.where(dead, 1.0, self.ema_mass))
+        self.restart_count.add_(dead.sum())
+
+
+# Halvings of the calibration bracket (a factor 1e9 in T): its width ends at 20.7 / 2^34 = 1.2e-9 in log T.
+_BISECTIONS = 34
+_ENTROPY_FLOOR = 0.5 * math.log(torch.finfo(torch.float64).tiny)
+
+
+# A custom op so that torch.compile sees one opaque call instead of tracing (and compiling) the unrolled bisection: it
+# runs once, on the first training batch, and tracing it cost a minute of compilation on 2 CPU cores.
+@torch.library.custom_op("softvq::calibrate_temperature", mutates_args=())
+def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float) -> Tensor:
+    """The temperature ``T`` (a ``()`` float64 tensor) at which the mean assignment entropy of tokens ``z (n, D)``
+    over ``prototypes (K, D)`` equals ``target_entropy``, summed over processes under ``torch.distributed``.
+
+    Bisection in ``log T`` over a bracket of a factor 1e9 around the mean squared distance (H(Q) rises monotonically
+    with ``T``), a fixed number of halvings on tensors: no host-device synchronisation.
+    """
+    center = prototypes.mean(0)
+    d = squared_distances(z - center, prototypes - center).to(torch.float64)  # (n, K)
+    count = torch.full((), float(d.shape[0]), dtype=torch.float64, device=d.device)
+    total = all_reduce_sum_(torch.stack([d.mean(1).sum(), count]))
+    scale = (total[0] / total[1]).clamp_min(1e-12)  # the same bracket on every process
+    lo, hi = torch.log(scale * 1e-6), torch.log(scale * 1e3)
+    for _ in range(_BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        x = d * -torch.exp(-mid)
+        # entropy from log-softmax; the floor keeps exp on its fast path (softvq._soft_centroid._softmax_floored)
+        x = (x - x.amax(1, keepdim=True)).clamp_(min=_ENTROPY_FLOOR)
+        logq = torch.log_softmax(x, dim=1)
+        h = all_reduce_sum_(torch.stack([-(logq.exp() * logq).sum(), count]))
+        above = h[0] / h[1] > target_entropy
+        hi = torch.where(above, mid, hi)
+        lo = torch.where(above, lo, mid)
+    return torch.exp(0.5 * (lo + hi))
+
+
+@calibrate_temperature.register_fake
+def _(z: Tensor, prototypes: Tensor, target_entropy: float) -> Tensor:
+    return z.new_empty((), dtype=torch.float64)

@@ -8,12 +8,11 @@ with autocast off, in float32 (float64 for float64 input).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-
-from softvq.utils import squared_distances
 
 
 def _mean(x: Tensor) -> Tensor:
@@ -23,8 +22,33 @@ def _mean(x: Tensor) -> Tensor:
 
 
 def _rows_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``(a * b).sum(-1)`` for ``(N, M)`` matrices, without materialising the product."""
+    """``(a * b).sum(-1)`` for ``(N, D)`` matrices."""
     return torch.linalg.vecdot(a, b)
+
+
+def logit_scores(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor) -> Tensor:
+    """``(N, K)`` scores ``s = (2 z.p - |p|^2) / T = (|z|^2 - d) / T``: the Boltzmann logits ``-d / T`` plus a per-token
+    constant, which the softmax ignores. One matmul; ``1 / T`` scales the ``(K, D)`` side, not the ``(N, K)`` result,
+    and ``|z|^2`` is never added to every entry (the per-token terms use it once per token)."""
+    inv_t = t.reciprocal()
+    return torch.addmm(p_sq * -inv_t, zc, (pc * (2.0 * inv_t)).t())
+
+
+def _softmax_floored(s: Tensor, s_max: Tensor) -> Tensor:
+    """``softmax(s)`` over dim 1, overwriting ``s`` with ``x = max(s - s_max, -C)``, where
+    ``exp(-C) = finfo.tiny ** 0.75`` (``C`` = 65.5 in float32, 531 in float64).
+
+    Why the floor: a float32 ``exp`` whose result would be subnormal or zero (argument below -87) leaves the vector
+    fast path (measured here: 7-17x slower per element), and at a small temperature most of a row's prototypes lie
+    there. Raising them to ``-C`` changes assignments below ``1.5e-29`` of the row's largest to that value: no sum
+    that holds the largest can see it (float32 resolves 6e-8 of it), a prototype's mass over any realistic number of
+    tokens stays below the ``sqrt(tiny)`` under which :class:`softvq.DDCLReadout` calls a slot empty, and its product
+    with a gradient above ``tiny ** 0.25`` (2e-10) stays a normal number, so the backward pass does not compute on
+    subnormals either. The shift comes first: ``s_max - C`` itself would round to ``s_max`` where ``|s_max|`` is
+    large.
+    """
+    x = s.sub_(s_max[:, None]).clamp_(min=0.75 * math.log(torch.finfo(s.dtype).tiny))
+    return torch.softmax(x, dim=1)
 
 
 class _Saved(NamedTuple):
@@ -35,8 +59,10 @@ class _Saved(NamedTuple):
     q: Tensor  # (N, K) assignments
     r: Tensor  # (N, D) residual z - mu
     mu_c: Tensor  # (N, D) soft centroid minus the centre
-    logits: Tensor | None  # (N, K) -d / T, kept only when an L_q term needs it
+    t: Tensor  # () the temperature
+    x: Tensor | None  # (N, K) the shifted, floored scores, kept only when an L_q term needs d = d0 - T x
     lq_n: Tensor | None  # (N,) per-token L_q, likewise
+    d0: Tensor | None  # (N,) |z|^2 - T s_max (the distance to the nearest prototype), likewise
 
 
 class _SoftCentroid(torch.autograd.Function):
@@ -55,39 +81,45 @@ class _SoftCentroid(torch.autograd.Function):
         ctx: Any,
         z: Tensor,
         prototypes: Tensor,
-        temperature: float,
+        temperature: Tensor | float,
         cb_term: str,
         cb_weight: float,
         cm_term: str,
         cm_weight: float,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         n, dim = z.shape
+        # () a copy (the layer's temperature control updates its own in place before this backward runs)
+        t = torch.as_tensor(temperature, device=z.device).to(z.dtype, copy=True)
         # Distances, q and V are translation invariant: centre both sides on the prototypes' mean so that the
         # expansion |z|^2 - 2 z.p + |p|^2 cancels little when tokens and prototypes sit far from the origin.
         center = prototypes.mean(0)
         zc = z - center  # (N, D)
         pc = prototypes - center  # (K, D)
         p_sq = pc.square().sum(1)  # (K,)
-        d = squared_distances(zc, pc)  # (N, K), one matmul
-        indices = d.argmin(dim=1)
-        logits = d.mul_(-1.0 / temperature)  # in place: d is not kept, d = -T * logits
-        lse = torch.logsumexp(logits, dim=1)  # (N,)
-        q = (logits - lse[:, None]).exp_()  # (N, K) softmax, log-sum-exp stable; lse also gives H(q) and F
-        mu_c = q @ pc  # (N, D)
+        z_sq = zc.square().sum(1)  # (N,)
+        s = logit_scores(zc, pc, p_sq, t)  # (N, K) = (|z|^2 - d) / T: the logits -d/T plus a per-token constant
+        s_max, indices = s.max(dim=1)  # the nearest prototype maximises s
+        q = _softmax_floored(s, s_max)  # (N, K); s now holds x = s - s_max, floored
+        # one pass over q for mu and sum_k q |p_k|^2 together: q [P | |p|^2]
+        mu_ext = q @ torch.cat([pc, p_sq[:, None]], dim=1)  # (N, D + 1)
+        mu_c, q_p_sq = mu_ext[:, :dim], mu_ext[:, dim]
         mu = mu_c + center
-
-        q_logits = _rows_dot(q, logits)  # (N,) <q, -d / T>
-        lq_n = q_logits * -temperature  # (N,) per-token L_q = sum_k q d
+        need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
+        # <q, x> (N,): in place into x unless the backward pass needs x (no new (N, K) buffer, no page faults)
+        qx = (s * q if need_d else s.mul_(q)).sum(1)
+        lq_n = z_sq - t * (qx + s_max)  # (N,) per-token L_q = sum_k q d = |z|^2 - T <q, s>
+        # log sum_k exp(x_k) = -log q_argmax (x is 0 there): no second pass over (N, K)
+        log_norm = -q.gather(1, indices[:, None]).squeeze(1).log()
         r = zc - mu_c  # (N, D) residual z - mu
         l_ols = _mean(r.square().sum(1))
-        v = _mean(q @ p_sq - mu_c.square().sum(1))
+        v = _mean(q_p_sq - mu_c.square().sum(1))
         l_q = _mean(lq_n)
-        entropy = _mean(lse - q_logits)  # H(q) = -sum_k q log q, log q = logits - lse
+        entropy = _mean(log_norm - qx)  # H(q) = -sum_k q log q, log q = x - log_norm
         stats = torch.stack([l_q, l_ols, v, entropy])
 
         def term(name: str) -> Tensor:
-            if name == "free_energy":  # F = -T log sum_k exp(-d_k / T) = L_q - T H(q)
-                return _mean(lse) * -temperature
+            if name == "free_energy":  # F = -T log sum_k exp(-d_k / T) = |z|^2 - T (s_max + log_norm)
+                return _mean(z_sq - t * (s_max + log_norm))
             return l_q if name == "l_q" else l_ols
 
         loss = zc.new_zeros(())
@@ -96,10 +128,10 @@ class _SoftCentroid(torch.autograd.Function):
                 loss = loss + weight * term(name)
         loss = loss / dim
 
-        ctx.temperature = temperature
         ctx.routing = (cb_term, cb_weight, cm_term, cm_weight)
-        need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
-        ctx.save_for_backward(zc, pc, q, r, mu_c, logits if need_d else None, lq_n if need_d else None)
+        # d = |z|^2 - T (x + s_max) is rebuilt from x in the backward pass when an L_q term needs it
+        ctx.save_for_backward(zc, pc, q, r, mu_c, t, s if need_d else None, lq_n if need_d else None,
+                              (z_sq - t * s_max) if need_d else None)
         ctx.mark_non_differentiable(indices, stats)
         ctx.set_materialize_grads(False)
         return mu, q, indices, loss, stats
@@ -114,7 +146,6 @@ class _SoftCentroid(torch.autograd.Function):
         _g_stats: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
         s = _Saved(*ctx.saved_tensors)
-        temperature = ctx.temperature
         cb_term, cb_weight, cm_term, cm_weight = ctx.routing
         n, dim = s.zc.shape
         with torch.autocast(device_type=s.zc.device.type, enabled=False):
@@ -132,13 +163,13 @@ class _SoftCentroid(torch.autograd.Function):
 
             grad_z = grad_p = w_p = None
             if ctx.needs_input_grad[1]:
-                w_p = _scaled_grad_d(s, temperature, g_mu_p, g_q, lq_cb, fe_cb)
-                grad_p = _grad_prototypes(s, temperature, g_mu_p, w_p)
+                w_p = _scaled_grad_d(s, g_mu_p, g_q, lq_cb, fe_cb)
+                grad_p = _grad_prototypes(s, g_mu_p, w_p)
             if ctx.needs_input_grad[0]:
                 reuse = (w_p is not None and g_mu_z is g_mu_p and lq_cb is None and lq_cm is None
                          and fe_cb is None and fe_cm is None)
-                w_z = w_p if reuse else _scaled_grad_d(s, temperature, g_mu_z, g_q, lq_cm, fe_cm)
-                grad_z = _grad_tokens(s, temperature, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None)
+                w_z = w_p if reuse else _scaled_grad_d(s, g_mu_z, g_q, lq_cm, fe_cm)
+                grad_z = _grad_tokens(s, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None)
         return grad_z, grad_p, None, None, None, None, None
 
 
@@ -150,55 +181,60 @@ def _through_mu(g_mu: Tensor | None, r: Tensor, a_ols: Tensor | None) -> Tensor 
     return r * (-2.0 * a_ols) if g_mu is None else g_mu - 2.0 * a_ols * r
 
 
-def _scaled_grad_d(s: _Saved, temperature: float, g_mu: Tensor | None, g_q: Tensor | None,
-                   a_lq: Tensor | None, a_fe: Tensor | None) -> Tensor | None:
-    """``W`` with ``dL/dd = -W / T``, from mu / q (through the softmax), ``a_lq * L_q`` and ``a_fe * F``.
+def _scaled_grad_d(s: _Saved, g_mu: Tensor | None, g_q: Tensor | None, a_lq: Tensor | None,
+                   a_fe: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """``(W', row)`` with ``dL/dd = -W / T`` and ``W = W' - q row``, from mu / q (through the softmax), ``a_lq * L_q``
+    and ``a_fe * F``; ``None`` when nothing reaches the distances.
 
     Through the softmax (logits = -d/T): dL/dd = -q (g_q - <q, g_q>) / T. From L_q:
     dL_q/dd = q (1 - (d - L_q,n) / T), attraction of near prototypes and repulsion of far ones.
     From the free energy F: dF/dd = q, attraction only (soft k-means).
-    Together: -q (g_q + a d - <q, g_q> - a L_q,n - a T - a_fe T) / T.
+    Together: W = q (g_q + a d - <q, g_q> - a L_q,n - a T - a_fe T), with ``g_q`` here including ``g_mu P^T``.
+    The per-token ``row`` is returned apart: its share of ``W @ P`` is ``row * mu`` (an ``(N, D)`` product), so the
+    encoder's side never subtracts it from an ``(N, K)`` array.
     """
-    q = s.q
-    w = None
-    row = None  # (N,) per-token constant subtracted inside the bracket
-    if g_mu is not None:
-        w = g_mu @ s.pc.t()  # (N, K) dL/dq; mu = q @ P and the centre cancels in the softmax
-        row = _rows_dot(g_mu, s.mu_c)  # <q, g_mu P^T> = g_mu . mu, an (N, D) product
-    if g_q is not None:
-        w = g_q.clone() if w is None else w.add_(g_q)
-        row = _rows_dot(q, g_q) if row is None else row.add_(_rows_dot(q, g_q))
-    if a_lq is not None:
-        # a * d = -a T * logits
-        w = s.logits * (-temperature * a_lq) if w is None else w.add_(s.logits * (-temperature * a_lq))
-        extra = a_lq * (s.lq_n + temperature)
-        row = extra if row is None else row.add_(extra)
-    if a_fe is not None:
-        if w is None:
-            w = torch.zeros_like(q)
-        extra = (a_fe * temperature).expand(q.shape[0])
-        row = extra if row is None else row.add_(extra)
-    if w is None:
+    q, t = s.q, s.t
+    if g_mu is None and g_q is None and a_lq is None and a_fe is None:
         return None
-    return w.sub_(row[:, None]).mul_(q)
+    row = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)  # (N,)
+    if g_mu is not None:
+        row = row + _rows_dot(g_mu, s.mu_c)  # <q, g_mu P^T> = g_mu . mu, an (N, D) product
+    if g_q is not None:
+        row = row + (q * g_q).sum(1)
+    if a_lq is not None:
+        row = row + a_lq * (s.lq_n + t)
+    if a_fe is not None:
+        row = row + a_fe * t
+    if g_mu is not None:
+        w = g_mu @ s.pc.t()  # dL/dq through mu = q P (the centre cancels in the softmax)
+        if g_q is not None:
+            w.add_(g_q)
+    else:
+        w = g_q.clone() if g_q is not None else torch.zeros_like(q)
+    if a_lq is not None:
+        w.add_((s.d0[:, None] - t * s.x) * a_lq)  # a d, with d = d0 - T x
+    return w.mul_(q), row
 
 
 # d_nk = ||z_n - p_k||^2: dd/dp_k = 2 (p_k - z_n), dd/dz_n = 2 (z_n - p_k); with dL/dd = -W / T.
-def _grad_prototypes(s: _Saved, temperature: float, g_mu: Tensor | None, w: Tensor | None) -> Tensor:
+def _grad_prototypes(s: _Saved, g_mu: Tensor | None, w_row: tuple[Tensor, Tensor] | None) -> Tensor:
     """``dL/dP``: the direct path of ``mu = q P`` and, through the distances, ``W``."""
     grad_p = torch.zeros_like(s.pc) if g_mu is None else s.q.t() @ g_mu
-    if w is not None:
-        grad_p.add_(w.sum(0)[:, None] * s.pc - w.t() @ s.zc, alpha=-2.0 / temperature)
+    if w_row is not None:
+        w = torch.addcmul(w_row[0], s.q, w_row[1][:, None], value=-1.0)  # W = W' - q row
+        grad_p.add_((w.sum(0)[:, None] * s.pc - w.t() @ s.zc) * (-2.0 / s.t))
     return grad_p
 
 
-def _grad_tokens(s: _Saved, temperature: float, w: Tensor | None, a_lq: Tensor | None, a_fe: Tensor | None,
+def _grad_tokens(s: _Saved, w_row: tuple[Tensor, Tensor] | None, a_lq: Tensor | None, a_fe: Tensor | None,
                  a_ols: Tensor | None) -> Tensor:
-    """``dL/dz``: through the distances (``W``; its row sums are known in closed form) and the direct terms of
-    the commitment loss."""
-    grad_z = torch.zeros_like(s.zc)
-    if w is not None:
-        grad_z.add_(w @ s.pc, alpha=2.0 / temperature)
+    """``dL/dz``: through the distances (``W = W' - q row``, so ``W P = W' P - row mu``) and the direct terms of the
+    commitment loss."""
+    if w_row is not None:
+        w, row = w_row
+        grad_z = torch.addcmul(w @ s.pc, row[:, None], s.mu_c, value=-1.0).mul_(2.0 / s.t)
+    else:
+        grad_z = torch.zeros_like(s.zc)
     if a_lq is not None:
         grad_z.add_(2.0 * a_lq * s.zc)
     if a_fe is not None:

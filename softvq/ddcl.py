@@ -40,6 +40,7 @@ from softvq.utils import (
     compute_dtype,
     empty_output,
     flatten_tokens,
+    is_distributed,
     pick_tokens,
 )
 
@@ -131,7 +132,8 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
         channel_first: accept ``(B, dim, *spatial)`` feature maps (like vector-quantize-pytorch's
             ``accept_image_fmap``); ``quantized`` has the input's layout, ``indices`` is ``(B, *spatial)`` and
             ``probs`` ``(B, *spatial, K)``.
-        check_finite: raise on NaN/Inf input (one device sync per call; disable in tuned GPU loops).
+        check_finite: raise on NaN/Inf input (one device sync per call; disable in tuned GPU loops). Skipped inside
+            ``torch.compile``, where the layer runs with no graph break (``fullgraph=True``) and no synchronisation.
 
     Raises:
         ValueError: on invalid hyperparameters, a wrong token dimension, or non-finite input.
@@ -182,9 +184,16 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
                                  hard_output=hard_output, prototype_update=prototype_update, ema_decay=ema_decay,
                                  target_entropy=target_entropy, temperature_rate=temperature_rate,
                                  dead_code_threshold=dead_code_threshold, dead_code_decay=dead_code_decay)
-        # Python-side state (no device sync to read it); saved through get_extra_state.
+        # Python-side state (no device sync to read it, and torch.compile guards on it); saved through
+        # get_extra_state.
         self._initialized = init != "data"
-        self._restarts = 0  # prototypes restarted so far (dead-code restart)
+        self._has_temperature = self._initial_temperature is not None
+        # Tensor state that training steps change (so that a step never waits on the host): the temperature and the
+        # restart count. Not state-dict entries of their own: get_extra_state saves them as numbers, as before. The
+        # temperature is float64 (the precision a Python float had; the distances see it in their compute dtype).
+        self.register_buffer("temperature_t", torch.tensor(self._initial_temperature or 1.0, dtype=torch.float64),
+                             persistent=False)
+        self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
         self.standardizer = TokenStandardizer(dim)
@@ -197,12 +206,16 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
     # ---- temperature and checkpointed state --------------------------------------------------------------------
     @property
     def temperature(self) -> float | None:
-        """The Boltzmann temperature ``T`` (``None`` until the first training batch sets it); assign to anneal."""
-        return self._temperature
+        """The Boltzmann temperature ``T`` (``None`` until the first training batch sets it); assign to anneal.
+
+        Reading it copies the device's value to the host (a synchronisation on a GPU): read it per epoch, not per step.
+        """
+        return float(self.temperature_t) if self._has_temperature else None
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        self._temperature = check_float("temperature", value)
+        self.temperature_t.fill_(check_float("temperature", value))
+        self._has_temperature = True
 
     @property
     def initialized(self) -> bool:
@@ -211,11 +224,12 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
 
     @property
     def restarts(self) -> int:
-        """How many prototypes dead-code restart has moved so far (cumulative, saved in the ``state_dict``)."""
-        return self._restarts
+        """How many prototypes dead-code restart has moved so far (cumulative, saved in the ``state_dict``; reading it
+        synchronises with the device)."""
+        return int(self.restart_count)
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"temperature": self._temperature, "initialized": self._initialized, "restarts": self._restarts,
+        return {"temperature": self.temperature, "initialized": self._initialized, "restarts": self.restarts,
                 "version": self.VERSION}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
@@ -223,9 +237,12 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
             raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
                              f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
         t = state["temperature"]
-        self._temperature = None if t is None else check_float("temperature", t)
+        if t is None:
+            self._has_temperature = False
+        else:
+            self.temperature = t
         self._initialized = bool(state["initialized"])
-        self._restarts = int(state.get("restarts", 0))
+        self.restart_count.fill_(int(state.get("restarts", 0)))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         extra = state_dict.get(prefix + "_extra_state")
@@ -242,7 +259,7 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        t = "auto" if self._temperature is None else f"{self._temperature:g}"
+        t = "auto" if not self._has_temperature else f"{self.temperature:g}"
         return (
             f"num_codes={self.num_codes}, dim={self.dim}, recipe={self.recipe!r}, temperature={t}, "
             f"target_entropy={self.target_entropy}, standardize={self.standardize}, "
@@ -251,6 +268,15 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
             f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
             f"dead_code_threshold={self.dead_code_threshold:g}"
         )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DDCLQuantizer:
+        # .to(device) moves the temperature; .half(), .to(torch.bfloat16) and the like must not round it (it is a
+        # setting held on the device, not a weight), so it keeps its float64 value on the new device.
+        before = self.temperature_t
+        super()._apply(fn, recurse)
+        if self.temperature_t.dtype != before.dtype:
+            self.temperature_t = before.to(device=self.temperature_t.device)
+        return self
 
     # ---- codebook ---------------------------------------------------------------------------------------------
     def _unit_codebook(self) -> Tensor:
@@ -284,13 +310,26 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
         process would draw from the concatenated batches.
         """
         flat = flatten_tokens(z, self.dim, check_finite=True)
+        if flat.shape[0] == 0 and not is_distributed():
+            raise ValueError("init_from_data needs at least one token, got an empty tensor")
+        self._init_from_tokens(flat)
+
+    @torch.no_grad()
+    def _init_from_tokens(self, flat: Tensor) -> None:
+        """:meth:`init_from_data` on validated tokens ``(N, D)``, without a synchronisation in one process (the
+        "drawn with replacement" test is on the token count, a shape, not on the values)."""
         k = self.num_codes
-        chosen = pick_tokens(flat, lambda n: torch.randperm(n, device=flat.device)[:k] if n >= k
-                             else torch.randint(n, (k,), device=flat.device))
+        with_replacement = []
+
+        def draw(n: int) -> Tensor:
+            with_replacement.append(n < k)
+            return torch.randperm(n, device=flat.device)[:k] if n >= k else torch.randint(n, (k,), device=flat.device)
+
+        chosen = pick_tokens(flat, draw)
         if chosen is None:
             raise ValueError("init_from_data needs at least one token, got an empty tensor")
         chosen = chosen.to(self.prototypes.dtype)
-        if torch.unique(chosen, dim=0).shape[0] < k:  # fewer tokens than codes: drawn with replacement
+        if with_replacement[0]:  # fewer tokens than codes: jitter, so that no two prototypes coincide
             spread = chosen.std() if k > 1 else chosen.abs().mean()
             chosen = broadcast_(chosen + torch.randn_like(chosen) * 1e-3 * spread.clamp_min(1e-6))
         self.prototypes.copy_(chosen)
@@ -325,11 +364,13 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
             zf, mean, std = self._codebook_space(flat.to(ctype))
             p = self.prototypes.to(ctype)
             p = F.normalize(p, dim=-1) if self.distance == "cosine" else p
-            temperature = self._temperature
-            if temperature is None:  # set by the first training batch; evaluation before it calibrates, keeps nothing
+            if self._has_temperature:
+                temperature = self.temperature_t
+            else:  # set by the first training batch; evaluation before it calibrates, keeps nothing
                 temperature = self._calibrate_temperature(zf.detach(), p.detach())
                 if self.training:
-                    self._temperature = temperature
+                    self.temperature_t.copy_(temperature)
+                    self._has_temperature = True
             gradient = self.prototype_update == "gradient"
             mu, q, indices, loss, stats = _SoftCentroid.apply(
                 zf, p, temperature,
@@ -368,7 +409,7 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
             zf, mean, std = self.standardizer(zf)
         if not self._initialized:
             if self.training:
-                self.init_from_data(zf.detach())
+                self._init_from_tokens(zf.detach())
             else:
                 warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
                               "its prototypes: it is using random placeholder prototypes", stacklevel=4)

@@ -46,7 +46,7 @@ class HardVQ(nn.Module):
         ema_decay: ``None`` for a gradient-trained codebook, or a decay in ``(0, 1)`` for EMA updates.
         dead_code_threshold: restart codes used less than this many times per batch on average; 0 = never.
         epsilon: Laplace smoothing of the EMA cluster sizes.
-        check_finite: raise on NaN/Inf input.
+        check_finite: raise on NaN/Inf input (one device sync per call; skipped inside ``torch.compile``).
     """
 
     def __init__(
@@ -81,13 +81,15 @@ class HardVQ(nn.Module):
         # Running average of assignments per batch, for dead-code restart; -1 until the first training batch, whose
         # counts it starts from (starting from 0 would restart nearly every live code in the first steps).
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
-        self._restarts = 0  # codes moved by dead-code restart since construction (not saved: older state dicts)
+        # Codes moved by dead-code restart since construction, on the device so that a step never waits on the host
+        # (not saved: older state dicts).
+        self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
 
     @property
     def restarts(self) -> int:
         """How many codes dead-code restart has moved since this module was built (reported per epoch beside the
-        training-epoch utilization, which counts restarted codes as used)."""
-        return self._restarts
+        training-epoch utilization, which counts restarted codes as used; reading it synchronises with the device)."""
+        return int(self.restart_count)
 
     @property
     def codebook(self) -> Tensor:
@@ -129,7 +131,9 @@ class HardVQ(nn.Module):
         per_token = commitment.detach() * self.dim
         terms = {"commitment": commitment.detach(), "l_q": per_token, "l_ols": per_token,
                  "v": torch.zeros_like(per_token)}
-        probs = F.one_hot(indices, self.num_codes).to(ctype)
+        # one-hot assignments written once in the compute dtype (F.one_hot builds int64, twice the bytes, then copies)
+        probs = torch.zeros(indices.shape[0], self.num_codes, dtype=ctype, device=z.device)
+        probs.scatter_(1, indices[:, None], 1.0)
         return QuantizerOutput(
             quantized=quantized.to(z.dtype).reshape(z.shape),
             indices=indices.reshape(lead),
@@ -140,14 +144,14 @@ class HardVQ(nn.Module):
 
     @torch.no_grad()
     def _update_codebook(self, z: Tensor, indices: Tensor) -> None:
-        """EMA codebook update and dead-code restart (training mode only); counts summed across processes."""
-        counts = torch.bincount(indices, minlength=self.num_codes).to(self.usage.dtype)  # (K,)
+        """EMA codebook update and dead-code restart (training mode only); counts summed across processes. No
+        host-device synchronisation (no ``.item()``, no data-dependent shape), so torch.compile traces it whole."""
+        counts = torch.zeros(self.num_codes, dtype=self.usage.dtype, device=indices.device)
+        counts.index_add_(0, indices, torch.ones_like(indices, dtype=counts.dtype))  # (K,); bincount's shape is data's
         all_reduce_sum_(counts)
         decay = self.ema_decay if self.ema_decay is not None else 0.99
-        if bool((self.usage < 0).any()):  # first training batch: start from its counts, as DDCLQuantizer does
-            self.usage.copy_(counts)
-        else:
-            self.usage.mul_(decay).add_(counts, alpha=1.0 - decay)
+        # the first training batch (usage still -1) starts the running usage from its counts, as DDCLQuantizer does
+        self.usage.copy_(torch.where((self.usage < 0).any(), counts, self.usage * decay + counts * (1.0 - decay)))
         if self.ema_decay is not None:
             embed_sum = torch.zeros_like(self.ema_embed_sum).index_add_(0, indices, z.to(self.ema_embed_sum.dtype))
             all_reduce_sum_(embed_sum)
@@ -162,7 +166,8 @@ class HardVQ(nn.Module):
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:
         dead = restart_dead_codes_(self.embedding, self.usage, z, self.dead_code_threshold)  # (K,)
-        self._restarts += int(dead.sum())
-        if self.ema_decay is not None and bool(dead.any()):
-            self.ema_cluster_size[dead] = self.dead_code_threshold
-            self.ema_embed_sum[dead] = self.embedding[dead] * self.dead_code_threshold
+        self.restart_count.add_(dead.sum())
+        if self.ema_decay is not None:
+            threshold = self.dead_code_threshold
+            self.ema_cluster_size.copy_(torch.where(dead, threshold, self.ema_cluster_size))
+            self.ema_embed_sum.copy_(torch.where(dead[:, None], self.embedding * threshold, self.ema_embed_sum))

@@ -70,7 +70,9 @@ class TokenStandardizer(nn.Module):
         if self.training and not self.frozen:
             mean, var, count = batch_moments(z)
             with torch.no_grad():
-                momentum = 1.0 if int(self.num_batches_tracked) == 0 else self.momentum
+                # the first batch sets the running statistics whole; a tensor test, not int(): no device sync
+                first = (self.num_batches_tracked == 0).to(self.running_mean.dtype)
+                momentum = first + (1.0 - first) * self.momentum
                 unbiased = var.detach() * (count / max(count - 1, 1))
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), momentum)
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)

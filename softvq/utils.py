@@ -85,7 +85,8 @@ def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True, temperature: 
     """Validate channel-last tokens ``(..., dim)`` and flatten them to ``(N, dim)``.
 
     With ``check_finite``, NaN/Inf and finite tokens too large for the squared distances to be computed
-    (:func:`max_token_magnitude`; pass the Boltzmann ``temperature`` when it divides them) raise a ValueError.
+    (:func:`max_token_magnitude`; pass the Boltzmann ``temperature`` when it divides them) raise a ValueError, except
+    inside ``torch.compile`` (the check is one device synchronisation per call and would break the graph).
     """
     if not isinstance(z, Tensor):
         raise TypeError(f"expected a torch.Tensor of shape (..., {dim}), got {type(z).__name__}")
@@ -97,7 +98,9 @@ def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True, temperature: 
         )
     if not z.is_floating_point():
         raise ValueError(f"expected a floating-point tensor, got dtype {z.dtype}")
-    if check_finite and z.numel() > 0:
+    # Under torch.compile the check is skipped: it needs the value on the host (a graph break and a device sync per
+    # call), so a compiled layer leaves it to the model (softvq.models.VQVAE checks its latents every step).
+    if check_finite and z.numel() > 0 and not torch.compiler.is_compiling():
         largest = float(z.detach().abs().amax())  # one reduction and one sync: NaN and Inf propagate into it
         if not math.isfinite(largest):
             bad = int((~torch.isfinite(z)).sum())
@@ -130,21 +133,58 @@ def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def restart_dead_codes_(codebook: Tensor, usage: Tensor, z: Tensor, threshold: float) -> Tensor:
+def restart_dead_codes_(codebook: Tensor, usage: Tensor, z: Tensor, threshold: float | Tensor) -> Tensor:
     """Replace the rows of ``codebook (K, D)`` whose running ``usage (K,)`` is below ``threshold`` by random tokens of
-    ``z (N, D)`` and set their usage to ``threshold``; returns the ``(K,)`` mask of restarted rows.
+    ``z (N, D)`` and set their usage to ``threshold``; returns the ``(K,)`` mask of restarted rows. Nothing is
+    restarted while ``usage`` still holds the -1 of "no batch seen yet", or when there are no tokens.
 
-    Under ``torch.distributed`` the tokens are drawn from every process's batch together (:func:`pick_tokens`), so
-    the result is the same on every process and equals a single process's restart on the concatenated batch.
+    Without a host-device synchronisation (no ``.item()``, no data-dependent shape): every code draws a candidate
+    token (:func:`random_tokens`) and the dead ones take theirs, so a GPU step never waits on the CPU and
+    ``torch.compile`` traces it whole. Under ``torch.distributed`` the tokens are drawn from every process's batch
+    together, so the result is the same on every process and equals a single process's restart on the concatenated
+    batch with rank 0's random state.
     """
-    dead = usage < threshold
-    num_dead = int(dead.sum())  # usage is summed across processes: every process agrees
-    if num_dead:
-        rows = pick_tokens(z, lambda n: torch.randint(n, (num_dead,), device=z.device))
-        if rows is not None:
-            codebook[dead] = rows.to(codebook.dtype)
-            usage[dead] = threshold
+    rows, any_token = random_tokens(z, codebook.shape[0])
+    dead = (usage < threshold) & (usage >= 0).all()  # usage is summed across processes: every process agrees
+    if any_token is False:
+        return torch.zeros_like(dead)
+    if any_token is not True:
+        dead &= any_token
+    codebook.copy_(torch.where(dead[:, None], rows.to(codebook.dtype), codebook))
+    usage.copy_(torch.where(dead, threshold, usage))
     return dead
+
+
+@torch.no_grad()
+def random_tokens(z: Tensor, k: int) -> tuple[Tensor, bool | Tensor]:
+    """``k`` rows of the tokens ``z (N, D)`` of all processes together, drawn uniformly with replacement, and whether
+    there were any tokens at all (the rows are then zeros): a ``bool`` in one process, a ``()`` bool tensor under
+    ``torch.distributed`` (where the count is known only on the device).
+
+    No host-device synchronisation: the draw is ``floor(u * n)`` for ``u ~ U[0, 1)`` with the token count ``n`` a
+    tensor. Under ``torch.distributed`` ``n`` is the sum over processes, the rows index the concatenation of every
+    process's ``z`` in rank order, rank 0's draw is the one used (every process draws, so their random states stay in
+    step), and the picked rows reach every process by one all-reduce of ``(k, D)`` values. The result equals a single
+    process's draw on ``torch.cat(zs)`` with the same random state.
+    """
+    u = torch.rand(k, device=z.device, dtype=torch.float32 if z.device.type == "mps" else torch.float64)
+    if not is_distributed():
+        n = z.shape[0]
+        if n == 0:
+            return z.new_zeros(k, z.shape[1]), False
+        return z[(u * n).long().clamp_(max=n - 1)], True
+    world = dist.get_world_size()
+    sizes = torch.zeros(world, dtype=torch.long, device=z.device)
+    sizes[dist.get_rank()] = z.shape[0]
+    all_reduce_sum_(sizes)
+    total = sizes.sum()
+    index = broadcast_((u * total).long().clamp_(max=(total - 1).clamp_(min=0)))
+    start = sizes[: dist.get_rank()].sum()
+    local = index - start
+    mine = (local >= 0) & (local < z.shape[0])
+    rows = z[local.clamp(0, max(z.shape[0] - 1, 0))] if z.shape[0] else z.new_zeros(k, z.shape[1])
+    rows = torch.where(mine[:, None], rows, torch.zeros_like(rows))
+    return all_reduce_sum_(rows), total > 0  # every row is non-zero on exactly one process
 
 
 def empty_output(z: Tensor, num_codes: int, anchor: Tensor, term_names: tuple[str, ...]) -> QuantizerOutput:

@@ -29,16 +29,16 @@ SMALL = ["--epochs", "2", "--data.batch_size", "16", "--data.train_subset", "96"
 def spies(monkeypatch):
     seen: dict[str, list] = {"distances": [], "inputs": [], "probs": [], "loss": []}
 
-    def spy(module):
-        original = module.squared_distances
+    def spy(module, name="squared_distances"):
+        original = getattr(module, name)
 
-        def squared_distances(z, codebook):
-            d = original(z, codebook)
+        def distances(z, codebook, *args):
+            d = original(z, codebook, *args)
             seen["distances"].append((z.dtype, codebook.dtype, d.dtype, torch.is_autocast_enabled("cpu")))
             return d
-        monkeypatch.setattr(module, "squared_distances", squared_distances)
+        monkeypatch.setattr(module, name, distances)
 
-    spy(softvq._soft_centroid)  # DDCLQuantizer's forward pass
+    spy(softvq._soft_centroid, "logit_scores")  # DDCLQuantizer's forward pass: the scores (|z|^2 - d) / T
     spy(softvq._recipe)  # its temperature calibration
     spy(softvq.hard_vq)
     for cls in (DDCLQuantizer, HardVQ):

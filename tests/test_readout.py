@@ -176,7 +176,9 @@ def test_a_prototype_without_mass_gives_a_zero_slot_and_finite_gradients():
         readout.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [1e3, 1e3]]))  # the last is never reached
     z = torch.tensor([[[0.1, 0.0], [0.9, 0.1], [0.2, -0.1]]], dtype=torch.float64, requires_grad=True)
     out = readout(z)
-    assert out.mass[0, 2].item() == 0.0 and torch.equal(out.slots[0, 2], torch.zeros(2, dtype=torch.float64))
+    # (its assignments are floored at tiny^0.75 of the largest, softvq._soft_centroid: far below an empty slot's mass)
+    assert out.mass[0, 2].item() < torch.finfo(torch.float64).tiny ** 0.5
+    assert torch.equal(out.slots[0, 2], torch.zeros(2, dtype=torch.float64))
     assert out.mass[0, :2].min() > 0
     (out.slots.sum() + out.pooled.sum()).backward()
     assert torch.isfinite(z.grad).all() and torch.isfinite(readout.prototypes.grad).all()
