@@ -2,6 +2,14 @@
 
     python -m eval.bench_codebook                      # N=8192 tokens, D=64, K in 64..4096
     python -m eval.bench_codebook --codes 512 --reps 20 --json bench.json
+    python -m eval.bench_codebook --codes 512 --compile    # also torch.compile(fullgraph=True) of DDCL and HardVQ
+
+Each method is one training step of the layer alone, in training mode, with its in-layer updates (EMA, restarts,
+temperature control) and the finite check off: ``ddcl`` is ``DDCLQuantizer``'s defaults (the in-layer recipe),
+``hard`` is ``HardVQ`` with an EMA codebook and dead-code restart (the strongest hard VQ here, configured as the
+DDCL layer's recipe: decay 0.99, threshold 1), ``vqp`` vector-quantize-pytorch's ``VectorQuantize`` (EMA decay 0.8,
+commitment 1) and ``vqp_recipe`` the settings its README gives against dead codes (k-means init, EMA dead-code
+threshold 2, rotation trick). ``--compile`` adds ``ddcl_compiled`` and ``hard_compiled``.
 
 Every configuration times the three quantizers in interleaved rounds in one process (so machine noise hits all
 of them alike) and reports the median; peak memory is the extra memory of one step (see ``eval/_bench.py``).
@@ -19,18 +27,26 @@ from torch import nn
 
 from eval._bench import markdown_table, sweep, sync
 
-METHODS = ("ddcl", "ddcl_plain", "hard", "vqp")
+METHODS = ("ddcl", "ddcl_plain", "hard", "vqp", "vqp_recipe")
+COMPILED = ("ddcl_compiled", "hard_compiled")
 LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "ddcl_plain": "DDCLQuantizer(recipe='plain'), gradient-trained prototypes",
-          "hard": "HardVQ (EMA)", "vqp": "vector-quantize-pytorch VectorQuantize"}
+          "hard": "HardVQ (EMA 0.99 + dead-code restart 1)", "vqp": "vector-quantize-pytorch VectorQuantize",
+          "vqp_recipe": "VectorQuantize(kmeans_init, threshold_ema_dead_code=2, rotation_trick)",
+          "ddcl_compiled": "torch.compile(DDCLQuantizer, fullgraph=True)",
+          "hard_compiled": "torch.compile(HardVQ, fullgraph=True)"}
 
 
 def build(method: str, num_codes: int, dim: int) -> nn.Module:
-    """The three quantizers in comparable settings: each trains its codebook and returns an auxiliary loss."""
+    """The quantizers in comparable settings: each trains its codebook and returns an auxiliary loss."""
+    if method.endswith("_compiled"):
+        module = build(method.removesuffix("_compiled"), num_codes, dim)
+        module.compile(fullgraph=True)  # in place: the module keeps its state-dict names
+        return module
     if method == "ddcl":
         from softvq import DDCLQuantizer
 
-        return DDCLQuantizer(num_codes, dim, temperature=1.0, check_finite=False)
+        return DDCLQuantizer(num_codes, dim, check_finite=False)
     if method == "ddcl_plain":
         from softvq import DDCLQuantizer
 
@@ -38,14 +54,17 @@ def build(method: str, num_codes: int, dim: int) -> nn.Module:
     if method == "hard":
         from softvq import HardVQ
 
-        return HardVQ(num_codes, dim, ema_decay=0.8, check_finite=False)
-    if method == "vqp":
+        return HardVQ(num_codes, dim, ema_decay=0.99, dead_code_threshold=1.0, check_finite=False)
+    if method in ("vqp", "vqp_recipe"):
         try:
             from vector_quantize_pytorch import VectorQuantize
         except ImportError as err:
             raise SystemExit("vector-quantize-pytorch is not installed: pip install -e '.[bench]'") from err
-        return VectorQuantize(dim=dim, codebook_size=num_codes, decay=0.8, commitment_weight=1.0)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+        if method == "vqp":
+            return VectorQuantize(dim=dim, codebook_size=num_codes, decay=0.8, commitment_weight=1.0)
+        return VectorQuantize(dim=dim, codebook_size=num_codes, kmeans_init=True, threshold_ema_dead_code=2,
+                              rotation_trick=True)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS + COMPILED}")
 
 
 def make_step(module: nn.Module, z: torch.Tensor) -> Callable[[], None]:
@@ -83,8 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=64, help="D, token dimension (default 64)")
     parser.add_argument("--codes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096],
                         help="K values to sweep (default 64..4096)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+    parser.add_argument("--methods", nargs="+", choices=METHODS + COMPILED, default=list(METHODS),
                         help="quantizers to compare; ratios are to HardVQ when it is included")
+    parser.add_argument("--compile", action="store_true",
+                        help="add the torch.compile(fullgraph=True) versions of ddcl and hard (compiling takes a "
+                             "minute or so on a CPU)")
     parser.add_argument("--reps", type=int, default=10, help="timed rounds per configuration (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method first (default 3)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -92,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = parser.parse_args(argv)
+    if args.compile:
+        args.methods += [m for m in COMPILED if m not in args.methods]
     if args.tokens < 1 or args.dim < 1 or args.reps < 1 or min(args.codes) < 1:
         parser.error("--tokens, --dim, --reps and every --codes value must be positive")
     if args.tokens > 1024 and args.tokens % 1024:
@@ -99,21 +123,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# The ratios the targets are about (numerator, denominator), printed where both were measured.
+RATIOS = (("ddcl", "hard"), ("ddcl", "vqp"), ("ddcl", "vqp_recipe"), ("ddcl_compiled", "hard_compiled"),
+          ("ddcl_compiled", "ddcl"), ("hard_compiled", "hard"), ("ddcl_plain", "hard"))
+
+
 def format_table(rows: list[dict], methods: list[str], with_memory: bool) -> str:
-    base = "hard" if "hard" in methods else methods[0]
-    both = "ddcl" in methods and "vqp" in methods
-    head = ["K"] + [f"{m} ms" for m in methods] + [f"{m}/{base}" for m in methods if m != base]
-    head += ["ddcl/vqp"] if both else []
-    head += [f"{m} MiB" for m in methods] if with_memory else []
-    cells = []
-    for row in rows:
-        ms = row["ms"]
-        line = [str(row["K"])] + [f"{ms[m]:.1f}" for m in methods]
-        line += [f"{ms[m] / ms[base]:.2f}x" for m in methods if m != base]
-        line += [f"{ms['ddcl'] / ms['vqp']:.2f}x"] if both else []
-        line += [f"{row['peak_mib'][m]:.0f}" for m in methods] if with_memory else []
-        cells.append(line)
-    return markdown_table(head, cells)
+    """Milliseconds per method, the ratios of :data:`RATIOS`, and (with ``with_memory``) the peak MiB per method."""
+    ratios = [(a, b) for a, b in RATIOS if a in methods and b in methods]
+    head = ["K"] + [f"{m} ms" for m in methods]
+    cells = [[str(row["K"])] + [f"{row['ms'][m]:.1f}" for m in methods] for row in rows]
+    tables = [markdown_table(head, cells)]
+    if ratios:
+        cells = [[str(row["K"])] + [f"{row['ms'][a] / row['ms'][b]:.2f}x" for a, b in ratios] for row in rows]
+        tables.append(markdown_table(["K"] + [f"{a}/{b}" for a, b in ratios], cells))
+    if with_memory:
+        cells = [[str(row["K"])] + [f"{row['peak_mib'][m]:.0f}" for m in methods] for row in rows]
+        tables.append(markdown_table(["K"] + [f"{m} MiB" for m in methods], cells))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,8 @@ class InLayerRecipe:
     usage: Tensor  # (K,) running argmax count per training batch; -1 = no batch seen yet
     ema_mass: Tensor  # (K,)
     ema_sum: Tensor  # (K, D)
-    temperature_t: Tensor  # () the temperature (meaningful once _has_temperature)
+    temperature_t: Tensor  # (2,) the temperature, in slot _slot (meaningful once _has_temperature)
+    _slot: int
     restart_count: Tensor  # () int64, prototypes restarted so far
     _has_temperature: bool
 
@@ -134,7 +135,12 @@ class InLayerRecipe:
         """``T <- T exp(rate (target - H))`` (:func:`softvq.adapt_temperature`) on the device; a non-finite entropy
         leaves ``T`` unchanged."""
         factor = torch.exp(self.temperature_rate * (self.target_entropy - entropy.to(self.temperature_t.dtype)))
-        self.temperature_t.copy_(torch.where(torch.isfinite(factor), self.temperature_t * factor, self.temperature_t))
+        now = self.temperature_t[self._slot]
+        # The next step's T goes into the other slot, and the steps alternate: the slot this step's forward read is
+        # never written in this step. Written in place, torch.compile's backward (which may re-read a buffer instead
+        # of saving the value it held) saw the updated T and computed gradients with it (0.35% off per step here).
+        self.temperature_t[1 - self._slot].copy_(torch.where(torch.isfinite(factor), now * factor, now))
+        self._slot = 1 - self._slot
 
     @torch.no_grad()
     def _calibrate_temperature(self, z: Tensor, p: Tensor) -> Tensor:

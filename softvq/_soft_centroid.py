@@ -100,9 +100,8 @@ class _SoftCentroid(torch.autograd.Function):
         s = logit_scores(zc, pc, p_sq, t)  # (N, K) = (|z|^2 - d) / T: the logits -d/T plus a per-token constant
         s_max, indices = s.max(dim=1)  # the nearest prototype maximises s
         q = _softmax_floored(s, s_max)  # (N, K); s now holds x = s - s_max, floored
-        # one pass over q for mu and sum_k q |p_k|^2 together: q [P | |p|^2]
-        mu_ext = q @ torch.cat([pc, p_sq[:, None]], dim=1)  # (N, D + 1)
-        mu_c, q_p_sq = mu_ext[:, :dim], mu_ext[:, dim]
+        mu_c = q @ pc  # (N, D); not fused with q @ p_sq into one (K, D + 1) matmul: that ran slower here
+        q_p_sq = q @ p_sq  # (N,) sum_k q |p_k|^2
         mu = mu_c + center
         need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
         # <q, x> (N,): in place into x unless the backward pass needs x (no new (N, K) buffer, no page faults)

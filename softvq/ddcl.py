@@ -191,8 +191,9 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
         # Tensor state that training steps change (so that a step never waits on the host): the temperature and the
         # restart count. Not state-dict entries of their own: get_extra_state saves them as numbers, as before. The
         # temperature is float64 (the precision a Python float had; the distances see it in their compute dtype).
-        self.register_buffer("temperature_t", torch.tensor(self._initial_temperature or 1.0, dtype=torch.float64),
+        self.register_buffer("temperature_t", torch.full((2,), self._initial_temperature or 1.0, dtype=torch.float64),
                              persistent=False)
+        self._slot = 0  # the slot of temperature_t that holds the current T (softvq._recipe, _control_temperature)
         self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
@@ -210,7 +211,7 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
 
         Reading it copies the device's value to the host (a synchronisation on a GPU): read it per epoch, not per step.
         """
-        return float(self.temperature_t) if self._has_temperature else None
+        return float(self.temperature_t[self._slot]) if self._has_temperature else None
 
     @temperature.setter
     def temperature(self, value: float) -> None:
@@ -365,11 +366,11 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
             p = self.prototypes.to(ctype)
             p = F.normalize(p, dim=-1) if self.distance == "cosine" else p
             if self._has_temperature:
-                temperature = self.temperature_t
+                temperature = self.temperature_t[self._slot]
             else:  # set by the first training batch; evaluation before it calibrates, keeps nothing
                 temperature = self._calibrate_temperature(zf.detach(), p.detach())
                 if self.training:
-                    self.temperature_t.copy_(temperature)
+                    self.temperature_t.copy_(temperature.expand(2))
                     self._has_temperature = True
             gradient = self.prototype_update == "gradient"
             mu, q, indices, loss, stats = _SoftCentroid.apply(

@@ -36,8 +36,8 @@ class HardVQ(nn.Module):
     batch's counts) is below the threshold is replaced by a random token of the current batch.
 
     ``terms`` (detached): ``commitment`` (``mse(z, e)``, element mean), and the DDCL quantities for a one-hot
-    assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2`` and ``v = 0``, so both quantizers report
-    comparable numbers.
+    assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2``, ``v = 0`` and the assignment entropy ``entropy = 0``,
+    so both quantizers report comparable numbers.
 
     Args:
         num_codes: ``K``.
@@ -111,7 +111,7 @@ class HardVQ(nn.Module):
         lead = z.shape[:-1]
         ctype = compute_dtype(z.dtype)
         if flat.shape[0] == 0:
-            return empty_output(z, self.num_codes, self.embedding, ("commitment", "l_q", "l_ols", "v"))
+            return empty_output(z, self.num_codes, self.embedding, ("commitment", "l_q", "l_ols", "v", "entropy"))
 
         with torch.autocast(device_type=z.device.type, enabled=False):
             zf = flat.to(ctype)
@@ -130,7 +130,7 @@ class HardVQ(nn.Module):
             quantized = zf + (codes - zf).detach()  # straight-through
         per_token = commitment.detach() * self.dim
         terms = {"commitment": commitment.detach(), "l_q": per_token, "l_ols": per_token,
-                 "v": torch.zeros_like(per_token)}
+                 "v": torch.zeros_like(per_token), "entropy": torch.zeros_like(per_token)}
         # one-hot assignments written once in the compute dtype (F.one_hot builds int64, twice the bytes, then copies)
         probs = torch.zeros(indices.shape[0], self.num_codes, dtype=ctype, device=z.device)
         probs.scatter_(1, indices[:, None], 1.0)

@@ -158,6 +158,9 @@ class Hardware:
         strategy: Lightning strategy: ``auto`` (DDP for several devices), ``ddp``, ``ddp_spawn``, ...
         precision: ``32-true``, ``bf16-mixed`` (autocast; the codebook computes in float32), ``16-mixed``, ``64-true``.
         progress_bar: show Lightning's progress bar (off in CI logs).
+        compile: ``torch.compile`` the model's encoder, decoder and codebook (the codebook with ``fullgraph=True``:
+            it has no graph break and no host-device synchronisation per step); the first steps then compile (about
+            a minute on a CPU). Measured by ``eval/bench_train.py --compile``.
     """
 
     accelerator: str = "auto"
@@ -166,6 +169,7 @@ class Hardware:
     strategy: str = "auto"
     precision: str = "32-true"
     progress_bar: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         self.num_nodes = check_positive_int("trainer.num_nodes", self.num_nodes)

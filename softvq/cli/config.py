@@ -36,7 +36,8 @@ LAYER_SKIP = {"num_codes", "dim", "channel_first"}
 # What may differ when a run is resumed (dotted keys of config.json): they extend it (epochs), say where the run and the
 # same data are (a moved directory) or how to run it, and change no result (README: Resuming).
 RESUME_SAFE = ("epochs", "out", "data.data_root", "data.download", "data.num_workers",
-               "data.cache_dir", "check_replicas", "trainer.accelerator", "trainer.strategy", "trainer.progress_bar")
+               "data.cache_dir", "check_replicas", "trainer.accelerator", "trainer.strategy", "trainer.progress_bar",
+               "trainer.compile")
 
 
 @dataclass

@@ -211,6 +211,8 @@ def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | No
     # process, so data initialisation and dead-code restarts draw alike whatever the number of processes.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     hw = config.hardware(cfg)
+    if hw.compile:
+        model.compile_parts()
     steps_per_epoch = math.ceil(len(data.train_set) / (cfg.data.batch_size * hw.devices_per_node * hw.num_nodes))
     trainer = build_trainer(cfg, out, validation=cfg.data.val_size > 0, steps_per_epoch=steps_per_epoch)
     try:

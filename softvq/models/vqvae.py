@@ -242,6 +242,20 @@ class VQVAE(EpochMetrics, L.LightningModule):
             return list(self.quantizer.levels)
         return [self.quantizer]
 
+    def compile_parts(self, **compile_kwargs: Any) -> None:
+        """``torch.compile`` the encoder, the decoder and the quantizer in place (``nn.Module.compile``: state-dict
+        names and checkpoints are unchanged). The quantizer compiles with ``fullgraph=True`` (a DDCL or hard codebook
+        has no graph break; inside ``torch.compile`` it skips its own finite check, which :meth:`training_step` does on
+        the latents anyway); a hierarchy compiles level by level, without it. ``compile_kwargs`` go to every call
+        (e.g. ``mode="max-autotune"``)."""
+        self.encoder.compile(**compile_kwargs)
+        self.decoder.compile(**compile_kwargs)
+        if isinstance(self.quantizer, HierarchicalDDCL):
+            for level in self.quantizer.levels:
+                level.compile(**compile_kwargs)
+        else:
+            self.quantizer.compile(**{"fullgraph": True, **compile_kwargs})
+
     # ---- model API -----------------------------------------------------------------------------------------
     def _check_images(self, x: Tensor) -> None:
         factor = 2 ** self.downsamples
