@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from softvq.utils import max_rows
+
 
 def _mean(x: Tensor) -> Tensor:
     """The mean of per-token values, accumulated in float64: a float32 sum of N values near the largest
@@ -34,7 +36,7 @@ def logit_scores(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor) -> Tensor:
     return torch.addmm(p_sq * -inv_t, zc, (pc * (2.0 * inv_t)).t())
 
 
-def _softmax_floored(s: Tensor, s_max: Tensor) -> Tensor:
+def _softmax_floored(s: Tensor, s_max: Tensor, out: Tensor | None = None) -> Tensor:
     """``softmax(s)`` over dim 1, overwriting ``s`` with ``x = max(s - s_max, -C)``, where
     ``exp(-C) = finfo.tiny ** 0.75`` (``C`` = 65.5 in float32, 531 in float64).
 
@@ -48,7 +50,35 @@ def _softmax_floored(s: Tensor, s_max: Tensor) -> Tensor:
     large.
     """
     x = s.sub_(s_max[:, None]).clamp_(min=0.75 * math.log(torch.finfo(s.dtype).tiny))
-    return torch.softmax(x, dim=1)
+    if out is None:
+        return torch.softmax(x, dim=1)
+    return torch._softmax(x, 1, False, out=out)
+
+
+# Rows of (N, K) work per chunk on a CPU: 2^19 entries (2 MiB in float32) stay in cache from the score matmul to the
+# soft centroid's, and the forward pass ran 2x faster than on whole (N, K) arrays here (N = 8192, K = 512).
+_CHUNK_ENTRIES = 1 << 19
+
+
+def _row_chunks(n: int, k: int, device: torch.device) -> list[slice]:
+    """Row slices for the ``(N, K)`` work: cache-sized chunks on a CPU, all rows at once on an accelerator (where
+    one large kernel beats several small ones)."""
+    step = n if device.type != "cpu" else max(1, _CHUNK_ENTRIES // max(k, 1))
+    return [slice(a, min(a + step, n)) for a in range(0, n, step)] or [slice(0, 0)]
+
+
+def _assign_rows(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, keep_x: bool,
+                 q_out: Tensor | None = None) -> tuple[Tensor | None, ...]:
+    """The forward pass's ``(N, K)`` work on some rows: ``q`` (written into ``q_out`` when given), ``mu_c``,
+    ``q |p|^2``, ``<q, x>``, the largest score, the nearest prototype and (``keep_x``) the shifted, floored scores."""
+    s = logit_scores(zc, pc, p_sq, t)  # (n, K) = (|z|^2 - d) / T: the logits -d/T plus a per-token constant
+    s_max, indices = max_rows(s)  # the nearest prototype maximises s
+    q = _softmax_floored(s, s_max, q_out)  # (n, K); s now holds x = s - s_max, floored
+    mu_c = q @ pc  # (n, D); not fused with q @ p_sq into one (K, D + 1) matmul: that ran slower here
+    q_p_sq = q @ p_sq  # (n,) sum_k q |p_k|^2
+    # <q, x> (n,): in place into x unless the backward pass needs x
+    qx = (s * q).sum(1) if keep_x else s.mul_(q).sum(1)
+    return q, mu_c, q_p_sq, qx, s_max, indices, s if keep_x else None
 
 
 class _Saved(NamedTuple):
@@ -97,17 +127,19 @@ class _SoftCentroid(torch.autograd.Function):
         pc = prototypes - center  # (K, D)
         p_sq = pc.square().sum(1)  # (K,)
         z_sq = zc.square().sum(1)  # (N,)
-        s = logit_scores(zc, pc, p_sq, t)  # (N, K) = (|z|^2 - d) / T: the logits -d/T plus a per-token constant
-        s_max, indices = s.max(dim=1)  # the nearest prototype maximises s
-        q = _softmax_floored(s, s_max)  # (N, K); s now holds x = s - s_max, floored
-        mu_c = q @ pc  # (N, D); not fused with q @ p_sq into one (K, D + 1) matmul: that ran slower here
-        q_p_sq = q @ p_sq  # (N,) sum_k q |p_k|^2
-        mu = mu_c + center
         need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
-        # <q, x> (N,): in place into x unless the backward pass needs x (no new (N, K) buffer, no page faults)
-        qx = (s * q if need_d else s.mul_(q)).sum(1)
+        chunks = _row_chunks(n, pc.shape[0], z.device)
+        # eager: every chunk's q written into one (N, K) array (a torch.cat of them cost 8% of the forward pass);
+        # compiled: pieces and a cat, which inductor writes in place itself
+        q_all = None if torch.compiler.is_compiling() or len(chunks) == 1 else zc.new_empty(n, pc.shape[0])
+        parts = [_assign_rows(zc[rows], pc, p_sq, t, need_d, None if q_all is None else q_all[rows])
+                 for rows in chunks]
+        q_parts, *rest = zip(*parts, strict=True)
+        q = q_all if q_all is not None else torch.cat(q_parts)
+        mu_c, q_p_sq, qx, s_max, indices, x = (torch.cat(part) if part[0] is not None else None for part in rest)
+        mu = mu_c + center
         lq_n = z_sq - t * (qx + s_max)  # (N,) per-token L_q = sum_k q d = |z|^2 - T <q, s>
-        # log sum_k exp(x_k) = -log q_argmax (x is 0 there): no second pass over (N, K)
+        # log sum_k exp(x_k) = -log q_argmax (x is 0 there): no further pass over (N, K)
         log_norm = -q.gather(1, indices[:, None]).squeeze(1).log()
         r = zc - mu_c  # (N, D) residual z - mu
         l_ols = _mean(r.square().sum(1))
@@ -129,7 +161,7 @@ class _SoftCentroid(torch.autograd.Function):
 
         ctx.routing = (cb_term, cb_weight, cm_term, cm_weight)
         # d = |z|^2 - T (x + s_max) is rebuilt from x in the backward pass when an L_q term needs it
-        ctx.save_for_backward(zc, pc, q, r, mu_c, t, s if need_d else None, lq_n if need_d else None,
+        ctx.save_for_backward(zc, pc, q, r, mu_c, t, x, lq_n if need_d else None,
                               (z_sq - t * s_max) if need_d else None)
         ctx.mark_non_differentiable(indices, stats)
         ctx.set_materialize_grads(False)
@@ -160,15 +192,23 @@ class _SoftCentroid(torch.autograd.Function):
             fe_cb = a_cb if cb_term == "free_energy" else None
             fe_cm = a_cm if cm_term == "free_energy" else None
 
-            grad_z = grad_p = w_p = None
-            if ctx.needs_input_grad[1]:
-                w_p = _scaled_grad_d(s, g_mu_p, g_q, lq_cb, fe_cb)
-                grad_p = _grad_prototypes(s, g_mu_p, w_p)
-            if ctx.needs_input_grad[0]:
-                reuse = (w_p is not None and g_mu_z is g_mu_p and lq_cb is None and lq_cm is None
-                         and fe_cb is None and fe_cm is None)
-                w_z = w_p if reuse else _scaled_grad_d(s, g_mu_z, g_q, lq_cm, fe_cm)
-                grad_z = _grad_tokens(s, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None)
+            reuse = (g_mu_z is g_mu_p and lq_cb is None and lq_cm is None and fe_cb is None and fe_cm is None)
+            grads_z, grad_p = [], None
+            for rows in _row_chunks(n, s.pc.shape[0], s.zc.device):  # cache-sized (N, K) work, as in forward
+                c = _Saved(*(v[rows] if v is not None and v.ndim > 0 and v.shape[0] == n and i != 1 else v
+                             for i, v in enumerate(s)))  # every per-token field's rows (pc, field 1, is (K, D))
+                gq = g_q[rows] if g_q is not None else None
+                w_p = None
+                if ctx.needs_input_grad[1]:
+                    gm = g_mu_p[rows] if g_mu_p is not None else None
+                    w_p = _scaled_grad_d(c, gm, gq, lq_cb, fe_cb)
+                    part = _grad_prototypes(c, gm, w_p)
+                    grad_p = part if grad_p is None else grad_p.add_(part)
+                if ctx.needs_input_grad[0]:
+                    gm = g_mu_z[rows] if g_mu_z is not None else None
+                    w_z = w_p if reuse and w_p is not None else _scaled_grad_d(c, gm, gq, lq_cm, fe_cm)
+                    grads_z.append(_grad_tokens(c, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None))
+            grad_z = torch.cat(grads_z) if grads_z else None
         return grad_z, grad_p, None, None, None, None, None
 
 

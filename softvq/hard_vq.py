@@ -15,6 +15,7 @@ from softvq.utils import (
     compute_dtype,
     empty_output,
     flatten_tokens,
+    max_rows,
     restart_dead_codes_,
     squared_distances,
 )
@@ -36,8 +37,8 @@ class HardVQ(nn.Module):
     batch's counts) is below the threshold is replaced by a random token of the current batch.
 
     ``terms`` (detached): ``commitment`` (``mse(z, e)``, element mean), and the DDCL quantities for a one-hot
-    assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2``, ``v = 0`` and the assignment entropy ``entropy = 0``,
-    so both quantizers report comparable numbers.
+    assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2``, ``v = 0`` and the assignment entropy
+    ``entropy = 0``, so both quantizers report comparable numbers.
 
     Args:
         num_codes: ``K``.
@@ -118,7 +119,7 @@ class HardVQ(nn.Module):
             with torch.no_grad():
                 codebook = self.embedding.detach().to(ctype)
                 center = codebook.mean(0)  # distances are translation invariant; centring keeps them accurate
-                indices = squared_distances(zf - center, codebook - center).argmin(dim=1)  # (N,)
+                indices = max_rows(squared_distances(zf - center, codebook - center), largest=False)[1]  # (N,)
             if self.training:
                 self._update_codebook(zf.detach(), indices)
             codes = F.embedding(indices, self.embedding.to(ctype))  # (N, D); grad to the codebook if no EMA
