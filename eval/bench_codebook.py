@@ -86,14 +86,29 @@ def prepare(num_codes: int, args: argparse.Namespace, device: torch.device) -> d
     """A warmed-up training step of every method, all on the same input ``(N / 1024, 1024, D)``."""
     torch.manual_seed(0)
     z = torch.randn(max(args.tokens // 1024, 1), min(args.tokens, 1024), args.dim, device=device)
+    if any(m.endswith("_compiled") for m in args.methods):
+        # every K is a new model: drop the previous K's graphs (a compiled DDCL layer holds 3: its first batch and
+        # the two steps its temperature alternates between), or torch's recompile limit of 8 stops the sweep
+        torch._dynamo.reset()
     steps = {}
     for method in args.methods:
         module = build(method, num_codes, args.dim).to(device).train()
         steps[method] = make_step(module, z)
         for _ in range(args.warmup):
             steps[method]()
+    steps.update(floors(num_codes, args, device))
     sync(device)
     return steps
+
+
+def floors(num_codes: int, args: argparse.Namespace, device: torch.device) -> dict[str, Callable[[], None]]:
+    """What bounds the methods, timed in the same rounds: one ``(N, D) x (D, K)`` float32 matmul (``mm``; HardVQ
+    does one, DDCL four: scores, soft centroid, and two in its backward pass) and one in-place pass over an ``(N, K)``
+    array (``pass``; memory bandwidth)."""
+    a = torch.randn(args.tokens, args.dim, device=device)
+    b = torch.randn(args.dim, num_codes, device=device)
+    out = torch.empty(args.tokens, num_codes, device=device)
+    return {"mm": lambda: torch.mm(a, b, out=out), "pass": lambda: out.mul_(1.0)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,9 +146,15 @@ RATIOS = (("ddcl", "hard"), ("ddcl", "vqp"), ("ddcl", "vqp_recipe"), ("ddcl_comp
 def format_table(rows: list[dict], methods: list[str], with_memory: bool) -> str:
     """Milliseconds per method, the ratios of :data:`RATIOS`, and (with ``with_memory``) the peak MiB per method."""
     ratios = [(a, b) for a, b in RATIOS if a in methods and b in methods]
-    head = ["K"] + [f"{m} ms" for m in methods]
-    cells = [[str(row["K"])] + [f"{row['ms'][m]:.1f}" for m in methods] for row in rows]
+    head = ["K"] + [f"{m} ms" for m in methods] + ["1 mm ms", "1 pass ms"]
+    cells = [[str(row["K"])] + [f"{row['ms'][m]:.1f}" for m in methods]
+             + [f"{row['ms']['mm']:.2f}", f"{row['ms']['pass']:.2f}"] for row in rows]
     tables = [markdown_table(head, cells)]
+    bound = [m for m in ("ddcl", "hard", "ddcl_compiled", "hard_compiled") if m in methods]
+    if bound:  # how far each is from its matmul floor: DDCL 4 matmuls, HardVQ 1
+        cells = [[str(row["K"])] + [f"{row['ms'][m] / (row['ms']['mm'] * (1 if m.startswith('hard') else 4)):.2f}x"
+                                    for m in bound] for row in rows]
+        tables.append(markdown_table(["K"] + [f"{m} / its matmuls" for m in bound], cells))
     if ratios:
         cells = [[str(row["K"])] + [f"{row['ms'][a] / row['ms'][b]:.2f}x" for a, b in ratios] for row in rows]
         tables.append(markdown_table(["K"] + [f"{a}/{b}" for a, b in ratios], cells))

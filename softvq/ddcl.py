@@ -75,6 +75,11 @@ class DDCLQuantizer(InLayerRecipe, nn.Module):
       ``d mu_n / d z_n = (2/T) C_n`` (``quantized = mu + sg(p_argmax - mu)``). The decoder learns on the codes it will
       be given, so the soft -> hard gap is zero by construction.
 
+    **On an accelerator**: with ``check_finite=False`` a training step never synchronises the host with the device
+    (the temperature, its control, the restart count and every update stay on the device), and the layer compiles with
+    ``torch.compile(fullgraph=True)`` (forward and backward, in training mode); on a CPU the ``(N, K)`` work runs in
+    cache-sized chunks of tokens. README, "Throughput", has the measurements.
+
     ``recipe="plain"`` is the paper's layer as written: no standardisation, a fixed temperature (1.0 unless given),
     prototypes trained by the gradient (build the optimizer with :func:`softvq.param_groups`, ``eps = encoder lr /
     prototype lr``), the soft centroid ``mu = q P`` as output, no restarts. Every option below overrides its recipe

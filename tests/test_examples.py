@@ -47,8 +47,23 @@ def test_benchmark_prints_a_row_per_codebook_size(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench_codebook.main(["--tokens", "256", "--dim", "8", "--codes", "16", "32", "--reps", "2", "--warmup", "1",
                          "--methods", "ddcl", "hard", "--json", str(out)])
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert len(table) == 3  # header + one row per K
+    tables = capsys.readouterr().out.split("\n\n")
+    times = [line for line in tables[0].splitlines() if line.startswith("| ")]
+    assert len(times) == 3 and "1 mm ms" in times[0]  # header + one row per K, with the matmul floor beside
+    assert "ddcl / its matmuls" in tables[1] and "ddcl/hard" in tables[2]
     result = json.loads(out.read_text())
     assert [row["K"] for row in result["rows"]] == [16, 32]
-    assert all(row["ms"][m] > 0 for row in result["rows"] for m in ("ddcl", "hard"))
+    assert all(row["ms"][m] > 0 for row in result["rows"] for m in ("ddcl", "hard", "mm", "pass"))
+
+
+def test_training_benchmark_times_both_models_side_by_side(tmp_path, capsys):
+    bench_train = load(ROOT / "eval" / "bench_train.py")
+    out = tmp_path / "train.json"
+    bench_train.main(["--steps", "2", "--warmup", "1", "--rounds", "2", "--json", str(out), "--flags",
+                      "--model.num_codes", "16", "--model.code_dim", "8", "--model.width", "16",
+                      "--model.res_hidden", "8", "--model.res_blocks", "1", "--data.batch_size", "8"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| ddcl", "| hard"] and rows[2].endswith("1.000x |")
+    result = json.loads(out.read_text())
+    assert result["batch_size"] == 8
+    assert all(len(result["step_seconds"][m]) == 4 for m in ("ddcl", "hard"))  # 2 rounds x 2 timed steps
