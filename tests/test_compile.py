@@ -4,6 +4,8 @@ outputs, gradients and state equal to eager execution."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,3 +125,44 @@ def _compare_compiled_and_eager(name: str) -> None:
     assert compiled.restarts == eager.restarts
     if isinstance(eager, DDCLQuantizer):
         assert compiled.temperature == pytest.approx(eager.temperature, rel=1e-5)
+
+
+def test_max_rows_equals_torch_max_with_ties_and_any_width():
+    from softvq.utils import max_rows
+
+    torch.manual_seed(3)
+    for k in (31, 64, 96, 512):
+        x = torch.randn(50, k)
+        x[:, k // 3] = x[:, k - 1] = 9.0  # a tie across blocks: the first index wins, as torch's does
+        x[7, :] = 0.0  # a row that is all ties
+        for largest in (True, False):
+            v, i = max_rows(x if largest else -x, largest=largest)
+            rv, ri = (x if largest else -x).max(1) if largest else (-x).min(1)
+            assert torch.equal(v, rv) and torch.equal(i, ri)
+
+
+def test_floored_softmax_is_the_softmax_to_float32_resolution_and_never_subnormal():
+    from softvq._soft_centroid import _softmax_floored
+
+    torch.manual_seed(4)
+    s = torch.randn(64, 256) * 60  # most entries far below each row's largest
+    exact = torch.softmax(s.double(), 1)
+    q = _softmax_floored(s.clone(), s.max(1).values)
+    tiny = torch.finfo(torch.float32).tiny
+    assert bool(((q == 0) | (q >= tiny)).all())  # no subnormal assignment
+    assert float((q.double() - exact).abs().max()) < 1e-6 and float(q.min()) > 0
+    torch.testing.assert_close(q.sum(1), torch.ones(64))
+
+
+def test_the_trainer_compiles_the_model_with_trainer_compile(tmp_path, tiny_cifar):
+    from softvq.cli import train as train_vqvae
+
+    tiny = ["--data.train_subset", "64", "--data.val_size", "32", "--data.batch_size", "32", "--model.width", "16",
+            "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.num_codes", "32", "--model.code_dim", "8",
+            "--data.num_workers", "0", "--trainer.progress_bar", "false"]
+    histories = train_vqvae.main(["--data.data_root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "run"),
+                                  "--epochs", "1", "--trainer.compile", "true", *tiny])
+    rows = histories["ddcl"]
+    assert len(rows) == 1 and rows[0]["train_mse"] > 0 and rows[0]["utilization"] > 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["trainer"]["compile"] is True
