@@ -45,7 +45,7 @@ import logging
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -477,8 +477,6 @@ def config_from(args: argparse.Namespace) -> Paradigm1Config:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from dataclasses import replace
-
     from eval._paradigm1_encoders import vit_tokens, vqvae_tokens
     from eval._paradigm1_report import write_report
     from eval._vit import ViTConfig
