@@ -171,6 +171,8 @@ def claims(results: dict[str, Any]) -> list[str]:
 def _closed(pool: float, ddcl: float, bound: float) -> str:
     if bound <= pool:
         return f"none (the bound {bound:.4f} is not above the probe {pool:.4f})"
+    if ddcl > bound:
+        return "all (it is above the 'bound': logistic regression on every token feature overfits here)"
     return f"{100 * (ddcl - pool) / (bound - pool):.0f}%"
 
 
