@@ -109,7 +109,7 @@ def supervised_table(e: dict[str, Any]) -> list[str]:
         held = ", ".join(f"C={k}: {v:.4f}" for k, v in lr["held_out_acc"].items())
         lines += ["", f"The bound: `LogisticRegression(C, max_iter={c['logreg_iter']})` (lbfgs), C chosen on a "
                   f"held-out fifth of the training split ({held}) -> C = {lr['C']:g}, refit on all of it "
-                  f"({lr['seconds']:.0f} s)."]
+                  f"({lr.get('iterations', '?')} iterations, {lr['seconds']:.0f} s)."]
     lines += ["", "Margins: differences of test accuracy (fractions), judged as above; the bound column is the head "
               "minus the bound.", ""]
     return lines
