@@ -1,4 +1,5 @@
-"""eval/paradigm1.py against independent references: known clusters, brute-force masses and decompositions, bad input."""
+"""eval/paradigm1.py against independent references: known clusters, brute-force masses and decompositions, bad
+input."""
 
 from __future__ import annotations
 
@@ -169,8 +170,9 @@ def test_token_file_round_trip_and_bad_files(tmp_path):
     torch.save({**good, "train_labels": argparse.Namespace(x=1)}, unsafe)
     with pytest.raises(UnsafeCheckpointError):
         load_token_file(unsafe)  # weights_only=True: refused, nothing ran
+    no_test_labels = {k: v for k, v in good.items() if k != "test_labels"}
     for bad, message in [([tr.tokens], "must hold a dict of tensors"),
-                         ({k: v for k, v in good.items() if k != "test_labels"}, r"lacks the key\(s\) \['test_labels'\]"),
+                         (no_test_labels, r"lacks the key\(s\) \['test_labels'\]"),
                          ({**good, "extra": tr.tokens}, r"unknown key\(s\) \['extra'\]"),
                          ({**good, "train_labels": [0, 1]}, "train_labels must be a tensor, got list")]:
         torch.save(bad, path)
