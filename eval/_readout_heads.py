@@ -9,6 +9,7 @@ that Adam sees features of comparable scale whatever the latent scale of the che
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -155,10 +156,15 @@ def accuracy(model: nn.Module, tokens: Tensor, indices: Tensor, labels: Tensor, 
 
 
 def fit(model: nn.Module, train: tuple[Tensor, Tensor, Tensor], test: tuple[Tensor, Tensor, Tensor], *,
-        epochs: int, batch_size: int, lr: float, eps: float, seed: int, device: torch.device) -> dict[str, Any]:
-    """Train ``model`` with Adam on ``train = (tokens, indices, labels)`` (cross-entropy + its auxiliary loss) and
+        epochs: int, batch_size: int, lr: float, eps: float, seed: int, device: torch.device,
+        on_epoch_end: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train ``model`` with Adam on ``train = (tokens, side, labels)`` (cross-entropy + its auxiliary loss) and
     return ``train_acc``, ``test_acc`` (after the last epoch; no selection on the test split), ``seconds``,
-    ``params`` and, for readouts over a reused codebook, ``codebook_shift`` (relative change of the prototypes)."""
+    ``params`` and, for readouts over a reused codebook, ``codebook_shift`` (relative change of the prototypes).
+
+    ``side`` is a per-example tensor sliced with the tokens and handed to ``model(tokens, side)``: the hard code
+    indices ``(N, T)`` here, the padding mask ``(N, T)`` in ``eval/paradigm1.py``. ``on_epoch_end(epoch)`` (0-based)
+    is called after every training epoch, before any evaluation."""
     model.to(device)
     readout = getattr(model, "readout", None)
     reused = readout is not None and readout.quantizer.initialized  # (f)'s prototypes start from its first batch
@@ -170,7 +176,7 @@ def fit(model: nn.Module, train: tuple[Tensor, Tensor, Tensor], test: tuple[Tens
     tokens, indices, labels = train
     generator = torch.Generator().manual_seed(seed)
     begin = time.perf_counter()
-    for _ in range(epochs):
+    for epoch in range(epochs):
         model.train()
         order = torch.randperm(tokens.shape[0], generator=generator)
         for start in range(0, tokens.shape[0], batch_size):
@@ -182,6 +188,8 @@ def fit(model: nn.Module, train: tuple[Tensor, Tensor, Tensor], test: tuple[Tens
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+        if on_epoch_end is not None:
+            on_epoch_end(epoch)
     result = {"train_acc": accuracy(model, *train, batch_size, device),
               "test_acc": accuracy(model, *test, batch_size, device),
               "seconds": time.perf_counter() - begin,

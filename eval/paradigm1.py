@@ -1,0 +1,524 @@
+"""Paradigm 1 of the paper on frozen encoders: DDCL readout vs k-means clustering vs a logistic-regression bound.
+
+    python -m eval.paradigm1 --checkpoint runs/cifar10/ddcl/checkpoints/last.ckpt \\
+        --data-root ../shared/data/cifar10-jpeg.tar.gz                  # both encoders, 3 seeds -> reports/paradigm1
+    python -m eval.paradigm1 --checkpoint CKPT --data-root DATA --quick --out /tmp/p1     # a few minutes
+    python -m eval.paradigm1 --tokens bert_sst2.pt --out reports/bert                    # your own token features
+
+The paper (arXiv 2604.03850) freezes BERT on SST-2, IMDB and 20 Newsgroups and reports that the DDCL readout beats
+k-means clustering of the frozen features and approaches a logistic-regression upper bound; its hierarchical paradigm
+stacks two DDCL layers with ``V^(l) >= 0`` at every level. No text encoder or corpus can be downloaded here, so the
+frozen encoders are a trained VQ-VAE's encoder (its 8x8 latent grid, 64 tokens) and a small ViT trained on CIFAR-10
+labels of other images (64 patch tokens and CLS); ``--tokens`` runs the same study on any token features.
+
+**Own features** (e.g. BERT): save a dict of tensors and pass ``--tokens FILE`` (loaded with ``weights_only=True``)::
+
+    out = bert(**batch)                                       # for each split
+    torch.save({"train_tokens": out.last_hidden_state, "train_mask": batch["attention_mask"].bool(),
+                "train_labels": y, "train_cls": out.last_hidden_state[:, 0], "test_tokens": ..., ...}, "bert.pt")
+
+or call :func:`run_paradigm1` with :class:`TokenSet` splits. The study (every method on the same standardised
+tokens, :func:`standardize`; test split scored once, after training):
+
+- **Unsupervised** (:func:`clustering`): ``K = C`` and ``K = cluster_mult x C`` clusters of (a) the pooled features
+  (mean real token per example) and (b) the tokens. DDCL: the prototypes of a :class:`softvq.DDCLReadout` trained
+  on its own DDCL objective only (no labels; :func:`fit_ddcl_clusters`), an example's cluster is the prototype with
+  the largest assignment mass ``sum_t q_tk`` over its real tokens (for pooled features: its one token's ``argmax_k
+  q``). k-means: ``sklearn.cluster.KMeans(K, n_init="auto", random_state=seed)`` on the same training features; an
+  example's cluster is the one most of its tokens fall in. Both fit on the training split and are scored on the test
+  split: ACC (Hungarian; for ``K > C`` the majority map from the training split), NMI, ARI (scikit-learn).
+- **Supervised** (:mod:`eval._paradigm1_heads`, Adam, fixed epochs): linear probes on the mean token and on CLS,
+  DDCL readouts (prototypes trained with the head) with a linear head on ``pooled`` or on ``[pooled, mass, slots]``,
+  and ``sklearn.linear_model.LogisticRegression`` on all tokens concatenated (the upper bound; its ``C`` chosen on
+  a held-out fifth of the training split, then refit on all of it).
+- **Hierarchical**: two stacked readout levels (level 2 reads level 1's soft centroids) with the head on both; V and
+  the identity residual per level per epoch, ``min V >= 0`` asserted.
+
+Margins: a difference of means counts only if it exceeds twice the larger seed standard deviation and has the same
+sign on every seed (:func:`judge`). Writes ``report.md`` and ``results.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from eval._paradigm1_encoders import TokenSet, load_token_file
+from eval._paradigm1_heads import FeatureProbe, ReadoutHead, masked_mean
+from eval._readout_heads import fit
+from eval.clustering import cluster_owners, clustering_accuracy
+from softvq import DDCLReadout
+
+log = logging.getLogger("eval.paradigm1")
+
+
+@dataclass(frozen=True)
+class Paradigm1Config:
+    """Settings of :func:`run_paradigm1`. Temperatures are ratios of the mean squared distance between two random
+    (standardised) features, ``2 x`` their total variance, so they mean the same at any ``D``."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)  # readout / clustering seeds (the encoders are fixed)
+    cluster_mult: int = 4  # the larger K is cluster_mult x C (majority map)
+    cluster_tokens: int = 131_072  # training tokens both clusterings fit on (a fixed random subset)
+    cluster_steps: int = 400  # Adam steps of the unsupervised DDCL prototypes
+    cluster_batch: int = 2048  # features per step
+    cluster_lr: float = 0.05  # Adam lr of the prototypes (decays geometrically to a tenth)
+    cluster_t_start: float = 0.2  # T at the first step / mean squared distance (geometric annealing; 0.05 left
+    # prototypes stuck two to a cluster on synthetic blobs, 0.2 recovered every cluster, 1.0 needed more steps)
+    cluster_t_end: float = 0.002  # T at the last step / mean squared distance: nearly hard assignments
+    cluster_init: str = "kmeans++"  # DDCL seeds: scikit-learn's k-means++ seeding (k-means' own, same random_state)
+    # or "data" (the layer's init: random features; two prototypes often start in one cluster and stay there)
+    cluster_term: str = "free_energy"  # the DDCL objective of the prototypes (free_energy: soft k-means; or l_q)
+    codes: int = 32  # K of the supervised readout (level 1)
+    codes_level2: int = 8  # K of the second level
+    temperature: float = 0.03  # T of the supervised readouts / mean squared distance (T = 4 at D = 64)
+    epochs: int = 10  # epochs of every Adam-trained head
+    batch_size: int = 128  # examples per step
+    lr: float = 1e-3  # Adam lr of the heads; readout prototypes at lr / eps
+    eps: float = 0.1  # timescale ratio
+    logreg_c: tuple[float, ...] = (0.001, 0.01)  # inverse regularisation strengths tried for the bound (0.01 beat
+    # 0.1 on held-out VQ-VAE training tokens, 0.430 vs 0.415; each lbfgs fit takes minutes on 10,000 x 8,192 features)
+    logreg_iter: int = 200  # lbfgs iterations (100 stopped short of convergence on the VQ-VAE tokens)
+
+
+# ---- inputs -------------------------------------------------------------------------------------------------------
+def check_inputs(train: TokenSet, test: TokenSet) -> int:
+    """Validate both splits and return the number of classes ``C = max(train labels) + 1``.
+
+    Raises:
+        ValueError: naming the bad value: tokens that are not 3-D floats, splits with other ``D``, labels that are not
+            1-D non-negative integers or whose count differs from the tokens', a mask that is not ``(N, T)`` or a row
+            without a real token, NaN/Inf at a real token, CLS features of the wrong shape or in one split only,
+            fewer than 2 classes, test labels outside the training classes.
+    """
+    for name, s in (("train", train), ("test", test)):
+        t = s.tokens
+        if not isinstance(t, Tensor) or t.ndim != 3 or not t.is_floating_point():
+            what = f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} tokens must be a float tensor (N, T, D), got {what}")
+        y = s.labels
+        if not isinstance(y, Tensor) or y.ndim != 1 or y.is_floating_point() or y.dtype == torch.bool:
+            what = f"shape {tuple(y.shape)}, dtype {y.dtype}" if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(f"{name} labels must be a 1-D integer tensor, got {what}")
+        if y.numel() != t.shape[0]:
+            raise ValueError(f"{name}: {y.numel()} labels for {t.shape[0]} token sequences")
+        if y.numel() == 0 or int(y.min()) < 0:
+            raise ValueError(f"{name} labels must be non-empty and non-negative, got {y.numel()} labels"
+                             + (f" with minimum {int(y.min())}" if y.numel() else ""))
+        real = torch.ones(t.shape[:2], dtype=torch.bool) if s.mask is None else s.mask
+        if s.mask is not None:
+            if not isinstance(s.mask, Tensor) or s.mask.dtype != torch.bool or s.mask.shape != t.shape[:2]:
+                what = (f"shape {tuple(s.mask.shape)}, dtype {s.mask.dtype}" if isinstance(s.mask, Tensor)
+                        else type(s.mask).__name__)
+                raise ValueError(f"{name} mask must be a bool tensor of shape {tuple(t.shape[:2])}, got {what}")
+            empty = (~s.mask.any(1)).nonzero().flatten()
+            if empty.numel():
+                raise ValueError(f"{name} row(s) {empty[:10].tolist()} have no real token (mask all False)")
+        bad = ~torch.isfinite(t).all(-1) & real
+        if bool(bad.any()):
+            raise ValueError(f"{name} tokens hold {int(bad.sum())} real token(s) with NaN or Inf, the first in row "
+                             f"{int(bad.nonzero()[0, 0])}")
+        if s.cls is not None:
+            if not isinstance(s.cls, Tensor) or s.cls.shape != (t.shape[0], s.cls.shape[-1]) or s.cls.ndim != 2:
+                what = tuple(s.cls.shape) if isinstance(s.cls, Tensor) else type(s.cls).__name__
+                raise ValueError(f"{name} cls must be (N, D') = ({t.shape[0]}, D'), got {what}")
+            if not bool(torch.isfinite(s.cls).all()):
+                raise ValueError(f"{name} cls features hold NaN or Inf")
+    if train.tokens.shape[-1] != test.tokens.shape[-1]:
+        raise ValueError(f"train and test tokens must share D, got {train.tokens.shape[-1]} and "
+                         f"{test.tokens.shape[-1]}")
+    if (train.cls is None) != (test.cls is None):
+        raise ValueError("cls features must be given for both splits or for neither")
+    classes = int(train.labels.max()) + 1
+    if classes < 2:
+        raise ValueError(f"need at least 2 classes, the training labels hold {classes}")
+    if int(test.labels.max()) >= classes:
+        raise ValueError(f"test labels go up to {int(test.labels.max())}, beyond the {classes} training classes")
+    return classes
+
+
+def full_mask(s: TokenSet) -> Tensor:
+    return torch.ones(s.tokens.shape[:2], dtype=torch.bool) if s.mask is None else s.mask
+
+
+def standardize(train: TokenSet, test: TokenSet) -> tuple[TokenSet, TokenSet, dict[str, float]]:
+    """``z' = (z - m) / s`` for every token and ``(c - m_c) / s_c`` for CLS: ``m`` the mean real training token, ``s``
+    the RMS per coordinate of the deviation from it (one scalar, so the geometry is kept); padding set to 0."""
+
+    def stats(x: Tensor) -> tuple[Tensor, float]:
+        x = x.double()
+        center = x.mean(0)
+        scale = float((x - center).square().mean().sqrt())
+        return center.float(), scale if scale > 0 else 1.0
+
+    center, scale = stats(train.tokens[full_mask(train)])
+    cls_stats = stats(train.cls) if train.cls is not None else None
+
+    def apply(s: TokenSet) -> TokenSet:
+        tokens = ((s.tokens - center) / scale).masked_fill(~full_mask(s)[..., None], 0.0)
+        cls = None if cls_stats is None else (s.cls - cls_stats[0]) / cls_stats[1]
+        return TokenSet(tokens, s.labels.long(), full_mask(s), cls)
+
+    return apply(train), apply(test), {"center_norm": float(center.norm()), "scale": scale}
+
+
+def pair_distance(x: Tensor) -> float:
+    """Mean squared distance between two random rows of ``x (N, D)``: ``2 x`` the total variance."""
+    return float(2 * x.double().var(0, unbiased=False).sum())
+
+
+# ---- unsupervised -------------------------------------------------------------------------------------------------
+def fit_ddcl_clusters(x: Tensor, k: int, seed: int, cfg: Paradigm1Config) -> tuple[DDCLReadout, float]:
+    """``k`` DDCL readout prototypes trained on features ``x (M, D)`` by their DDCL objective alone (no labels):
+    ``cfg.cluster_term`` (``free_energy``: attraction only, soft k-means; ``l_q``: the competitive loss), Adam on
+    mini-batches, ``T`` annealed geometrically from ``cluster_t_start`` to ``cluster_t_end`` times the mean squared
+    distance, prototypes seeded by ``cluster_init``. Returns the readout (eval mode) and
+    the largest identity residual ``|L_q - L_OLS - V| / L_q`` seen."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    scale = pair_distance(x)
+    readout = DDCLReadout(k, x.shape[1], temperature=cfg.cluster_t_start * scale, codebook_term=cfg.cluster_term,
+                          init="normal" if cfg.cluster_init == "kmeans++" else "data")
+    if cfg.cluster_init == "kmeans++":
+        from sklearn.cluster import kmeans_plusplus
+
+        seeds, _ = kmeans_plusplus(x.numpy(), k, random_state=seed)
+        with torch.no_grad():
+            readout.prototypes.copy_(torch.from_numpy(seeds))
+    optimizer = torch.optim.Adam(readout.parameters(), lr=cfg.cluster_lr)
+    worst, steps = 0.0, cfg.cluster_steps
+    for step in range(steps):
+        frac = step / max(steps - 1, 1)
+        readout.quantizer.temperature = scale * cfg.cluster_t_start * (cfg.cluster_t_end / cfg.cluster_t_start) ** frac
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.cluster_lr * 0.1**frac
+        batch = x[torch.randint(x.shape[0], (max(cfg.cluster_batch, k),), generator=g)]
+        out = readout.quantizer(batch)  # the readout's loss on one-token sequences, without building slots
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        worst = max(worst, float(out.terms["identity_residual"]))
+    return readout.eval(), worst
+
+
+@torch.no_grad()
+def ddcl_clusters(readout: DDCLReadout, tokens: Tensor, mask: Tensor, batch: int = 512) -> np.ndarray:
+    """Per example the prototype with the largest assignment mass ``sum_t q_tk`` over its real tokens."""
+    return torch.cat([readout(tokens[i:i + batch], mask[i:i + batch]).mass.argmax(1)
+                      for i in range(0, tokens.shape[0], batch)]).numpy()
+
+
+def vote(token_labels: np.ndarray, mask: Tensor, k: int) -> np.ndarray:
+    """Per example the cluster most of its real tokens fall in (ties: the lowest index); ``token_labels`` are the
+    clusters of ``tokens[mask]`` in row-major order."""
+    rows = torch.arange(mask.shape[0])[:, None].expand_as(mask)[mask]
+    counts = torch.zeros(mask.shape[0], k, dtype=torch.long)
+    counts.index_put_((rows, torch.as_tensor(token_labels, dtype=torch.long)), torch.ones_like(rows), accumulate=True)
+    return counts.argmax(1).numpy()
+
+
+def scores(y_test: Tensor, pred_test: np.ndarray, y_train: Tensor, pred_train: np.ndarray, k: int,
+           classes: int) -> dict[str, float]:
+    """ACC (Hungarian for ``k == classes``, else the training split's majority map), NMI, ARI on the test split."""
+    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+
+    if k == classes:
+        acc = clustering_accuracy(y_test, pred_test)
+    else:
+        owners = cluster_owners(y_train, pred_train, k)
+        acc = float((owners[torch.as_tensor(pred_test)] == y_test).float().mean())
+    return {"acc": acc, "nmi": float(normalized_mutual_info_score(y_test.numpy(), pred_test)),
+            "ari": float(adjusted_rand_score(y_test.numpy(), pred_test)),
+            "clusters_used": int(np.unique(pred_test).size)}
+
+
+def clustering(train: TokenSet, test: TokenSet, classes: int, seed: int, cfg: Paradigm1Config) -> dict[str, Any]:
+    """DDCL vs k-means at ``K = C`` and ``K = cluster_mult x C`` on the pooled features and on the tokens."""
+    from sklearn.cluster import KMeans
+
+    pooled_train, pooled_test = masked_mean(train.tokens, train.mask), masked_mean(test.tokens, test.mask)
+    c, s = pooled_train.mean(0), float((pooled_train - pooled_train.mean(0)).square().mean().sqrt())
+    pooled_train, pooled_test = (pooled_train - c) / s, (pooled_test - c) / s
+    real = train.tokens[train.mask]
+    pick = torch.randperm(real.shape[0], generator=torch.Generator().manual_seed(10_000 + seed))
+    token_fit = real[pick[: cfg.cluster_tokens]]  # the same training tokens for both methods
+    out: dict[str, Any] = {}
+    for k in (classes, cfg.cluster_mult * classes):
+        for space in ("pooled", "tokens"):
+            x_fit = pooled_train if space == "pooled" else token_fit
+            begin = time.perf_counter()
+            km = KMeans(n_clusters=k, n_init="auto", random_state=seed).fit(x_fit.numpy())
+            if space == "pooled":
+                km_train, km_test = km.predict(pooled_train.numpy()), km.predict(pooled_test.numpy())
+            else:
+                km_train = vote(km.predict(train.tokens[train.mask].numpy()), train.mask, k)
+                km_test = vote(km.predict(test.tokens[test.mask].numpy()), test.mask, k)
+            km_seconds = time.perf_counter() - begin
+            begin = time.perf_counter()
+            readout, residual = fit_ddcl_clusters(x_fit, k, seed, cfg)
+            if space == "pooled":
+                one = torch.ones(pooled_train.shape[0], 1, dtype=torch.bool)
+                dd_train = ddcl_clusters(readout, pooled_train[:, None], one)
+                dd_test = ddcl_clusters(readout, pooled_test[:, None], one[: pooled_test.shape[0]])
+            else:
+                dd_train = ddcl_clusters(readout, train.tokens, train.mask)
+                dd_test = ddcl_clusters(readout, test.tokens, test.mask)
+            dd_seconds = time.perf_counter() - begin
+            out[f"kmeans_{space}_k{k}"] = {**scores(test.labels, km_test, train.labels, km_train, k, classes),
+                                          "seconds": km_seconds}
+            out[f"ddcl_{space}_k{k}"] = {**scores(test.labels, dd_test, train.labels, dd_train, k, classes),
+                                        "seconds": dd_seconds, "max_identity_residual": residual}
+    return out
+
+
+# ---- supervised ---------------------------------------------------------------------------------------------------
+def supervised(train: TokenSet, test: TokenSet, classes: int, seed: int, cfg: Paradigm1Config) -> dict[str, Any]:
+    """Adam-trained heads (one seed): mean, CLS, DDCL pooled, DDCL pooled + slots, two-level DDCL."""
+    dim = train.tokens.shape[-1]
+    t1 = cfg.temperature * pair_distance(train.tokens[train.mask])
+    heads: dict[str, Any] = {"mean": lambda: FeatureProbe(dim, classes, "mean"),
+                             "ddcl_pooled": lambda: ReadoutHead(dim, classes, (cfg.codes,), t1, cfg.temperature,
+                                                                "pooled"),
+                             "ddcl_slots": lambda: ReadoutHead(dim, classes, (cfg.codes,), t1, cfg.temperature),
+                             "ddcl_2level": lambda: ReadoutHead(dim, classes, (cfg.codes, cfg.codes_level2), t1,
+                                                                cfg.temperature)}
+    splits = {name: (s.tokens, s.mask, s.labels) for name, s in (("train", train), ("test", test))}
+    if train.cls is not None:
+        heads = {"cls": lambda: FeatureProbe(train.cls.shape[1], classes, "first"), **heads}
+    out: dict[str, Any] = {}
+    for name, build in heads.items():
+        torch.manual_seed(seed)
+        model = build()
+        tr, te = splits["train"], splits["test"]
+        if name == "cls":
+            tr = (train.cls[:, None], torch.ones(len(train.labels), 1, dtype=torch.bool), train.labels)
+            te = (test.cls[:, None], torch.ones(len(test.labels), 1, dtype=torch.bool), test.labels)
+        epochs: list[dict[str, Any]] = []
+
+        def record(epoch: int, model=model, epochs=epochs) -> None:
+            history = getattr(model, "history", None)
+            if not history:
+                return
+            per_level = []
+            for level in range(len(history[0])):
+                rows = [h[level] for h in history]
+                per_level.append({"v_mean": statistics.fmean(r["v"] for r in rows),
+                                  "v_min": min(r["v"] for r in rows),
+                                  "l_q_mean": statistics.fmean(r["l_q"] for r in rows),
+                                  "l_ols_mean": statistics.fmean(r["l_ols"] for r in rows),
+                                  "identity_residual_max": max(r["identity_residual"] for r in rows)})
+            epochs.append({"epoch": epoch + 1, "levels": per_level})
+            history.clear()
+
+        result = fit(model, tr, te, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr, eps=cfg.eps, seed=seed,
+                     device=torch.device("cpu"), on_epoch_end=record)
+        if epochs:
+            result["epochs"] = epochs
+            v_min = min(level["v_min"] for e in epochs for level in e["levels"])
+            if v_min < 0:
+                raise AssertionError(f"{name}: V < 0 at some level ({v_min}): the decomposition is broken")
+        out[name] = result
+        log.info("  %-12s seed %d: test %.4f train %.4f (%.0f s)", name, seed, result["test_acc"],
+                 result["train_acc"], result["seconds"])
+    return out
+
+
+def logreg_bound(train: TokenSet, test: TokenSet, cfg: Paradigm1Config) -> dict[str, Any]:
+    """``LogisticRegression`` on all (standardised, zero-padded) tokens concatenated, ``(N, T x D)``: ``C`` chosen
+    on the last fifth of the training split (fixed permutation), then refit on the whole training split."""
+    from sklearn.linear_model import LogisticRegression
+
+    x_train, x_test = train.tokens.flatten(1).numpy(), test.tokens.flatten(1).numpy()
+    y_train, y_test = train.labels.numpy(), test.labels.numpy()
+    order = np.random.default_rng(0).permutation(len(y_train))
+    cut = len(order) * 4 // 5
+    begin = time.perf_counter()
+    held: dict[str, float] = {}
+    for c in cfg.logreg_c:
+        model = LogisticRegression(C=c, max_iter=cfg.logreg_iter).fit(x_train[order[:cut]], y_train[order[:cut]])
+        held[str(c)] = float(model.score(x_train[order[cut:]], y_train[order[cut:]]))
+        log.info("  logreg C=%g: held-out train accuracy %.4f", c, held[str(c)])
+    best = max(cfg.logreg_c, key=lambda c: held[str(c)])
+    model = LogisticRegression(C=best, max_iter=cfg.logreg_iter).fit(x_train, y_train)
+    return {"test_acc": float(model.score(x_test, y_test)), "train_acc": float(model.score(x_train, y_train)),
+            "C": best, "iterations": int(np.max(model.n_iter_)), "held_out_acc": held, "features": x_train.shape[1],
+            "seconds": time.perf_counter() - begin}
+
+
+# ---- the study ----------------------------------------------------------------------------------------------------
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def judge(a: list[float], b: list[float]) -> dict[str, Any]:
+    """``a`` vs ``b`` over the same seeds (a single value = a deterministic method, repeated): the margin
+    ``mean(a) - mean(b)`` counts when it exceeds twice the larger sample std and every paired difference has its
+    sign. Verdict: ``"higher"``, ``"lower"`` or ``"within spread"``."""
+    if len(a) == 1:
+        a = a * len(b)
+    if len(b) == 1:
+        b = b * len(a)
+    margin = statistics.fmean(a) - statistics.fmean(b)
+    spread = max(statistics.stdev(a) if len(a) > 1 else 0.0, statistics.stdev(b) if len(b) > 1 else 0.0)
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    same_sign = all(d > 0 for d in diffs) or all(d < 0 for d in diffs)
+    counts = abs(margin) > 2 * spread and same_sign
+    return {"margin": margin, "spread": spread, "verdict": ("higher" if margin > 0 else "lower") if counts
+            else "within spread"}
+
+
+def run_paradigm1(train: TokenSet, test: TokenSet, cfg: Paradigm1Config = Paradigm1Config(),
+                  logreg: bool = True) -> dict[str, Any]:
+    """The whole study on one frozen encoder's tokens.
+
+    Args:
+        train: training split: tokens ``(N, T, D)``, labels ``(N,)``, optional mask ``(N, T)`` (True = real) and CLS
+            features ``(N, D')``.
+        test: test split, same layout (``T`` may differ).
+        cfg: settings.
+        logreg: fit the logistic-regression bound (the slowest part for long sequences).
+
+    Returns:
+        ``{"config", "classes", "scaling", "clustering": {method: {metric: summary}}, "supervised": {head: summary},
+        "hierarchy": per-seed per-epoch per-level terms, "logreg", "seconds", "runs": raw per-seed results}``.
+    """
+    classes = check_inputs(train, test)
+    begin = time.perf_counter()
+    train, test, scaling = standardize(train, test)
+    runs = []
+    for seed in cfg.seeds:
+        log.info("seed %d: clustering", seed)
+        clusters = clustering(train, test, classes, seed, cfg)
+        log.info("seed %d: supervised heads", seed)
+        runs.append({"seed": seed, "clustering": clusters, "supervised": supervised(train, test, classes, seed, cfg)})
+    cluster_summary = {m: {k: summarize([r["clustering"][m][k] for r in runs]) for k in ("acc", "nmi", "ari")}
+                       for m in runs[0]["clustering"]}
+    head_summary = {h: {k: summarize([r["supervised"][h][k] for r in runs]) for k in ("test_acc", "train_acc")}
+                    for h in runs[0]["supervised"]}
+    hierarchy = {"per_seed": [r["supervised"]["ddcl_2level"]["epochs"] for r in runs]}
+    levels = [level for epochs in hierarchy["per_seed"] for e in epochs for level in e["levels"]]
+    hierarchy["v_min"] = min(level["v_min"] for level in levels)
+    hierarchy["identity_residual_max"] = max(level["identity_residual_max"] for level in levels)
+    result = {"config": asdict(cfg), "classes": classes, "train_examples": len(train.labels),
+              "test_examples": len(test.labels), "tokens": train.tokens.shape[1], "dim": train.tokens.shape[2],
+              "has_cls": train.cls is not None, "scaling": scaling, "clustering": cluster_summary,
+              "supervised": head_summary, "hierarchy": hierarchy, "runs": runs}
+    if logreg:
+        log.info("logistic-regression bound on %d features", train.tokens.shape[1] * train.tokens.shape[2])
+        result["logreg"] = logreg_bound(train, test, cfg)
+    result["seconds"] = time.perf_counter() - begin
+    return result
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+QUICK = {"seeds": (0, 1, 2), "cluster_tokens": 32_768, "cluster_steps": 200, "epochs": 3, "logreg_c": (0.1,),
+         "logreg_iter": 100}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--encoders", nargs="+", choices=("vqvae", "vit"), default=None,
+                   help="frozen encoders to build tokens from (default: vqvae vit; ignored with --tokens)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="a models.VQVAE .ckpt (needed by --encoders vqvae)")
+    p.add_argument("--tokens", type=Path, default=None,
+                   help="a torch.save'd dict of token features instead of the encoders (see the docstring)")
+    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    p.add_argument("--train-subset", type=int, default=None,
+                   help="readout training images, the first of the fixed permutation (default 10000, --quick 2000)")
+    p.add_argument("--test-subset", type=int, default=None,
+                   help="test images, a fixed subset of the official 10,000 (default all, --quick 2000)")
+    p.add_argument("--vit-train", type=int, default=None,
+                   help="ViT training images, the last of the permutation (default 20000, --quick 4000)")
+    p.add_argument("--vit-epochs", type=int, default=None, help="ViT training epochs (default 12, --quick 2)")
+    p.add_argument("--vit-seed", type=int, default=0, help="seed of the ViT's training (default 0)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="readout / clustering seeds (default 0 1 2)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs of the Adam heads (default 10, --quick 3)")
+    p.add_argument("--no-logreg", action="store_true", help="skip the logistic-regression bound")
+    p.add_argument("--quick", action="store_true", help="small subsets, short training: a few minutes")
+    p.add_argument("--out", type=Path, default=Path("reports/paradigm1"), help="where report.md, results.json go")
+    p.add_argument("--cache-dir", type=Path, default=None, help="ViT and token cache (default $SOFTVQ_CACHE/paradigm1)")
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers (default 2)")
+    p.add_argument("--progress", action="store_true", help="show the ViT's training progress bar")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch and scikit-learn CPU threads (default 1: beside another CPU-bound process a readout "
+                        "step took 0.98 s with 2 threads and 0.10 s with 1)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    defaults = {"train_subset": (2000, 10_000), "vit_train": (4000, 20_000), "vit_epochs": (2, 12),
+                "epochs": (3, 10)}
+    for name, (small, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if quick else full)
+    if args.test_subset is None and quick:
+        args.test_subset = 2000
+    for flag in ("train_subset", "vit_train", "vit_epochs", "epochs", "test_subset"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"argument --{flag.replace('_', '-')}: expected a positive integer, got {value}")
+    if args.num_workers < 0 or args.threads < 1:
+        p.error(f"--num-workers must be >= 0 and --threads >= 1, got {args.num_workers} and {args.threads}")
+    if args.encoders is None:
+        args.encoders = ["vqvae", "vit"] if args.checkpoint is not None or args.tokens is not None else ["vit"]
+    return args
+
+
+def config_from(args: argparse.Namespace) -> Paradigm1Config:
+    base = Paradigm1Config(**QUICK) if args.quick else Paradigm1Config()
+    changes = {"epochs": args.epochs}
+    if args.seeds is not None:
+        changes["seeds"] = tuple(args.seeds)
+    return Paradigm1Config(**{**asdict(base), **changes})
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from threadpoolctl import threadpool_limits
+
+    from eval._paradigm1_encoders import vit_tokens, vqvae_tokens
+    from eval._paradigm1_report import write_report
+    from eval._vit import ViTConfig
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = config_from(args)
+    torch.set_num_threads(args.threads)
+    begin = time.perf_counter()
+    sources: dict[str, Any] = {}
+    if args.tokens is not None:
+        sources["tokens"] = lambda: (*load_token_file(args.tokens), {"file": str(args.tokens)})
+    else:
+        if "vqvae" in args.encoders:
+            sources["vqvae"] = lambda: vqvae_tokens(args)
+        if "vit" in args.encoders:
+            sources["vit"] = lambda: vit_tokens(args, replace(ViTConfig(), epochs=args.vit_epochs))
+    results: dict[str, Any] = {"command": " ".join(["python -m eval.paradigm1", *(argv if argv is not None
+                                                                                  else sys.argv[1:])]),
+                               "encoders": {}}
+    for name, make in sources.items():
+        start = time.perf_counter()
+        train, test, facts = make()
+        log.info("%s: %s training and %s test sequences of %s tokens", name, len(train.labels), len(test.labels),
+                 tuple(train.tokens.shape[1:]))
+        with threadpool_limits(args.threads):  # scikit-learn's OpenMP and BLAS threads
+            study = run_paradigm1(train, test, cfg, logreg=not args.no_logreg)
+        results["encoders"][name] = {"encoder": facts, **study, "wall_seconds": time.perf_counter() - start}
+    results["seconds"] = time.perf_counter() - begin
+    results["threads"] = torch.get_num_threads()
+    write_report(results, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    from softvq.cli.common import run_command
+
+    sys.exit(run_command(main))
