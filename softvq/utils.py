@@ -195,18 +195,27 @@ def random_tokens(z: Tensor, k: int) -> tuple[Tensor, bool | Tensor]:
         if n == 0:
             return z.new_zeros(k, z.shape[1]), False
         return z[(u * n).long().clamp_(max=n - 1)], True
-    world = dist.get_world_size()
-    sizes = torch.zeros(world, dtype=torch.long, device=z.device)
-    sizes[dist.get_rank()] = z.shape[0]
-    all_reduce_sum_(sizes)
+    sizes = _process_sizes(z)
     total = sizes.sum()
     index = broadcast_((u * total).long().clamp_(max=(total - 1).clamp_(min=0)))
-    start = sizes[: dist.get_rank()].sum()
-    local = index - start
+    return _rows_of_all(z, index, sizes), total > 0
+
+
+def _process_sizes(z: Tensor) -> Tensor:
+    """``(world,)`` every process's token count (one all-reduce)."""
+    sizes = torch.zeros(dist.get_world_size(), dtype=torch.long, device=z.device)
+    sizes[dist.get_rank()] = z.shape[0]
+    return all_reduce_sum_(sizes)
+
+
+def _rows_of_all(z: Tensor, index: Tensor, sizes: Tensor) -> Tensor:
+    """Rows ``index`` (the same on every process) of the concatenation of every process's ``z`` in rank order, on
+    every process: each takes the rows it holds and one all-reduce of ``(len(index), D)`` values adds them up (every
+    row is non-zero on exactly one process). No data-dependent shape, no host sync."""
+    local = index - sizes[: dist.get_rank()].sum()
     mine = (local >= 0) & (local < z.shape[0])
-    rows = z[local.clamp(0, max(z.shape[0] - 1, 0))] if z.shape[0] else z.new_zeros(k, z.shape[1])
-    rows = torch.where(mine[:, None], rows, torch.zeros_like(rows))
-    return all_reduce_sum_(rows), total > 0  # every row is non-zero on exactly one process
+    rows = z[local.clamp(0, max(z.shape[0] - 1, 0))] if z.shape[0] else z.new_zeros(index.shape[0], z.shape[1])
+    return all_reduce_sum_(torch.where(mine[:, None], rows, torch.zeros_like(rows)))
 
 
 def empty_output(z: Tensor, num_codes: int, anchor: Tensor, term_names: tuple[str, ...]) -> QuantizerOutput:
@@ -260,19 +269,11 @@ def pick_tokens(z: Tensor, draw: Callable[[int], Tensor]) -> Tensor | None:
     """
     if not is_distributed():
         return z[draw(z.shape[0])] if z.shape[0] else None
-    world = dist.get_world_size()
-    sizes = torch.zeros(world, dtype=torch.long, device=z.device)
-    sizes[dist.get_rank()] = z.shape[0]
-    all_reduce_sum_(sizes)
+    sizes = _process_sizes(z)
     total = int(sizes.sum())
     if total == 0:
         return None
-    index = broadcast_(draw(total).to(device=z.device, dtype=torch.long).contiguous())
-    start = int(sizes[: dist.get_rank()].sum())
-    mine = (index >= start) & (index < start + z.shape[0])
-    rows = z.new_zeros(index.shape[0], z.shape[1])
-    rows[mine] = z[index[mine] - start]
-    return all_reduce_sum_(rows)  # every row is non-zero on exactly one process
+    return _rows_of_all(z, broadcast_(draw(total).to(device=z.device, dtype=torch.long).contiguous()), sizes)
 
 
 class _AllReduceSum(torch.autograd.Function):
