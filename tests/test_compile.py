@@ -154,8 +154,18 @@ def test_floored_softmax_is_the_softmax_to_float32_resolution_and_never_subnorma
     torch.testing.assert_close(q.sum(1), torch.ones(64))
 
 
-def test_the_trainer_compiles_the_model_with_trainer_compile(tmp_path, tiny_cifar):
+def test_the_trainer_compiles_the_model_with_trainer_compile(tmp_path, tiny_cifar, monkeypatch):
     from softvq.cli import train as train_vqvae
+    from softvq.models import VQVAE
+
+    compiled = []
+    original = VQVAE.compile_parts
+
+    def compile_parts(self, **kwargs):
+        original(self, **kwargs)
+        compiled.append(self.quantizer._compiled_call_impl is not None)  # nn.Module.compile sets it
+
+    monkeypatch.setattr(VQVAE, "compile_parts", compile_parts)
 
     tiny = ["--data.train_subset", "64", "--data.val_size", "32", "--data.batch_size", "32", "--model.width", "16",
             "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.num_codes", "32", "--model.code_dim", "8",
@@ -166,3 +176,4 @@ def test_the_trainer_compiles_the_model_with_trainer_compile(tmp_path, tiny_cifa
     assert len(rows) == 1 and rows[0]["train_mse"] > 0 and rows[0]["utilization"] > 0
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["trainer"]["compile"] is True
+    assert compiled == [True]  # the model that trained was compiled, codebook included
