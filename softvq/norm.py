@@ -16,23 +16,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from softvq.utils import all_reduce_sum, all_reduce_sum_, check_float, check_positive_int, is_distributed
+from softvq.utils import all_reduce_sum, all_reduce_sum_, check_float, check_positive_int
 
 
-def batch_moments(x: Tensor) -> tuple[Tensor, Tensor, int]:
-    """Per-column mean and biased variance of ``x (N, D)`` over every process's rows, and the total row count.
+def batch_moments(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-column mean and biased variance of ``x (N, D)`` over every process's rows, and the total row count (a
+    ``()`` int64 tensor on ``x``'s device).
 
     Differentiable (the sums are all-reduced with :func:`softvq.utils.all_reduce_sum`, whose backward sums the
     gradients of every process), so ``N`` processes with ``n`` rows each standardise as one process with ``N * n``.
-    The count is reduced as an integer (a float32 count is exact only to 2^24).
+    The count is reduced as an integer (a float32 count is exact only to 2^24) and stays on the device: reading it
+    on the host would synchronise every training step.
     """
-    count = x.shape[0]
-    if is_distributed():
-        count = int(all_reduce_sum_(torch.tensor(count, dtype=torch.long, device=x.device)))
+    count = all_reduce_sum_(torch.full((), x.shape[0], dtype=torch.long, device=x.device))
     acc = torch.float64 if x.dtype == torch.float32 else x.dtype  # a float32 sum of N large squares overflows
     mean = (all_reduce_sum(x.sum(0, dtype=acc)) / count).to(x.dtype)
     var = (all_reduce_sum((x - mean).square().sum(0, dtype=acc)) / count).to(x.dtype)
     return mean, var, count
+
+
+def bessel(count: Tensor) -> Tensor:
+    """``n / (n - 1)`` (1 for ``n <= 1``) of a ``()`` integer count, in float64 on its device: the factor that turns
+    a biased variance into the unbiased one that running statistics keep."""
+    n = count.to(torch.float64)
+    return n / (n - 1).clamp_min(1)
 
 
 class TokenStandardizer(nn.Module):
@@ -65,22 +72,39 @@ class TokenStandardizer(nn.Module):
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
         self.frozen = False
 
-    def forward(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``z (N, D)`` -> ``(standardised z, mean (D,), std (D,))`` in ``z``'s dtype."""
+    def forward(self, z: Tensor, update: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """``z (N, D)`` -> ``(standardised z, mean (D,), std (D,))`` in ``z``'s dtype. ``update=False``: training
+        mode's batch statistics without moving the running ones (a recomputed forward pass)."""
         if self.training and not self.frozen:
             mean, var, count = batch_moments(z)
-            with torch.no_grad():
-                # the first batch sets the running statistics whole; a tensor test, not int(): no device sync
-                first = (self.num_batches_tracked == 0).to(self.running_mean.dtype)
-                momentum = first + (1.0 - first) * self.momentum
-                unbiased = var.detach() * (count / max(count - 1, 1))
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), momentum)
-                self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
-                self.num_batches_tracked.add_(1)
+            if update:
+                self._track(mean.detach(), var.detach(), count)
         else:
             mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
         std = self._std(var)
         return (z - mean) / std, mean, std
+
+    @torch.no_grad()
+    def _track(self, mean: Tensor, var: Tensor, count: Tensor) -> None:
+        """Move the running statistics toward a training batch's (the first batch sets them whole); tensor tests,
+        not ``int()``: no device sync."""
+        first = (self.num_batches_tracked == 0).to(self.running_mean.dtype)
+        momentum = first + (1.0 - first) * self.momentum
+        unbiased = var.to(torch.float64) * bessel(count)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
+        self.num_batches_tracked.add_(1)
+
+    @torch.no_grad()
+    def standardize(self, z: Tensor) -> Tensor:
+        """``z (N, D)`` standardised as the codebook sees it, without changing any statistic: with the running
+        statistics once a training batch has set them (or when ``frozen``), else with ``z``'s own moments (as the
+        first training batch will be)."""
+        if self.frozen or int(self.num_batches_tracked) > 0:
+            mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
+        else:
+            mean, var, _ = batch_moments(z)
+        return (z - mean) / self._std(var)
 
     def _std(self, var: Tensor) -> Tensor:
         return (var + self.eps * var.detach().mean().clamp_min(torch.finfo(var.dtype).tiny)).sqrt()

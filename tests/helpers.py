@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def exact_cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -17,3 +18,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+aten = torch.ops.aten
+# Calls that need the device's values on the host: a scalar read (.item(), float(), bool(), int(), Python `if` on a
+# tensor) or an output whose shape depends on the data (boolean masks, nonzero, unique, bincount).
+_SYNCING = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.unique_dim, aten._unique2,
+            aten.unique_consecutive, aten.bincount, aten.repeat_interleave, aten.is_nonzero, aten.item}
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records every ATen call of :data:`_SYNCING`, and indexing with a boolean mask, made while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func._overloadpacket
+        masked = packet in (aten.index, aten.index_put, aten.index_put_) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())
+        if packet in _SYNCING or masked:
+            self.calls.append(str(func))
+        return func(*args, **kwargs)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import SyncRecorder, free_port
 from torch import nn
 
 from softvq import DDCLQuantizer, HardVQ
@@ -79,6 +79,32 @@ def _recipe_steps(batches: list[torch.Tensor], rows: slice, seed_offset: int = 0
     return out
 
 
+def _sync_calls(rank: int) -> tuple[list[str], list[int]]:
+    """The host-device synchronisations of DDCL (the recipe) and HardVQ (EMA + restarts) training steps and an
+    evaluation in the process group (test_compile's recorder), after the first batch: its data initialisation reads
+    the token counts on the host once. Also the restarts made while recording (there must be some)."""
+    torch.manual_seed(7)
+    layers = [DDCLQuantizer(32, 8, check_finite=False, dead_code_threshold=4.0).train(),
+              HardVQ(32, 8, ema_decay=0.99, dead_code_threshold=4.0, check_finite=False).train()]
+    z = torch.randn(2, 4, 48, 8, generator=torch.Generator().manual_seed(8))[rank] * 3 + 1  # 96 tokens in all
+
+    def step(layer: nn.Module, x: torch.Tensor) -> None:
+        x = x.clone().requires_grad_(True)
+        out = layer(x)
+        (out.quantized.square().mean() + out.loss).backward()
+
+    for layer in layers:
+        step(layer, z[0])
+    before = [layer.restarts for layer in layers]
+    recorder = SyncRecorder()
+    with recorder:
+        for layer in layers:
+            for x in z[1:]:
+                step(layer, x)
+            layer.eval()(z[0])
+    return recorder.calls, [layer.restarts - b for layer, b in zip(layers, before, strict=True)]
+
+
 def _worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a hang fails
@@ -126,7 +152,9 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             nan = ""
         except FloatingPointError as err:
             nan = str(err)
-        results[rank] = {"nan": nan, "raised": raised, "checks": check.checks,
+        syncs, restarts = _sync_calls(rank)
+        results[rank] = {"nan": nan, "syncs": syncs, "sync_restarts": restarts, "raised": raised,
+                         "checks": check.checks,
                          "ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "usage": vq.usage.clone(),
                          "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
                          "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
@@ -224,3 +252,11 @@ def test_in_layer_recipe_over_two_ranks_equals_one_process_on_the_whole_batch(tw
     for key in ("q0", "grad0", "q1", "grad1", "q2", "grad2"):
         both = torch.cat([two_ranks[0][f"recipe_{key}"], two_ranks[1][f"recipe_{key}"]])
         torch.testing.assert_close(both, single[key], rtol=1e-9, atol=1e-11, msg=key)
+
+
+def test_training_steps_never_synchronise_with_the_host_under_a_process_group(two_ranks):
+    """The recorder of test_compile on both gloo ranks: no scalar read or data-sized output in DDCL's or HardVQ's
+    training steps (the standardiser's token count, once an int() per step, stays on the device)."""
+    for rank in (0, 1):
+        assert two_ranks[rank]["syncs"] == []
+        assert all(n > 0 for n in two_ranks[rank]["sync_restarts"])  # the restart paths ran inside the recorder

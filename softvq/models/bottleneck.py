@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 import softvq
-from softvq.norm import batch_moments
+from softvq.norm import batch_moments, bessel
 from softvq.utils import check_choice, is_distributed
 
 QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
@@ -74,7 +74,7 @@ class LatentNorm(nn.BatchNorm2d):
         if self.track_running_stats:
             with torch.no_grad():
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), momentum)
-                unbiased = var.detach() * (total / max(total - 1, 1))
+                unbiased = var.detach().double() * bessel(total)
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
                 self.num_batches_tracked.add_(1)
         return (centered * torch.rsqrt(var + self.eps)[:, None, None]).to(x.dtype)
