@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -9,6 +11,7 @@ from torch import Tensor, nn
 from softvq.types import QuantizerOutput
 from softvq.utils import (
     all_reduce_sum_,
+    apply_keeping_precision,
     check_float,
     check_indices,
     check_positive_int,
@@ -30,7 +33,10 @@ class HardVQ(nn.Module):
 
     Loss (element-mean MSE, as in VQ-VAE): ``mse(sg[z], e) + beta * mse(z, sg[e])``; with ``ema_decay`` set
     the codebook is instead an exponential moving average of its assigned tokens (updated in training mode
-    only, Laplace-smoothed counts) and the loss is ``beta * mse(z, sg[e])`` alone.
+    only, Laplace-smoothed counts; a code that wins no token in a step stays where it is) and the loss is
+    ``beta * mse(z, sg[e])`` alone. In training, ``quantized`` is the code the token was assigned, before that step's
+    EMA update or restart moves it. The codebook and its statistics stay float32 under ``.half()`` or
+    ``.to(torch.bfloat16)`` (float64 under ``.double()``); the distances are computed in float32 whatever the input.
 
     Dead-code restart: with ``dead_code_threshold > 0``, every training step a code whose running average
     number of assigned tokens per batch (decay ``ema_decay``, or 0.99 without EMA; it starts from the first training
@@ -102,6 +108,12 @@ class HardVQ(nn.Module):
         check_indices(indices, self.num_codes)
         return F.embedding(indices.long(), self.codebook)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> HardVQ:
+        # .half(), .to(torch.bfloat16): the codebook and its EMA statistics stay float32 (an EMA step is below bf16
+        # resolution); device moves and float32 / float64 casts apply as usual
+        apply_keeping_precision(self, lambda: super(HardVQ, self)._apply(fn, recurse))
+        return self
+
     def extra_repr(self) -> str:
         return (f"num_codes={self.num_codes}, dim={self.dim}, beta={self.beta:g}, ema_decay={self.ema_decay}, "
                 f"dead_code_threshold={self.dead_code_threshold:g}")
@@ -120,9 +132,11 @@ class HardVQ(nn.Module):
                 codebook = self.embedding.detach().to(ctype)
                 center = codebook.mean(0)  # distances are translation invariant; centring keeps them accurate
                 indices = max_rows(squared_distances(zf - center, codebook - center), largest=False)[1]  # (N,)
+            # (N, D) the code each token was assigned, looked up before this step's EMA update or restart moves it (as
+            # sonnet and vector-quantize-pytorch return it); gradient to the codebook if no EMA
+            codes = F.embedding(indices, self.embedding.to(ctype))
             if self.training:
                 self._update_codebook(zf.detach(), indices)
-            codes = F.embedding(indices, self.embedding.to(ctype))  # (N, D); grad to the codebook if no EMA
             commitment = F.mse_loss(zf, codes.detach())
             if self.ema_decay is None:
                 loss = F.mse_loss(codes, zf.detach()) + self.beta * commitment
@@ -160,7 +174,10 @@ class HardVQ(nn.Module):
             self.ema_embed_sum.mul_(decay).add_(embed_sum, alpha=1.0 - decay)
             n = self.ema_cluster_size.sum()
             smoothed = (self.ema_cluster_size + self.epsilon) / (n + self.num_codes * self.epsilon) * n
-            self.embedding.copy_(self.ema_embed_sum / smoothed[:, None])
+            # A code that won no token keeps its place: its sum decays toward 0 while the smoothed size stays near
+            # epsilon, so their ratio took a code that never wins to the origin after ~1,000 steps.
+            self.embedding.copy_(torch.where((counts > 0)[:, None], self.ema_embed_sum / smoothed[:, None],
+                                             self.embedding))
         if self.dead_code_threshold > 0:
             self._restart_dead_codes(z)
 
