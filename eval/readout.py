@@ -124,7 +124,7 @@ def standardize(train: Split, test: Split, quantizer: nn.Module) -> tuple[Split,
         with torch.no_grad():
             mapped.prototypes.sub_(center.to(mapped.prototypes.dtype)).div_(scale)
         if not cosine:
-            mapped.temperature = quantizer.temperature / scale**2
+            mapped.set_temperature(quantizer.temperature / scale**2, keep_control=True)  # the same layer, rescaled
 
     def apply(split: Split) -> Split:
         return (split[0] - center.float()) / scale, split[1], split[2]
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.readout_temperature is not None:
         if not isinstance(quantizer, DDCLQuantizer):
             raise ValueError("--readout-temperature needs a DDCL checkpoint")
-        quantizer.temperature = args.readout_temperature
+        quantizer.set_temperature(args.readout_temperature, keep_control=True)  # read out, never trained on
     raw_temperature = getattr(quantizer, "temperature", None)
     train, test, quantizer, scaling = standardize(train, test, quantizer)
     entropy = codebook_entropy(quantizer, test[0])

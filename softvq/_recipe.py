@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from softvq._soft_centroid import softmax_floor
 from softvq.utils import (
     all_reduce_sum_,
     check_bool,
@@ -42,8 +43,10 @@ class InLayerRecipe:
     usage: Tensor  # (K,) running argmax count per training batch; -1 = no batch seen yet
     ema_mass: Tensor  # (K,)
     ema_sum: Tensor  # (K, D)
-    temperature_t: Tensor  # (2,) the temperature, in slot _slot (meaningful once _has_temperature)
-    _slot: int
+    # () float64, the temperature (meaningful once _has_temperature). Never written in place: every change binds a
+    # new tensor, so a forward pass whose backward has not run yet (two forwards before one backward, or a compiled
+    # backward that re-reads its inputs) keeps the T it used.
+    temperature_t: Tensor
     restart_count: Tensor  # () int64, prototypes restarted so far
     _has_temperature: bool
 
@@ -61,6 +64,7 @@ class InLayerRecipe:
         temperature_rate: float,
         dead_code_threshold: float | str | None,
         dead_code_decay: float,
+        dead_code_cap: float | None,
     ) -> None:
         """Validate the options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the
         recipe's, and store them; ``None`` (and ``target_entropy="auto"``) means the recipe's value."""
@@ -86,17 +90,60 @@ class InLayerRecipe:
         self._initial_temperature = None if temperature is None else check_float("temperature", temperature)
         threshold = (1.0 if auto else 0.0) if dead_code_threshold is None else dead_code_threshold
         self.dead_code_threshold = check_float("dead_code_threshold", threshold, allow_zero=True)
-        # The recipe's threshold never exceeds a quarter of the mean tokens per code (an explicit one is kept as given)
-        self._capped_threshold = dead_code_threshold is None
         self.dead_code_decay = check_unit("dead_code_decay", dead_code_decay)
+        self.dead_code_cap = None if dead_code_cap is None else check_float("dead_code_cap", dead_code_cap)
+
+    # Options that only act in some combinations: (option, the option it depends on, when it has no effect, why).
+    _INERT = (
+        ("codebook_term", "prototype_update", lambda s: s.prototype_update != "gradient",
+         "the codebook term trains gradient-trained prototypes; EMA prototypes are moved by the layer itself"),
+        ("codebook_weight", "prototype_update", lambda s: s.prototype_update != "gradient",
+         "the codebook term trains gradient-trained prototypes; EMA prototypes are moved by the layer itself"),
+        ("output_scale", "standardize", lambda s: not s.standardize,
+         "without standardisation the codes are on the input's scale already"),
+        ("ema_decay", "prototype_update", lambda s: s.prototype_update == "gradient",
+         "gradient-trained prototypes have no EMA"),
+        ("temperature_rate", "target_entropy", lambda s: s.target_entropy is None,
+         "it is the gain of the entropy control, which target_entropy=None turns off"),
+        ("init_scale", "init", lambda s: s.init == "data", "it scales init='normal' prototypes"),
+        ("dead_code_decay", "dead_code_threshold", lambda s: s.dead_code_threshold == 0,
+         "it is the decay of the usage that dead-code restart reads, and a threshold of 0 never restarts"),
+        ("dead_code_cap", "dead_code_threshold", lambda s: s.dead_code_threshold == 0,
+         "it caps the restart threshold, and a threshold of 0 never restarts"),
+        ("commitment_term", "commitment_weight", lambda s: s.commitment_weight == 0,
+         "a commitment weight of 0 drops the term"),
+    )
+
+    # Values an option had as its default in earlier releases, which every configuration and checkpoint saved then
+    # records: inert there, they load and replay as the default does (commitment_term was "l_ols" until the hard
+    # commitment measured better on validation).
+    _FORMER_DEFAULTS = {"commitment_term": ("l_ols",)}
+
+    def inert_options(self) -> set[str]:
+        """The options that have no effect in this layer's combination, whatever their value (a resumed run may
+        differ in them from its record without changing anything)."""
+        return {name for name, _, inert, _ in self._INERT if inert(self)}
+
+    def _refuse_inert_options(self, given: dict[str, object], defaults: dict[str, object]) -> None:
+        """A ValueError for an option set to a value other than its default (``defaults``: the constructor's) that
+        has no effect in the combination given, naming both options. Compared with the default, not "was it passed":
+        the trainer and config files pass every option."""
+        for name, other, inert, why in self._INERT:
+            value = given[name]
+            if value != defaults[name] and value not in self._FORMER_DEFAULTS.get(name, ()) and inert(self):
+                raise ValueError(f"{name}={value!r} has no effect with {other}={getattr(self, other)!r} ({why}); "
+                                 f"leave {name} at its default ({defaults[name]!r}) or change {other}")
 
     def _become_plain(self) -> None:
-        """Switch to the plain layer's settings (a checkpoint from before the recipe existed)."""
+        """Switch to the plain layer's settings (a checkpoint from before the recipe existed), so that it evaluates and
+        trains on as it was trained: no standardisation, soft-centroid output, gradient-trained prototypes, a fixed
+        temperature, no restarts."""
         self.recipe = "plain"
         self.standardize = self.hard_output = False
         self.prototype_update = "gradient"
         self.prototypes.requires_grad_(True)
         self.target_entropy = None
+        self.dead_code_threshold = 0.0
 
     # ---- the in-layer updates (training mode) --------------------------------------------------------------------
     # None of them synchronises the host with the device (no .item(), no data-dependent shape), so a GPU step never
@@ -122,7 +169,13 @@ class InLayerRecipe:
             all_reduce_sum_(total)
             self.ema_mass.lerp_(mass, 1.0 - self.ema_decay)
             self.ema_sum.lerp_(total, 1.0 - self.ema_decay)
-            self.prototypes.copy_(self.ema_sum / self.ema_mass.clamp_min(1e-12)[:, None])
+            # A code that won nothing keeps its place: its mass and sum decay alike, so their ratio is the prototype
+            # until the mass leaves the normal floats (after ~8,800 steps at decay 0.99), and then it is noise. A
+            # floor on the mass (1e-12 here before) sent such a code to the origin after ~2,700 steps instead.
+            tiny = torch.finfo(self.ema_mass.dtype).tiny
+            moved = (mass > 0) & (self.ema_mass > tiny)
+            new = self.ema_sum / self.ema_mass.clamp_min(tiny)[:, None]
+            self.prototypes.copy_(torch.where(moved[:, None], new.to(self.prototypes.dtype), self.prototypes))
         if self.target_entropy is not None:
             if is_distributed():  # the mean entropy over every process's tokens
                 n = torch.full((), float(indices.numel()), dtype=torch.float64, device=indices.device)
@@ -132,15 +185,13 @@ class InLayerRecipe:
 
     @torch.no_grad()
     def _control_temperature(self, entropy: Tensor) -> None:
-        """``T <- T exp(rate (target - H))`` (:func:`softvq.adapt_temperature`) on the device; a non-finite entropy
-        leaves ``T`` unchanged."""
+        """``T <- T exp(rate (target - H))`` (:func:`softvq.adapt_temperature`) on the device, bound as a new tensor
+        (see ``temperature_t``); a non-finite entropy leaves ``T`` unchanged."""
         factor = torch.exp(self.temperature_rate * (self.target_entropy - entropy.to(self.temperature_t.dtype)))
-        now = self.temperature_t[self._slot]
-        # The next step's T goes into the other slot, and the steps alternate: the slot this step's forward read is
-        # never written in this step. Written in place, torch.compile's backward (which may re-read a buffer instead
-        # of saving the value it held) saw the updated T and computed gradients with it (0.35% off per step here).
-        self.temperature_t[1 - self._slot].copy_(torch.where(torch.isfinite(factor), now * factor, now))
-        self._slot = 1 - self._slot
+        now = self.temperature_t
+        # Bound, not written in place: with the double buffer used before, a second forward pass before the first's
+        # backward wrote the slot that backward read (under torch.compile: a version-counter error).
+        self.temperature_t = torch.where(torch.isfinite(factor), now * factor, now)
 
     @torch.no_grad()
     def _calibrate_temperature(self, z: Tensor, p: Tensor) -> Tensor:
@@ -158,12 +209,13 @@ class InLayerRecipe:
 
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:
-        """Before a training step: prototypes whose running argmax count per batch fell below the threshold (the
-        recipe's: at most a quarter of the mean tokens per code) move onto random tokens of this batch (before the
-        forward pass, so no tensor saved for backward changes); their EMA statistics restart from that token."""
+        """Before a training step: prototypes whose running argmax count per batch fell below the threshold (at most
+        ``dead_code_cap`` times the mean tokens per code) move onto random tokens of this batch (before the forward
+        pass, so no tensor saved for backward changes); their EMA statistics restart from that token."""
         threshold: float | Tensor = self.dead_code_threshold
-        if self._capped_threshold:
-            threshold = torch.clamp(0.25 * self.usage.sum() / self.num_codes, max=self.dead_code_threshold)
+        if self.dead_code_cap is not None:
+            threshold = torch.clamp(self.dead_code_cap * self.usage.sum() / self.num_codes,
+                                    max=self.dead_code_threshold)
         dead = restart_dead_codes_(self.prototypes.data, self.usage, z, threshold)
         self.ema_sum.copy_(torch.where(dead[:, None], self.prototypes.data, self.ema_sum))
         self.ema_mass.copy_(torch.where(dead, 1.0, self.ema_mass))
@@ -172,7 +224,6 @@ class InLayerRecipe:
 
 # Halvings of the calibration bracket (a factor 1e9 in T): its width ends at 20.7 / 2^34 = 1.2e-9 in log T.
 _BISECTIONS = 34
-_ENTROPY_FLOOR = 0.5 * math.log(torch.finfo(torch.float64).tiny)
 
 
 # A custom op so that torch.compile sees one opaque call instead of tracing (and compiling) the unrolled bisection: it
@@ -194,8 +245,8 @@ def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float) 
     for _ in range(_BISECTIONS):
         mid = 0.5 * (lo + hi)
         x = d * -torch.exp(-mid)
-        # entropy from log-softmax; the floor keeps exp on its fast path (softvq._soft_centroid._softmax_floored)
-        x = (x - x.amax(1, keepdim=True)).clamp_(min=_ENTROPY_FLOOR)
+        # entropy from log-softmax, floored as the layer's own softmax is (the floor keeps exp on its fast path)
+        x = (x - x.amax(1, keepdim=True)).clamp_(min=softmax_floor(x.dtype))
         logq = torch.log_softmax(x, dim=1)
         h = all_reduce_sum_(torch.stack([-(logq.exp() * logq).sum(), count]))
         above = h[0] / h[1] > target_entropy

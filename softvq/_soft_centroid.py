@@ -36,9 +36,15 @@ def logit_scores(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor) -> Tensor:
     return torch.addmm(p_sq * -inv_t, zc, (pc * (2.0 * inv_t)).t())
 
 
+def softmax_floor(dtype: torch.dtype) -> float:
+    """``-C``, the lowest shifted logit the layer's softmaxes keep (:func:`_softmax_floored`, and the first
+    temperature's bisection in ``softvq._recipe``): ``exp(-C) = finfo(dtype).tiny ** 0.75``, ``C`` = 65.5 in float32,
+    531 in float64."""
+    return 0.75 * math.log(torch.finfo(dtype).tiny)
+
+
 def _softmax_floored(s: Tensor, s_max: Tensor, out: Tensor | None = None) -> Tensor:
-    """``softmax(s)`` over dim 1, overwriting ``s`` with ``x = max(s - s_max, -C)``, where
-    ``exp(-C) = finfo.tiny ** 0.75`` (``C`` = 65.5 in float32, 531 in float64).
+    """``softmax(s)`` over dim 1, overwriting ``s`` with ``x = max(s - s_max, -C)`` (:func:`softmax_floor`).
 
     Why the floor: a float32 ``exp`` whose result would be subnormal or zero (argument below -87) leaves the vector
     fast path (measured here: 7-17x slower per element), and at a small temperature most of a row's prototypes lie
@@ -49,7 +55,7 @@ def _softmax_floored(s: Tensor, s_max: Tensor, out: Tensor | None = None) -> Ten
     subnormals either. The shift comes first: ``s_max - C`` itself would round to ``s_max`` where ``|s_max|`` is
     large.
     """
-    x = s.sub_(s_max[:, None]).clamp_(min=0.75 * math.log(torch.finfo(s.dtype).tiny))
+    x = s.sub_(s_max[:, None]).clamp_(min=softmax_floor(s.dtype))
     if out is None:
         return torch.softmax(x, dim=1)
     return torch._softmax(x, 1, False, out=out)
@@ -100,7 +106,9 @@ class _SoftCentroid(torch.autograd.Function):
 
     Returns ``mu (N, D)``, ``q (N, K)``, ``indices (N,)``, ``loss ()``, ``stats (4,) = [l_q, l_ols, v, H(q)]``.
     ``loss = (cb_w * L_cb(sg z, P) + cm_w * L_cm(z, sg P)) / D``: the codebook term only reaches the prototypes,
-    the commitment term only reaches ``z``; ``mu`` and ``q`` are differentiable w.r.t. both.
+    the commitment term only reaches ``z``; ``mu`` and ``q`` are differentiable w.r.t. both. ``record`` (any object
+    with a ``done`` attribute, or ``None``) is marked ``done`` when this pass's backward runs: the layer's record of
+    the state this forward pass read, which a recomputation during backward (activation checkpointing) replays.
 
     The backward pass is written out so that it touches each ``(N, K)`` array as few times as possible (it is
     memory-bound on CPU): per side one matmul for ``dL/dq`` and three element-wise passes.
@@ -116,6 +124,7 @@ class _SoftCentroid(torch.autograd.Function):
         cb_weight: float,
         cm_term: str,
         cm_weight: float,
+        record: Any = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         n, dim = z.shape
         # () a copy (the layer's temperature control updates its own in place before this backward runs)
@@ -160,6 +169,7 @@ class _SoftCentroid(torch.autograd.Function):
         loss = loss / dim
 
         ctx.routing = (cb_term, cb_weight, cm_term, cm_weight)
+        ctx.record = record
         # d = |z|^2 - T (x + s_max) is rebuilt from x in the backward pass when an L_q term needs it
         ctx.save_for_backward(zc, pc, q, r, mu_c, t, x, lq_n if need_d else None,
                               (z_sq - t * s_max) if need_d else None)
@@ -176,7 +186,9 @@ class _SoftCentroid(torch.autograd.Function):
         g_loss: Tensor | None,
         _g_stats: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
-        s = _Saved(*ctx.saved_tensors)
+        s = _Saved(*ctx.saved_tensors)  # under activation checkpointing, this recomputes the forward pass
+        if ctx.record is not None:
+            ctx.record.done = True
         cb_term, cb_weight, cm_term, cm_weight = ctx.routing
         n, dim = s.zc.shape
         with torch.autocast(device_type=s.zc.device.type, enabled=False):
@@ -209,7 +221,7 @@ class _SoftCentroid(torch.autograd.Function):
                     w_z = w_p if reuse and w_p is not None else _scaled_grad_d(c, gm, gq, lq_cm, fe_cm)
                     grads_z.append(_grad_tokens(c, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None))
             grad_z = torch.cat(grads_z) if grads_z else None
-        return grad_z, grad_p, None, None, None, None, None
+        return grad_z, grad_p, None, None, None, None, None, None
 
 
 def _through_mu(g_mu: Tensor | None, r: Tensor, a_ols: Tensor | None) -> Tensor | None:

@@ -127,9 +127,10 @@ class DDCLReadout(nn.Module):
                       distance=quantizer.distance, codebook_term=quantizer.codebook_term,
                       codebook_weight=quantizer.codebook_weight, commitment_term=quantizer.commitment_term,
                       commitment_weight=quantizer.commitment_weight, init=quantizer.init,
-                      dead_code_threshold=0.0 if freeze else quantizer.dead_code_threshold,
-                      dead_code_decay=quantizer.dead_code_decay, check_finite=quantizer.check_finite,
-                      standardize=quantizer.standardize)
+                      **({"dead_code_threshold": 0.0} if freeze or not quantizer.dead_code_threshold else
+                         {"dead_code_threshold": quantizer.dead_code_threshold,
+                          "dead_code_decay": quantizer.dead_code_decay, "dead_code_cap": quantizer.dead_code_cap}),
+                      check_finite=quantizer.check_finite, standardize=quantizer.standardize)
         proto = quantizer.prototypes
         readout.quantizer.to(device=proto.device, dtype=proto.dtype)
         readout.quantizer.load_state_dict(quantizer.state_dict())  # prototypes, usage, temperature, initialized

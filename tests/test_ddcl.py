@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import exact_cdist
 
 from softvq import DDCLQuantizer
-from softvq.ddcl import _SoftCentroid
+from softvq.ddcl import _DEFAULTS, _TERMS, _SoftCentroid
 
 
 def plain(*args, **kw) -> DDCLQuantizer:
@@ -84,13 +84,19 @@ def reference_objective(z, p, temperature, distance, cb_term, cb_w, cm_term, cm_
     _, q, mu, _ = brute_force(z, p, temperature, distance)
     *_, cb_terms = brute_force(z.detach(), p, temperature, distance)
     *_, cm_terms = brute_force(z, p.detach(), temperature, distance)
-    loss = (cb_w * cb_terms[cb_term] + cm_w * cm_terms[cm_term]) / z.shape[-1]
+    loss = (cb_w * cb_terms[cb_term] + (cm_w * cm_terms[cm_term] if cm_w else 0.0)) / z.shape[-1]
     return mu, q, loss
 
 
+# every routing of the two terms; a commitment weight of 0 with the default term only (another term would have no
+# effect, which the constructor refuses)
+ROUTINGS = [(cb_term, cm_term, cb_w, cm_w)
+            for cb_term, cm_term in itertools.product(_TERMS, repeat=2) for cb_w, cm_w in [(1.0, 0.25), (0.0, 0.5)]]
+ROUTINGS += [(cb_term, _DEFAULTS["commitment_term"], 0.7, 0.0) for cb_term in _TERMS]
+
+
 @pytest.mark.parametrize("distance", ["euclidean", "cosine"])
-@pytest.mark.parametrize("cb_term,cm_term", list(itertools.product(["l_q", "l_ols", "free_energy"], repeat=2)))
-@pytest.mark.parametrize("cb_w,cm_w", [(1.0, 0.25), (0.0, 0.5), (0.7, 0.0)])
+@pytest.mark.parametrize("cb_term,cm_term,cb_w,cm_w", ROUTINGS)
 def test_gradients_match_reference_with_stop_gradients(distance, cb_term, cm_term, cb_w, cm_w):
     torch.manual_seed(2)
     quantizer = plain(9, 5, temperature=0.9 if distance == "euclidean" else 0.3, distance=distance,
@@ -422,6 +428,7 @@ def test_no_restart_without_threshold_and_legacy_state_dict_loads():
         quantizer(torch.randn(32, 2))
     assert quantizer.restarts == 0 and quantizer.prototypes[3, 0].item() == 50.0
     legacy = {k: v for k, v in quantizer.state_dict().items() if not k.endswith("usage")}
+    legacy["_extra_state"] = {k: v for k, v in legacy["_extra_state"].items() if k != "version"}  # version 1
     fresh = plain(4, 2, init="normal")
     fresh.load_state_dict(legacy)
     assert (fresh.usage == -1).all()

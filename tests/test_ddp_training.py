@@ -84,7 +84,8 @@ def test_two_processes_end_with_the_weights_of_one_process(runs, quantizer):
 
 def test_two_level_hierarchy_on_two_processes_equals_one_process(tmp_path, tiny_cifar):
     """Level 1 starts on level 0's temperature scale, from the token variance of both processes' batches."""
-    hierarchy = ["--quantizer", "ddcl", "--model.levels", "2", "--model.level_codes", "8"]
+    # (the levels are plain layers, whose prototypes the optimizer trains: an EMA decay would have no effect there)
+    hierarchy = ["--quantizer", "ddcl", "--model.levels", "2", "--model.level_codes", "8", "--ddcl.ema_decay", "0.99"]
     ddp = train(tmp_path, tiny_cifar["folder"], "ddp", "--trainer.devices", "2", "--data.batch_size", "8", *hierarchy)
     train(tmp_path, tiny_cifar["folder"], "single", "--trainer.devices", "1", "--data.batch_size", "16", *hierarchy)
     assert "after each of 8 checked steps" in ddp.stdout

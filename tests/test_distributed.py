@@ -84,7 +84,7 @@ def _sync_calls(rank: int) -> tuple[list[str], list[int]]:
     evaluation in the process group (test_compile's recorder), after the first batch: its data initialisation reads
     the token counts on the host once. Also the restarts made while recording (there must be some)."""
     torch.manual_seed(7)
-    layers = [DDCLQuantizer(32, 8, check_finite=False, dead_code_threshold=4.0).train(),
+    layers = [DDCLQuantizer(32, 8, check_finite=False, dead_code_threshold=4.0, dead_code_cap=None).train(),
               HardVQ(32, 8, ema_decay=0.99, dead_code_threshold=4.0, check_finite=False).train()]
     z = torch.randn(2, 4, 48, 8, generator=torch.Generator().manual_seed(8))[rank] * 3 + 1  # 96 tokens in all
 

@@ -228,6 +228,7 @@ def test_from_quantizer_copies_the_codebook_and_can_freeze_it():
         readout.prototypes.add_(1.0)
     assert torch.equal(quantizer.prototypes.detach(), before)  # an independent copy
     quantizer.dead_code_threshold = 100.0  # every code "dead": a trainable copy restarts them, a frozen one never
+    quantizer.dead_code_cap = None  # (uncapped: 10 tokens a batch for 6 codes would cap the threshold at 0.42)
     restarting = DDCLReadout.from_quantizer(quantizer).train()
     assert restarting.quantizer.dead_code_threshold == 100.0 and restarting.quantizer.dead_code_decay == 0.9
     frozen = DDCLReadout.from_quantizer(quantizer, freeze=True).train()
@@ -315,7 +316,7 @@ def train_steps(readout: DDCLReadout, steps: int = 3, seed: int = 30) -> list:
     {},
     {"temperature": 0.4, "distance": "cosine", "commitment_term": "hard", "commitment_weight": 0.5},
     {"init": "normal", "codebook_term": "l_q", "codebook_weight": 0.3, "commitment_term": "free_energy",
-     "commitment_weight": 0.2, "dead_code_threshold": 1.5, "dead_code_decay": 0.5},
+     "commitment_weight": 0.2, "dead_code_threshold": 1.5, "dead_code_decay": 0.5, "dead_code_cap": None},
     {"standardize": True, "temperature": 2.0, "codebook_term": "l_ols"},
 ])
 def test_keywords_build_the_readout_from_quantizer_builds_from_an_explicit_quantizer(kwargs):

@@ -20,7 +20,7 @@ from typing import Any
 
 from softvq.data.cifar10 import CorruptArchiveError
 from softvq.models.callbacks import AtomicCheckpointIO
-from softvq.utils import check_positive_int
+from softvq.utils import check_choice, check_float, check_positive_int
 
 # Missing or bad data, checkpoints and output directories, invalid settings, NaN/Inf in training. Each message names
 # what is wrong, so a traceback would add nothing. (FileExistsError and FileNotFoundError are OSErrors.)
@@ -161,6 +161,14 @@ class Hardware:
         compile: ``torch.compile`` the model's encoder, decoder and codebook (the codebook with ``fullgraph=True``:
             it has no graph break and no host-device synchronisation per step); the first steps then compile (about
             a minute on a CPU). Measured by ``eval/bench_train.py --compile``.
+        accumulate_grad_batches: optimizer steps every this many batches, their gradients summed (Lightning's
+            gradient accumulation). The codebook's own state moves per batch (micro-batch), not per optimizer step:
+            each batch is standardised with its own moments, moves the EMA prototypes, may restart codes and steps the
+            temperature control, as the same batches would without accumulation.
+        gradient_clip_val: clip the gradients before every optimizer step to this norm (``gradient_clip_algorithm``
+            ``"norm"``) or value (``"value"``); ``None``: no clipping. The layer's EMA prototypes have no gradient
+            and are not clipped.
+        gradient_clip_algorithm: ``"norm"`` (the global 2-norm of all gradients) or ``"value"`` (each element).
     """
 
     accelerator: str = "auto"
@@ -170,9 +178,18 @@ class Hardware:
     precision: str = "32-true"
     progress_bar: bool = True
     compile: bool = False
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
 
     def __post_init__(self) -> None:
         self.num_nodes = check_positive_int("trainer.num_nodes", self.num_nodes)
+        self.accumulate_grad_batches = check_positive_int("trainer.accumulate_grad_batches",
+                                                          self.accumulate_grad_batches)
+        if self.gradient_clip_val is not None:
+            self.gradient_clip_val = check_float("trainer.gradient_clip_val", self.gradient_clip_val)
+        self.gradient_clip_algorithm = check_choice("trainer.gradient_clip_algorithm", self.gradient_clip_algorithm,
+                                                    ("norm", "value"))
         if isinstance(self.devices, str) and self.devices != "auto":
             try:  # "2" or "0,1" from an older spelling or a shell variable
                 self.devices = [int(t) for t in self.devices.split(",") if t] if "," in self.devices \
@@ -193,7 +210,8 @@ class Hardware:
         """``L.Trainer`` arguments, with checkpoints written atomically (:class:`AtomicCheckpointIO`)."""
         return {"accelerator": self.accelerator, "devices": self.devices, "num_nodes": self.num_nodes,
                 "strategy": self.strategy, "precision": self.precision, "enable_progress_bar": self.progress_bar,
-                "plugins": [AtomicCheckpointIO()]}
+                "accumulate_grad_batches": self.accumulate_grad_batches, "gradient_clip_val": self.gradient_clip_val,
+                "gradient_clip_algorithm": self.gradient_clip_algorithm, "plugins": [AtomicCheckpointIO()]}
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:

@@ -186,6 +186,20 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     return json.loads(json.dumps(config, default=str))
 
 
+def never_changed(quantizer: str, model: VQVAE) -> set[str]:
+    """Dotted keys of config.json (``<quantizer>.<option>``) and of the checkpoint's hyperparameters
+    (``quantizer_kwargs.<option>``) that never count as a change when a run is resumed: the options the layer's
+    combination makes inert (e.g. ``commitment_term`` with a commitment weight of 0), whose value does nothing."""
+    layer = model._codebooks()[0]
+    names = layer.inert_options() if hasattr(layer, "inert_options") else set()
+    return {f"{quantizer}.{n}" for n in names} | {f"quantizer_kwargs.{n}" for n in names}
+
+
+def default_values() -> dict[str, Any]:
+    """The parser's defaults as dotted keys (what a setting that a run's config.json predates would have been)."""
+    return flat(json.loads(json.dumps(build_parser().get_defaults().as_dict(), default=str)))
+
+
 def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; tuples as lists, so a saved and a fresh config compare alike."""
     out: dict[str, Any] = {}
@@ -197,10 +211,15 @@ def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
-    """``{dotted key: [recorded, now]}`` for every setting that differs between two resolved configurations."""
+def config_changes(recorded: dict[str, Any], now: dict[str, Any], ignore: set[str] = frozenset(),
+                   defaults: dict[str, Any] | None = None) -> dict[str, list[Any]]:
+    """``{dotted key: [recorded, now]}`` for every setting that differs between two resolved configurations, except
+    the keys in ``ignore`` and, with ``defaults`` (:func:`default_values`), a key the record does not have (an option
+    newer than the run) whose value now is its default."""
     a, b = flat(recorded), flat(now)
-    return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if not _same(a.get(k), b.get(k))}
+    newer = {k for k in b.keys() - a.keys() if defaults is not None and k in defaults and _same(b[k], defaults[k])}
+    return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys())
+            if k not in ignore and k not in newer and not _same(a.get(k), b.get(k))}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -68,27 +68,29 @@ INVOCATIONS = "invocations.jsonl"  # one line per start or resume of a run: when
 STALE = ("history.jsonl", INVOCATIONS, "config.json", "checkpoints", "tb", "recon_epoch*.png")
 
 
-def check_checkpoint(path: Path, model: dict[str, Any]) -> dict[str, Any]:
+def check_checkpoint(path: Path, model: dict[str, Any], ignore: set[str] = frozenset()) -> dict[str, Any]:
     """A readable Lightning checkpoint (loaded with ``weights_only=True``: nothing in it runs) whose model
-    hyperparameters match ``model`` (the VQVAE's constructor arguments); returns it, else a clear error with the
-    per-key differences."""
+    hyperparameters match ``model`` (the VQVAE's constructor arguments; ``ignore``: keys that do not count,
+    :func:`~softvq.cli.config.never_changed`); returns it, else a clear error with the per-key differences."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
     ckpt = load_torch_file(path, "checkpoint")  # UnsafeCheckpointError / ValueError naming the file
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a Lightning checkpoint of this trainer (no state_dict)")
     saved, now = config.flat(ckpt.get("hyper_parameters") or {}), config.flat(model)
-    diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in now
+            if k in saved and saved[k] != now[k] and k not in ignore]
     if diff:
         raise ValueError(f"checkpoint {path} was trained with another model configuration; pass the same "
                          f"settings to resume it:\n  " + "\n  ".join(diff))
     return ckpt
 
 
-def resume_changes(run: dict[str, Any], out: Path) -> dict[str, list[Any]]:
+def resume_changes(run: dict[str, Any], out: Path, ignore: set[str] = frozenset()) -> dict[str, list[Any]]:
     """The settings that differ from the run's config.json, ``{dotted key: [recorded, now]}``; only
     :data:`~softvq.cli.config.RESUME_SAFE` ones may. A run without config.json (resumed from a checkpoint file into a
-    new --out) has none to compare.
+    new --out) has none to compare. Not counted: the keys in ``ignore`` (options inert in the run's combination) and
+    options newer than the run's config.json left at their defaults.
 
     Raises:
         ValueError: a setting outside ``RESUME_SAFE`` differs (listing every difference), or config.json is unreadable.
@@ -100,7 +102,7 @@ def resume_changes(run: dict[str, Any], out: Path) -> dict[str, list[Any]]:
         recorded = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{path} is unreadable ({err}); the run's settings cannot be checked") from err
-    changed = config.config_changes(recorded, run)
+    changed = config.config_changes(recorded, run, ignore, config.default_values())
     refused = {k: v for k, v in changed.items() if k not in config.RESUME_SAFE}
     if refused:
         lines = [f"--{k}: run {old!r} vs now {new!r}" for k, (old, new) in refused.items()]
@@ -165,7 +167,8 @@ def build_trainer(cfg: Namespace, out: Path, validation: bool, steps_per_epoch: 
         log_every_n_steps=max(1, min(50, steps_per_epoch)), enable_model_summary=False)
 
 
-def _resume_point(cfg: Namespace, out: Path, model: dict[str, Any]) -> tuple[Path | None, dict[str, Any] | None]:
+def _resume_point(cfg: Namespace, out: Path, model: dict[str, Any],
+                  ignore: set[str] = frozenset()) -> tuple[Path | None, dict[str, Any] | None]:
     """The checkpoint this run continues from and its contents, or ``(None, None)`` for a fresh start."""
     if cfg.resume is None:
         return None, None
@@ -174,7 +177,7 @@ def _resume_point(cfg: Namespace, out: Path, model: dict[str, Any]) -> tuple[Pat
         # Stopped before its first checkpoint, or (several quantizers) never started: nothing to resume.
         log.warning("%s holds no checkpoint to resume: this run starts from the beginning", out)
         return None, None
-    return path, check_checkpoint(path, model)
+    return path, check_checkpoint(path, model, ignore)
 
 
 def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | None = None,
@@ -194,8 +197,9 @@ def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | No
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = VQVAE(**model_args)  # invalid settings fail here, in the constructor that owns them
     run = config.resolved_config(cfg, quantizer, model)
-    ckpt_path, ckpt = _resume_point(cfg, out, model_args)
-    changed = resume_changes(run, out) if cfg.resume is not None else {}
+    inert = config.never_changed(quantizer, model)
+    ckpt_path, ckpt = _resume_point(cfg, out, model_args, inert)
+    changed = resume_changes(run, out, inert) if cfg.resume is not None else {}
     data = CIFAR10DataModule(**config.data_kwargs(cfg))
     data.prepare_data()
     data.setup("fit")  # bad or missing data, and train/ and test/ with other classes, fail here, before any write
@@ -213,7 +217,8 @@ def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | No
     hw = config.hardware(cfg)
     if hw.compile:
         model.compile_parts()
-    steps_per_epoch = math.ceil(len(data.train_set) / (cfg.data.batch_size * hw.devices_per_node * hw.num_nodes))
+    batches = math.ceil(len(data.train_set) / (cfg.data.batch_size * hw.devices_per_node * hw.num_nodes))
+    steps_per_epoch = math.ceil(batches / hw.accumulate_grad_batches)  # optimizer steps
     trainer = build_trainer(cfg, out, validation=cfg.data.val_size > 0, steps_per_epoch=steps_per_epoch)
     try:
         _fit(trainer, model, data, ckpt_path, out, stop)

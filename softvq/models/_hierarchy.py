@@ -154,7 +154,8 @@ def match_temperatures_(layers: Sequence[nn.Module], inputs: Sequence[Tensor], f
     for layer, z, new in zip(layers[1:], inputs[1:], fresh[1:], strict=True):
         scale = total_variance(z)
         if new and float(scale0) > 0 and float(scale) > 0:
-            layer.temperature = float(layers[0].temperature * scale / scale0)
+            # a new starting point: a level's own entropy control (if it has one) goes on from there
+            layer.set_temperature(float(layers[0].temperature * scale / scale0), keep_control=True)
 
 
 def total_variance(z: Tensor) -> Tensor:
