@@ -87,8 +87,8 @@ def prepare(num_codes: int, args: argparse.Namespace, device: torch.device) -> d
     torch.manual_seed(0)
     z = torch.randn(max(args.tokens // 1024, 1), min(args.tokens, 1024), args.dim, device=device)
     if any(m.endswith("_compiled") for m in args.methods):
-        # every K is a new model: drop the previous K's graphs (a compiled DDCL layer holds 3: its first batch and
-        # the two steps its temperature alternates between), or torch's recompile limit of 8 stops the sweep
+        # every K is a new model: drop the previous K's graphs (a compiled DDCL layer holds 2: its first batch and
+        # every later step), or torch's recompile limit of 8 stops the sweep
         torch._dynamo.reset()
     steps = {}
     for method in args.methods:

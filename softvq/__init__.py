@@ -2,7 +2,8 @@
 
 Public API:
 
-- :class:`DDCLQuantizer` — the DDCL soft codebook (soft-centroid output, ``L_q = L_OLS + V``).
+- :class:`DDCLQuantizer` — the DDCL soft codebook (``L_q = L_OLS + V``): with its defaults it outputs the argmax code
+  with the soft centroid's gradient; ``recipe="plain"`` outputs the soft centroid itself.
 - :class:`HardVQ` — the straight-through VQ-VAE baseline (optionally EMA, dead-code restart).
 - :class:`QuantizerOutput` — the NamedTuple both return.
 - :class:`HierarchicalDDCL` — stacked DDCL codebooks, level l quantizing the pooled soft centroids of level l-1, with

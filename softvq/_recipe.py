@@ -170,8 +170,8 @@ class InLayerRecipe:
             self.ema_mass.lerp_(mass, 1.0 - self.ema_decay)
             self.ema_sum.lerp_(total, 1.0 - self.ema_decay)
             # A code that won nothing keeps its place: its mass and sum decay alike, so their ratio is the prototype
-            # until the mass leaves the normal floats (after ~8,800 steps at decay 0.99), and then it is noise. A
-            # floor on the mass (1e-12 here before) sent such a code to the origin after ~2,700 steps instead.
+            # (and once the mass leaves the normal floats, after ~8,700 steps at decay 0.99, a ratio of subnormals is
+            # noise). A floor on the mass (1e-12 before) sent such a code to the origin after ~2,750 steps.
             tiny = torch.finfo(self.ema_mass.dtype).tiny
             moved = (mass > 0) & (self.ema_mass > tiny)
             new = self.ema_sum / self.ema_mass.clamp_min(tiny)[:, None]

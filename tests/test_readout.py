@@ -68,7 +68,7 @@ def ragged(batch=3, length=7, dtype=torch.float64, seed=1) -> tuple[torch.Tensor
                                                                  ("cosine", 0.3, "l_q")])
 def test_outputs_and_terms_match_a_token_by_token_loop_float64(distance, temperature, codebook_term):
     readout = make(distance=distance, temperature=temperature, codebook_term=codebook_term, codebook_weight=0.7,
-                   commitment_weight=0.3)
+                   commitment_weight=0.3, commitment_term="l_ols")
     z, mask = ragged()
     out = readout(z, mask)
     assert isinstance(out, ReadoutOutput)
@@ -102,7 +102,8 @@ def test_identity_holds_on_every_batch_and_every_row():
 
 @pytest.mark.parametrize("codebook_term", ["free_energy", "l_q"])
 def test_gradients_match_the_loop_reference_with_stop_gradients(codebook_term):
-    readout = make(temperature=0.8, codebook_term=codebook_term, codebook_weight=1.0, commitment_weight=0.25)
+    readout = make(temperature=0.8, codebook_term=codebook_term, codebook_weight=1.0, commitment_weight=0.25,
+                   commitment_term="l_ols")
     z, mask = ragged(batch=2, length=5, seed=3)
     z = z.nan_to_num(0.0).requires_grad_(True)
     g = torch.Generator().manual_seed(4)
