@@ -272,7 +272,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             f"prototype_update={self.prototype_update!r}, hard_output={self.hard_output}, "
             f"distance={self.distance!r}, codebook={self.codebook_weight:g}*{self.codebook_term}, "
             f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
-            f"dead_code_threshold={self.dead_code_threshold:g}"
+            f"dead_code_threshold={self.dead_code_threshold:g}, dead_code_cap={self.dead_code_cap}"
         )
 
     # ---- codebook ---------------------------------------------------------------------------------------------
