@@ -150,8 +150,9 @@ def check_all(cfg: Namespace) -> dict[str, VQVAE]:
     return {quantizer: VQVAE(**model_kwargs(cfg, quantizer)) for quantizer in cfg.quantizer}
 
 
-# "auto" values that name a rule the layer applies while it trains rather than a value it picks at construction:
-# the temperature set on the first batch, the restart threshold capped at a quarter of the mean tokens per code.
+# "auto" values recorded as "auto": the temperature names a rule the layer applies while it trains (set on the first
+# batch), and the restart threshold was one too (1 capped at a quarter of the mean tokens per code) until the cap became
+# its own option (ddcl.dead_code_cap, recorded beside it); it stays "auto" so that runs recorded then still resume.
 RUNTIME_AUTO = ("temperature", "dead_code_threshold")
 
 
@@ -172,8 +173,8 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     Nulls that stand for a default are replaced by the value the constructors chose (e.g. ``model.latent_norm``,
     ``ddcl.standardize``, ``ddcl.target_entropy``); a null that remains means "off" or "not used". ``"auto"`` remains
     only where it names a rule applied in training (:data:`RUNTIME_AUTO`): ``ddcl.temperature`` set on the first
-    training batch by bisection to the target entropy, ``ddcl.dead_code_threshold`` 1 capped at a quarter of the mean
-    tokens per code.
+    training batch by bisection to the target entropy, and ``ddcl.dead_code_threshold`` (the recipe's 1, or 0 for the
+    plain layer; the cap on it is ``ddcl.dead_code_cap``).
     """
     layer = model.quantizer.levels[0] if model.levels > 1 else model.quantizer  # level 0 for the hierarchy
     section = layer_kwargs(cfg, quantizer) if model.levels == 1 else {
