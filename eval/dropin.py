@@ -69,15 +69,30 @@ def make_quantizer(method: str, num_codes: int) -> tuple[nn.Module, int]:
 
 
 class SmallAutoencoder(nn.Module):
-    """The foreign model: two conv + max-pool stages down, the quantizer on ``(B, 32, 8, 8)``, two up."""
+    """The foreign model: two conv + max-pool stages down, the quantizer on ``(B, dim, 8, 8)``, two up.
 
-    def __init__(self, method: str, num_codes: int) -> None:
+    Args:
+        method: the quantizer's calling convention (one of :data:`METHODS`); with ``quantizer=None`` also which
+            library-default quantizer :func:`make_quantizer` builds.
+        num_codes: codebook size asked for.
+        dim: channels of the encoder's output, the code dimension.
+        quantizer: ``(module, codebook size)`` built elsewhere (``eval.robustness`` builds recipes and other sizes),
+            called with ``method``'s convention.
+        encoder_scale: multiplies the encoder's output before the quantizer: an encoder whose output scale nobody
+            tuned (``eval.robustness`` tries 0.01 and 100).
+    """
+
+    def __init__(self, method: str, num_codes: int, *, dim: int = DIM, quantizer: tuple[nn.Module, int] | None = None,
+                 encoder_scale: float = 1.0) -> None:
         super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
         self.method = method
+        self.encoder_scale = float(encoder_scale)
         self.down = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.GELU(),
-                                  nn.Conv2d(16, DIM, 3, padding=1), nn.MaxPool2d(2))
-        self.quantizer, self.num_codes = make_quantizer(method, num_codes)
-        self.up = nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(DIM, 16, 3, padding=1), nn.GELU(),
+                                  nn.Conv2d(16, dim, 3, padding=1), nn.MaxPool2d(2))
+        self.quantizer, self.num_codes = quantizer if quantizer is not None else make_quantizer(method, num_codes)
+        self.up = nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(dim, 16, 3, padding=1), nn.GELU(),
                                 nn.Upsample(scale_factor=2), nn.Conv2d(16, 3, 3, padding=1))
 
     def quantize(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -106,7 +121,8 @@ class SmallAutoencoder(nn.Module):
         return self.up(codes)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        quantized, indices, loss = self.quantize(self.down(x))
+        z = self.down(x)
+        quantized, indices, loss = self.quantize(z * self.encoder_scale if self.encoder_scale != 1.0 else z)
         return self.up(quantized), indices, loss
 
 
