@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -250,6 +251,18 @@ def score(model: SmallAutoencoder, test: Tensor, setting: Setting, test_limit: i
             "images": len(test)}
 
 
+def code_commit() -> str:
+    """The repository's commit, ``+`` when ``softvq/`` or ``eval/`` differ from it; ``"unknown"`` outside a clone."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "softvq", "eval"], cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")
+
+
 def _run_settings(setting: Setting, steps: int, test_limit: int) -> dict[str, Any]:
     return {**dataclasses.asdict(setting), "steps": steps, "test_limit": test_limit, "alpha": ALPHA}
 
@@ -265,7 +278,8 @@ def _worker_init(data_root: str, cache: str | None, threads: int, val_size: int 
 def _task(job: tuple[str, str, int, int, int, str]) -> dict[str, Any]:
     setting_id, config, seed, steps, test_limit, path = job
     run = train_and_score(config, SETTINGS[setting_id][1], seed, steps, _IMAGES, test_limit)
-    run.update(setting=setting_id, settings=_run_settings(SETTINGS[setting_id][1], steps, test_limit))
+    run.update(setting=setting_id, settings=_run_settings(SETTINGS[setting_id][1], steps, test_limit),
+               commit=code_commit())
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(Path(path), json.dumps(run, indent=1))
     return run
@@ -322,8 +336,13 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: f
 
     head = "| setting | " + " | ".join(f"`{c}`" for c in configs) + " |"
     rule = "|---|" + "---|" * len(configs)
+    commits: dict[str, int] = {}
+    for run in runs:
+        commits[run.get("commit", "not recorded")] = commits.get(run.get("commit", "not recorded"), 0) + 1
     lines = ["# Robust by default: every quantizer over a grid of settings, defaults and recipes", "",
              f"Regenerate: `{args.command}`", "",
+             f"Code: report written at {code_commit()}; runs trained at " +
+             ", ".join(f"{c} ({n} runs)" for c, n in commits.items()) + ".", "",
              f"The foreign autoencoder of `eval/dropin.py` (encoder output D channels on an 8x8 grid), {args.steps} "
              f"optimizer steps per run, L1 + {ALPHA:g}·quantizer loss, seeds {args.seeds}. Trained on the 45,000 "
              f"training images (the 5,000 validation images held out, unused: nothing is tuned here), scored once on "
@@ -373,11 +392,40 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: f
     verdict = targets(regret, worst, cell, settings, configs)
     lines += ["", "## Targets", "", *verdict, ""]
     args.out.mkdir(parents=True, exist_ok=True)
+    plot_regret(regret, settings, configs, args.out / "regret.png")
+    lines[lines.index("## Targets"):lines.index("## Targets")] = ["![regret per setting](regret.png)", ""]
     write_atomic(args.out / "report.md", "\n".join(lines))
     summary = {"command": args.command, "steps": args.steps, "seeds": args.seeds, "wall_s": wall_s,
                "regret": regret, "worst_case": worst, "runs": runs}
     write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
     return summary
+
+
+def plot_regret(regret: dict[str, dict[str, float]], settings: list[str], configs: list[str], path: Path) -> None:
+    """A settings x configurations heat map of the regret (dB, clipped at 4; failed runs in black)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = torch.tensor([[regret[s][c] for c in configs] for s in settings], dtype=torch.float64)
+    shown = values.clamp(max=4.0).numpy()
+    cmap = plt.get_cmap("viridis_r").copy()
+    cmap.set_over("black")
+    fig, ax = plt.subplots(figsize=(1.3 * len(configs) + 2.5, 0.42 * len(settings) + 1.6))
+    image = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=4.0 - 1e-9, aspect="auto")
+    for i, s in enumerate(settings):
+        for j, c in enumerate(configs):
+            v = regret[s][c]
+            ax.text(j, i, "failed" if math.isinf(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if min(v, 4.0) > 2.0 else "black")
+    ax.set_xticks(range(len(configs)), configs, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(len(settings)), settings, fontsize=8)
+    ax.set_title("regret: dB below the best configuration in each setting (test split)", fontsize=9)
+    fig.colorbar(image, ax=ax, label="dB (clipped at 4)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def targets(regret, worst, cell, settings, configs) -> list[str]:
