@@ -152,3 +152,51 @@ def test_core_imports_without_the_extras(wheel, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tensor(True)" in result.stdout
     assert "models: No module named 'lightning'" in result.stdout
+
+
+def _import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same tree it imports (at the top or inside a function, ``TYPE_CHECKING`` too):
+    ``from a import b`` counts as an import of ``a.b`` alone when ``b`` is a module."""
+    import ast
+
+    root = package.parent
+    modules = {}
+    for file in package.rglob("*.py"):
+        parts = file.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                submodules = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                graph[name] |= submodules if len(submodules) == len(node.names) else {node.module} | submodules
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import loop, each once, as the path from its smallest module back to it."""
+    found = []
+
+    def walk(start: str, node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                found.append(path)
+            elif nxt > start and nxt not in path:
+                walk(start, nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, start, [start])
+    return found
+
+
+def test_the_import_graph_finds_a_loop_and_the_library_has_none(tmp_path):
+    fake = tmp_path / "pkg"
+    (fake / "sub").mkdir(parents=True)
+    (fake / "__init__.py").write_text("from pkg import a\n")
+    (fake / "a.py").write_text("def f():\n    from pkg.sub.b import g\n")
+    (fake / "sub" / "__init__.py").write_text("")
+    (fake / "sub" / "b.py").write_text("import pkg.a\n")  # a -> sub.b -> a
+    assert _cycles(_import_graph(fake)) == [["pkg.a", "pkg.sub.b"]]
+    assert _cycles(_import_graph(ROOT / "softvq")) == []

@@ -1,19 +1,16 @@
 """Loading trained LightningModules (:class:`softvq.models.VQVAE`, the code prior) from their checkpoints without
-running code from the file, with errors that name the file."""
+running code from the file, with errors that name the file. A leaf: it imports no model module (each model's
+loader, e.g. :func:`softvq.models.vqvae.load_vqvae`, lives beside its class and calls :func:`load_module`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 
 from softvq.models.checkpoint_io import UnsafeCheckpointError, checkpoint_classes, load_torch_file
-
-if TYPE_CHECKING:
-    from softvq.models.vqvae import VQVAE
 
 
 def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str,
@@ -44,24 +41,3 @@ def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str
                          f"checkpoint ({type(err).__name__}: {' '.join(str(err).split())[:300]})") from err
     module.class_names = checkpoint_classes(checkpoint)
     return module.eval()
-
-
-def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu", freeze: bool = True) -> VQVAE:
-    """A trained :class:`VQVAE` from a Lightning checkpoint of ``train_vqvae.py``, in eval mode.
-
-    Args:
-        path: the ``.ckpt`` file (read with ``weights_only=True``: loading it runs no code).
-        map_location: where to load the tensors.
-        freeze: also set ``requires_grad=False`` on every parameter.
-
-    Returns:
-        The model, with ``class_names`` (the training data's classes, or ``None`` if the checkpoint records none).
-
-    Raises:
-        FileNotFoundError: ``path`` is not a file (naming it).
-        ValueError: the file is unsafe to load, truncated, corrupt or not a VQVAE checkpoint (naming it and the cause).
-    """
-    from softvq.models.vqvae import VQVAE  # here, not at the top: vqvae.py re-exports this module's functions
-
-    model = load_module(VQVAE, path, "VQ-VAE", map_location)
-    return model.requires_grad_(False) if freeze else model

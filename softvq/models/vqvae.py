@@ -8,6 +8,7 @@ mixin of :class:`VQVAE`), with a hierarchy's per-level keys in ``_hierarchy.py``
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -20,8 +21,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 import softvq
+import softvq.models._hierarchy as hierarchy
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
-from softvq.models import _hierarchy as hierarchy
 from softvq.models._epoch_metrics import EpochMetrics
 from softvq.models._hierarchy import build_hierarchy, check_level_indices, level_views
 from softvq.models.autoencoder import Decoder, Encoder
@@ -33,14 +34,14 @@ from softvq.models.bottleneck import (
     LatentNorm,
     build_quantizer,
 )
-from softvq.models.loading import load_module, load_vqvae
+from softvq.models.loading import load_module
 from softvq.optim import has_trainable_prototypes
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
 from softvq.utils import all_reduce_sum_, check_choice, check_float, check_positive_int
 
-# Also importable from here: the bottleneck names (softvq.models.bottleneck) and the checkpoint loaders
-# (softvq.models.loading).
+# Also importable from here: the bottleneck names (softvq.models.bottleneck) and the checkpoint loader
+# (softvq.models.loading.load_module).
 __all__ = ["DDCL_TARGET_ENTROPY", "HIERARCHY_DEFAULTS", "LATENT_NORMS", "PIXEL_SHIFT", "QUANTIZERS", "VQVAE",
            "LatentNorm", "VQVAEOutput", "build_quantizer", "load_module", "load_vqvae"]
 
@@ -390,3 +391,22 @@ class VQVAE(EpochMetrics, L.LightningModule):
             random.setstate(state["python"])
             name, keys, pos, has_gauss, cached = state["numpy"]
             np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu", freeze: bool = True) -> VQVAE:
+    """A trained :class:`VQVAE` from a Lightning checkpoint of ``train_vqvae.py``, in eval mode.
+
+    Args:
+        path: the ``.ckpt`` file (read with ``weights_only=True``: loading it runs no code).
+        map_location: where to load the tensors.
+        freeze: also set ``requires_grad=False`` on every parameter.
+
+    Returns:
+        The model, with ``class_names`` (the training data's classes, or ``None`` if the checkpoint records none).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file (naming it).
+        ValueError: the file is unsafe to load, truncated, corrupt or not a VQVAE checkpoint (naming it and the cause).
+    """
+    model = load_module(VQVAE, path, "VQ-VAE", map_location)
+    return model.requires_grad_(False) if freeze else model
