@@ -6,19 +6,25 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from torch import Tensor
 
 from eval.debris_data import FEATURES, REGIMES, DebrisConfig
 
-if TYPE_CHECKING:
-    from eval.debris import Fit
-
 MAIN = ("k-means", "DDCL (direct)", "DDCL (encoder)")
 PAPER = "The paper reports ACC 0.772 (DDCL) vs 0.756 (k-means)."
+
+
+@dataclass
+class Fit:
+    """One clustering: cluster index per object, centres in standardised feature space, identity check."""
+
+    labels: np.ndarray  # (N,)
+    centres: np.ndarray  # (K, F)
+    max_identity_residual: float = float("nan")  # max over training steps of |L_q - L_OLS - V| / L_q
 
 
 def mean_std(values: list[float]) -> str:

@@ -5,19 +5,17 @@ ARI on the test split. See that module's docstring for the study."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from eval._paradigm1_config import Paradigm1Config
 from eval._paradigm1_encoders import TokenSet
 from eval._paradigm1_heads import masked_mean
 from eval.clustering import cluster_owners, clustering_accuracy
 from softvq import DDCLReadout
-
-if TYPE_CHECKING:
-    from eval.paradigm1 import Paradigm1Config
 
 
 def pair_distance(x: Tensor) -> float:

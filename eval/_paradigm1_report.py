@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eval._spread import judge
 from softvq.models.files import write_atomic
 
 HEADS = {"cls": "CLS feature + linear probe", "mean": "mean token + linear probe",
@@ -22,8 +23,6 @@ def _ms(s: dict[str, Any], digits: int = 4) -> str:
 
 
 def _judge(a: list[float], b: list[float]) -> dict[str, Any]:
-    from eval.paradigm1 import judge
-
     return judge(a, b)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from eval._debris_report import MAIN, plot, render
+from eval._debris_report import MAIN, Fit, plot, render
 from eval.clustering import cluster_owners, clustering_accuracy, contingency_matrix
 from eval.debris_data import REGIMES, make_orbital_debris
 from softvq import DDCLQuantizer, param_groups
@@ -72,15 +72,6 @@ class EncoderConfig:
     eps: float = 0.01  # timescale ratio eta_theta / eta_P (stable range 0.01-0.1 in the paper)
     t_start: float = 1.0  # T at the first step (latent standardised per dimension)
     t_end: float = 0.1  # T at the last step (geometric schedule)
-
-
-@dataclass
-class Fit:
-    """One clustering: cluster index per object, centres in standardised feature space, identity check."""
-
-    labels: np.ndarray  # (N,)
-    centres: np.ndarray  # (K, F)
-    max_identity_residual: float = float("nan")  # max over training steps of |L_q - L_OLS - V| / L_q
 
 
 def standardise(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

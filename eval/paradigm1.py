@@ -46,7 +46,7 @@ import logging
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,44 +55,17 @@ import torch
 from torch import Tensor
 
 from eval._paradigm1_clustering import clustering, ddcl_clusters, fit_ddcl_clusters, pair_distance, scores, vote
+from eval._paradigm1_config import Paradigm1Config
 from eval._paradigm1_encoders import TokenSet, load_token_file
 from eval._paradigm1_heads import FeatureProbe, ReadoutHead
 from eval._readout_heads import fit
+from eval._spread import judge, summarize
 
 log = logging.getLogger("eval.paradigm1")
 # re-exported: the study's unsupervised half lives in eval/_paradigm1_clustering.py
 __all__ = ["Paradigm1Config", "TokenSet", "check_inputs", "clustering", "ddcl_clusters", "fit_ddcl_clusters", "judge",
            "load_token_file", "main", "pair_distance", "run_paradigm1", "scores", "standardize", "supervised",
            "vote"]
-
-
-@dataclass(frozen=True)
-class Paradigm1Config:
-    """Settings of :func:`run_paradigm1`. Temperatures are ratios of the mean squared distance between two random
-    (standardised) features, ``2 x`` their total variance, so they mean the same at any ``D``."""
-
-    seeds: tuple[int, ...] = (0, 1, 2)  # readout / clustering seeds (the encoders are fixed)
-    cluster_mult: int = 4  # the larger K is cluster_mult x C (majority map)
-    cluster_tokens: int = 131_072  # training tokens both clusterings fit on (a fixed random subset)
-    cluster_steps: int = 400  # Adam steps of the unsupervised DDCL prototypes
-    cluster_batch: int = 2048  # features per step
-    cluster_lr: float = 0.05  # Adam lr of the prototypes (decays geometrically to a tenth)
-    cluster_t_start: float = 0.2  # T at the first step / mean squared distance (geometric annealing; 0.05 left
-    # prototypes stuck two to a cluster on synthetic blobs, 0.2 recovered every cluster, 1.0 needed more steps)
-    cluster_t_end: float = 0.002  # T at the last step / mean squared distance: nearly hard assignments
-    cluster_init: str = "kmeans++"  # DDCL seeds: scikit-learn's k-means++ seeding (k-means' own, same random_state)
-    # or "data" (the layer's init: random features; two prototypes often start in one cluster and stay there)
-    cluster_term: str = "free_energy"  # the DDCL objective of the prototypes (free_energy: soft k-means; or l_q)
-    codes: int = 32  # K of the supervised readout (level 1)
-    codes_level2: int = 8  # K of the second level
-    temperature: float = 0.03  # T of the supervised readouts / mean squared distance (T = 4 at D = 64)
-    epochs: int = 10  # epochs of every Adam-trained head
-    batch_size: int = 128  # examples per step
-    lr: float = 1e-3  # Adam lr of the heads; readout prototypes at lr / eps
-    eps: float = 0.1  # timescale ratio
-    logreg_c: tuple[float, ...] = (0.001, 0.01)  # inverse regularisation strengths tried for the bound (0.01 beat
-    # 0.1 on held-out VQ-VAE training tokens, 0.430 vs 0.415; each lbfgs fit takes minutes on 10,000 x 8,192 features)
-    logreg_iter: int = 200  # lbfgs iterations (100 stopped short of convergence on the VQ-VAE tokens)
 
 
 # ---- inputs -------------------------------------------------------------------------------------------------------
@@ -251,28 +224,6 @@ def logreg_bound(train: TokenSet, test: TokenSet, cfg: Paradigm1Config) -> dict[
 
 
 # ---- the study ----------------------------------------------------------------------------------------------------
-def summarize(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "values": values}
-
-
-def judge(a: list[float], b: list[float]) -> dict[str, Any]:
-    """``a`` vs ``b`` over the same seeds (a single value = a deterministic method, repeated): the margin
-    ``mean(a) - mean(b)`` counts when it exceeds twice the larger sample std and every paired difference has its
-    sign. Verdict: ``"higher"``, ``"lower"`` or ``"within spread"``."""
-    if len(a) == 1:
-        a = a * len(b)
-    if len(b) == 1:
-        b = b * len(a)
-    margin = statistics.fmean(a) - statistics.fmean(b)
-    spread = max(statistics.stdev(a) if len(a) > 1 else 0.0, statistics.stdev(b) if len(b) > 1 else 0.0)
-    diffs = [x - y for x, y in zip(a, b, strict=True)]
-    same_sign = all(d > 0 for d in diffs) or all(d < 0 for d in diffs)
-    counts = abs(margin) > 2 * spread and same_sign
-    return {"margin": margin, "spread": spread, "verdict": ("higher" if margin > 0 else "lower") if counts
-            else "within spread"}
-
-
 def run_paradigm1(train: TokenSet, test: TokenSet, cfg: Paradigm1Config = Paradigm1Config(),
                   logreg: bool = True) -> dict[str, Any]:
     """The whole study on one frozen encoder's tokens.
