@@ -14,7 +14,7 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from softvq.models.callbacks import write_atomic  # noqa: E402
+from softvq.models.files import write_atomic  # noqa: E402
 
 PLOTS = ("health.png", "ddcl_terms.png", "usage.png", "eps.png", "temperature.png")  # the last two with their runs
 TEST_COLUMNS = (("mse", "MSE soft", "{:.5f}"), ("mse_hard", "MSE hard", "{:.5f}"), ("psnr", "PSNR soft", "{:.2f}"),

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from eval import _compare_report as rep
-from softvq.models.callbacks import write_atomic
+from softvq.models.files import write_atomic
 
 PLOTS = ("health.png", "levels.png")
 TWO_LEVEL = "ddcl_2level"

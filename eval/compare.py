@@ -44,7 +44,8 @@ from softvq.cli import evaluate
 from softvq.cli.common import EXPECTED_ERRORS, run_command
 from softvq.data.cifar10 import sha256_file
 from softvq.models import QUANTIZERS
-from softvq.models.callbacks import read_history, write_atomic
+from softvq.models.callbacks import read_history
+from softvq.models.files import write_atomic
 
 log = logging.getLogger("eval.compare")
 ROOT = Path(__file__).resolve().parents[1]

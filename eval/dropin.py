@@ -41,7 +41,7 @@ import softvq
 from eval._peers_report import mean_std, test_table, values
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
-from softvq.models.callbacks import write_atomic
+from softvq.models.files import write_atomic
 
 LABELS = {"ddcl": "softvq DDCLQuantizer(K, D), defaults", "hard": "softvq HardVQ(K, D), defaults",
           "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults"}

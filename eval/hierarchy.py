@@ -32,7 +32,7 @@ from eval._hierarchy_report import write_report
 from softvq.cli import evaluate
 from softvq.cli.common import EXPECTED_ERRORS, run_command
 from softvq.data.cifar10 import sha256_file
-from softvq.models.callbacks import write_atomic
+from softvq.models.files import write_atomic
 
 log = logging.getLogger("eval.hierarchy")
 

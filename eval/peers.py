@@ -43,7 +43,8 @@ from eval._peers_report import write_report
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
-from softvq.models.callbacks import HistoryWriter, write_atomic
+from softvq.models.callbacks import HistoryWriter
+from softvq.models.files import write_atomic
 from softvq.types import QuantizerOutput
 
 log = logging.getLogger("eval.peers")

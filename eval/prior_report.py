@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from softvq.cli.common import run_command
-from softvq.models.callbacks import read_history, write_atomic
+from softvq.models.callbacks import read_history
+from softvq.models.files import write_atomic
 
 
 def _run(text: str) -> tuple[str, Path]:

@@ -45,7 +45,7 @@ from eval.dropin import SmallAutoencoder
 from eval.peers import fsq_levels
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
-from softvq.models.callbacks import write_atomic
+from softvq.models.files import write_atomic
 
 ALPHA = 10.0  # weight of the quantizer's loss, as in eval.dropin
 VAL_SIZE = 5000  # held out of training, as the project's trainer does; not read here

@@ -31,8 +31,8 @@ from torch.utils.data import Subset
 
 from softvq.cli.common import HelpFormatter, quiet_lightning, run_command
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
-from softvq.models.callbacks import write_atomic
 from softvq.models.checkpoint_io import load_torch_file
+from softvq.models.files import write_atomic
 from softvq.models.vqvae import VQVAE, load_vqvae
 
 log = logging.getLogger("eval.evaluate")

@@ -55,10 +55,10 @@ from softvq.cli.common import (
     run_command,
 )
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
-from softvq.models.callbacks import EpochCheckpoint, HistoryWriter, read_history, write_atomic
+from softvq.models.callbacks import EpochCheckpoint, HistoryWriter, read_history
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.codes import CodeSet, code_splits
-from softvq.models.files import RunLock
+from softvq.models.files import RunLock, write_atomic
 from softvq.models.prior import (
     CodePrior,
     VQVAERecord,

@@ -23,7 +23,7 @@ from torch import nn
 from torchvision.utils import make_grid
 
 from softvq.models.checkpoint_io import load_torch_file
-from softvq.models.files import remove_stale_temporaries, write_atomic  # noqa: F401 - re-exported for the scripts
+from softvq.models.files import write_atomic
 from softvq.utils import is_distributed
 
 log = logging.getLogger("softvq")
