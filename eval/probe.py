@@ -5,7 +5,9 @@
 
 Trains ``models.VQVAE(quantizer=<module>, **--model-kwargs)`` on ``--train-subset`` CIFAR-10 images (5,000 held out
 for validation) for ``--epochs``, prints one JSON line per epoch (codebook health, validation PSNR from hard
-indices) and a final ``RESULT`` line with the test-split figures, and appends that line to ``--results`` if given.
+indices) and a final ``RESULT`` line with the last epoch's validation figures, and appends that line to
+``--results`` if given. A probe chooses settings, so it reads the validation split only: the official test split is
+for the final tables (``eval.peers``, ``eval.dropin``, ``eval.robustness``), and this module never loads it.
 ``--quantizer`` builds ``softvq.DDCLQuantizer(K, D, **kwargs)`` or ``softvq.HardVQ(K, D, **kwargs)`` from the JSON
 ``--kwargs``: any option of the layer can be probed without a flag for it.
 """
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kwargs", type=json.loads, default={}, help="JSON options of the quantizer class")
     p.add_argument("--model-kwargs", type=json.loads, default={}, help="JSON options of models.VQVAE")
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--val-size", type=int, default=5000, help="training images held out for validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-subset", type=int, default=10_000)
     p.add_argument("--num-codes", type=int, default=512)
@@ -51,7 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     L.seed_everything(args.seed, workers=True, verbose=False)
-    data = CIFAR10DataModule(args.data_root, batch_size=128, val_size=5000, train_subset=args.train_subset,
+    if args.val_size < 1:
+        p.error(f"--val-size must be positive (a probe is judged on validation), got {args.val_size}")
+    data = CIFAR10DataModule(args.data_root, batch_size=128, val_size=args.val_size, train_subset=args.train_subset,
                              num_workers=args.num_workers, seed=args.seed)
     cls = softvq.DDCLQuantizer if args.quantizer == "ddcl" else softvq.HardVQ
     model = VQVAE(quantizer=cls(args.num_codes, args.code_dim, **args.kwargs), code_dim=args.code_dim,
@@ -62,11 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
                         callbacks=[_Echo()])
     start = time.time()
     trainer.fit(model, datamodule=data)
-    trainer.test(model, datamodule=data, verbose=False)
-    s = model.test_summary
-    result = {"name": args.name, "epochs": args.epochs, "seed": args.seed, "test_psnr_hard": s["test_psnr_hard"],
-              "test_psnr": s["test_psnr"], "test_ssim_hard": s["test_ssim_hard"], "test_util": s["test_utilization"],
-              "test_ppl": s["test_perplexity"], "wall": round(time.time() - start)}
+    s = model.epoch_summary()  # the last epoch's validation pass
+    result = {"name": args.name, "epochs": args.epochs, "seed": args.seed, "split": "validation",
+              "val_psnr_hard": s["val_psnr_hard"], "val_psnr": s["val_psnr"], "val_ssim_hard": s["val_ssim_hard"],
+              "val_util": s["val_utilization"], "val_ppl": s["val_perplexity"], "wall": round(time.time() - start)}
     print("RESULT", json.dumps(result), flush=True)
     if args.results:
         with open(args.results, "a") as f:
