@@ -55,11 +55,9 @@ from softvq.models.callbacks import (
     ReconstructionGrid,
     ReplicaCheck,
     read_history,
-    remove_stale_temporaries,
-    write_atomic,
 )
 from softvq.models.checkpoint_io import checkpoint_classes, load_torch_file
-from softvq.models.files import RunLock
+from softvq.models.files import RunLock, remove_stale_temporaries, write_atomic
 
 log = logging.getLogger("softvq")
 
