@@ -5,11 +5,12 @@ auxiliary loss. Linear heads are :func:`eval._readout_heads.linear_probe` (a non
 
 - :class:`FeatureProbe`: a linear probe on one vector per example: the mean of the real tokens, or the encoder's CLS
   feature (passed in as a one-token "sequence").
-- :class:`ReadoutHead`: one or two stacked :class:`softvq.DDCLReadout` levels, trained with the head (their DDCL
-  losses added, prototypes at ``lr / eps``). Level 1 reads the tokens; level 2 reads level 1's per-token soft centroids
-  ``mu_t^(1) = sum_k q_tk p_k^(1)`` with the same mask (DESIGN §3.3: level ``l`` quantizes the outputs of level
-  ``l - 1``) and its own, fewer prototypes. The head reads ``pooled`` only, or ``[pooled, mass / n, slots]`` of every
-  level. In training mode every forward records each level's ``l_q``, ``l_ols``, ``v`` and ``identity_residual``.
+- :class:`ReadoutHead`: one or two stacked :class:`softvq.DDCLReadout` levels, trained with the head (their DDCL losses
+  added, prototypes at ``lr / eps``). Level 1 reads the tokens; level 2 reads level 1's per-token soft centroids
+  ``mu_t^(1) = sum_k q_tk p_k^(1)`` with the same mask (docs/design.md, "Stacked codebooks": level ``l`` quantizes the
+  outputs of level ``l - 1``) and its own, fewer prototypes. The head reads ``pooled`` only, or
+  ``[pooled, mass / n, slots]`` of every level. In training mode every forward records each level's ``l_q``,
+  ``l_ols``, ``v`` and ``identity_residual``.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def _closed(pool: float, ddcl: float, bound: float) -> str:
 
 def headline(results: dict[str, Any]) -> list[str]:
     """One compact table over the encoders: clustering ACC at K = C on tokens and pooled features, the supervised
-    heads and the bound (also the README's table)."""
+    heads and the bound (also the table in docs/studies.md, "Paradigm 1")."""
     lines = ["| encoder | k-means ACC tokens / pooled | DDCL ACC tokens / pooled | mean probe | CLS probe | DDCL "
              "pooled | DDCL slots | 2-level DDCL | LR bound |", "|---|---|---|---|---|---|---|---|---|"]
     for name, e in results["encoders"].items():

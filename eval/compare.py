@@ -1,7 +1,7 @@
 """Head-to-head on CIFAR-10: DDCL vs hard VQ-VAE (plain and EMA + dead-code restart), an eps ablation and a
 temperature study, over several seeds at equal epochs, written up as ``report.md`` with plots.
 
-Usage (the full setting: 13 runs of 5 epochs; its run time is in README "Head-to-head report"):
+Usage (the full setting: 13 runs of 5 epochs; its run time is in docs/studies.md, "Head-to-head report"):
     python -m eval.compare --data-root ../shared/data/cifar10-jpeg.tar.gz
     python -m eval.compare --quick --data-root ../shared/data/cifar10-jpeg.tar.gz    # a few minutes
 

@@ -1,5 +1,6 @@
 """Hierarchical DDCL on CIFAR-10: 1-level DDCL vs 2-level DDCL vs hard VQ at equal epochs, and the paper's hierarchical
-claim (DESIGN §2, §4): ``V^(l) >= 0`` and ``L_q^(l) = L_OLS^(l) + V^(l)`` at every level and every epoch.
+claim (docs/design.md, "Stacked codebooks"): ``V^(l) >= 0`` and ``L_q^(l) = L_OLS^(l) + V^(l)`` at every level and
+every epoch.
 
 Usage (the head-to-head's settings: 5 epochs, 10,000 training and 5,000 validation images, all 10,000 test images):
     python -m eval.hierarchy --runs runs/compare --data-root ../shared/data/cifar10-jpeg.tar.gz --jobs 2

@@ -1,4 +1,5 @@
-"""The DDCL layer's arithmetic: the soft centroid, its loss terms and their hand-written gradient (DESIGN §1).
+"""The DDCL layer's arithmetic: the soft centroid, its loss terms and their hand-written gradient
+(docs/design.md, "The layer: L_q = L_OLS + V").
 
 :class:`_SoftCentroid` is one :class:`torch.autograd.Function` so that distances take one ``(N, D) x (D, K)``
 matmul, no ``(N, K, D)`` tensor is ever built, and the training objective can send *different* terms to the encoder

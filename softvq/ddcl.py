@@ -1,10 +1,12 @@
-"""DDCL soft codebook: global prototypes, Boltzmann soft assignments, soft-centroid output.
+"""DDCL soft codebook: global prototypes, Boltzmann soft assignments, the argmax code with the soft centroid's gradient.
 
-Math (DESIGN §1, arXiv 2604.03850). Tokens ``z_n``, prototypes ``p_k``, temperature ``T``::
+Math (docs/design.md, "The layer: L_q = L_OLS + V"; arXiv 2604.03850). Tokens ``z_n``, prototypes ``p_k``,
+temperature ``T``::
 
     d_nk  = ||z_n - p_k||^2                    (cosine: z and p L2-normalised first)
     q_nk  = softmax_k(-d_nk / T)               assignments, rows sum to 1
-    mu_n  = sum_k q_nk p_k                     soft centroid, the layer's output
+    mu_n  = sum_k q_nk p_k                     soft centroid (the output of recipe="plain"; the defaults output
+                                               the argmax code in the standardised space, with mu_n's gradient)
     L_q   = mean_n sum_k q_nk d_nk             competitive loss
     L_OLS = mean_n ||z_n - mu_n||^2            reconstruction term
     V     = mean_n sum_k q_nk ||p_k - mu_n||^2 prototype variance, >= 0
@@ -82,7 +84,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
     **On an accelerator**: with ``check_finite=False`` a training step never synchronises the host with the device
     (the temperature, its control, the restart count and every update stay on the device), and the layer compiles with
     ``torch.compile(fullgraph=True)`` (forward and backward, in training mode); on a CPU the ``(N, K)`` work runs in
-    cache-sized chunks of tokens. README, "Throughput", has the measurements.
+    cache-sized chunks of tokens. docs/scaling.md, "Throughput", has the measurements.
 
     ``recipe="plain"`` is the paper's layer as written: no standardisation, a fixed temperature (1.0 unless given),
     prototypes trained by the gradient (build the optimizer with :func:`softvq.param_groups`, ``eps = encoder lr /
@@ -140,8 +142,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         output_scale: with ``standardize``, return codes in the standardised space the codebook lives in
             (``"standardized"``, the default: unit variance per dimension, whatever the encoder's scale) or on the
             input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them). Measured in the
-            project's VQ-VAE (README, "Collapse-free defaults"): a decoder fed unit-scale codes learned faster (train
-            MSE 0.025 against 0.036 after one epoch) because a fresh encoder's outputs are ~100x smaller.
+            project's VQ-VAE (reports/peers/probes.md): a decoder fed unit-scale codes learned faster (train MSE
+            0.025 against 0.036 after one epoch) because a fresh encoder's outputs are ~100x smaller.
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
@@ -154,8 +156,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         commitment_term: ``"hard"`` (``||z - sg[p_argmax]||^2``, VQ-VAE's commitment to the code, the default),
             ``"l_ols"`` (to the soft centroid), ``"l_q"`` or ``"free_energy"``: the term that pulls the encoder to the
             codebook when ``commitment_weight > 0``. At weight 0.25 in the project's VQ-VAE ``"hard"`` reconstructed
-            0.9-1.2 dB better than ``"l_ols"`` on the validation split (both below weight 0; README, "Collapse-free
-            defaults").
+            1.2 dB better than ``"l_ols"`` on the validation split on both seeds (both below weight 0;
+            docs/design.md, "Collapse-free defaults").
         commitment_weight: its weight (``>= 0``; default 0: committing to the *soft* centroid is a mean-shift step
             that pulled the tokens into few modes here).
         init: ``"data"`` copies random tokens of the first training batch into the prototypes; ``"normal"`` draws
@@ -197,7 +199,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         distance: Literal["euclidean", "cosine"] = "euclidean",
         codebook_term: Term = "free_energy",  # attraction only; l_q strands far prototypes under Adam
         codebook_weight: float = 1.0,
-        commitment_term: CommitTerm = "hard",  # better than "l_ols" at weight 0.25 on validation (README)
+        commitment_term: CommitTerm = "hard",  # better than "l_ols" at weight 0.25 on validation (docs/design.md)
         commitment_weight: float = 0.0,  # soft commitment is mean-shift: it collapses the tokens into few modes
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,

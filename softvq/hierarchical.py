@@ -1,8 +1,9 @@
 """Hierarchical DDCL: a stack of DDCL codebooks, each quantizing the pooled soft centroids of the level below.
 
-DESIGN §3.3 and the paper's hierarchical claim. Level 0 quantizes the input tokens ``z^(0) = z``; level ``l > 0``
-quantizes ``z^(l) = pool_l(mu^(l-1))``, the window averages of level ``l - 1``'s soft centroids over the token grid
-(2x2 windows of an image grid, windows of a sequence; window 1 = no pooling), with its own ``K_l`` prototypes::
+docs/design.md, "Stacked codebooks", and the paper's hierarchical claim. Level 0 quantizes the input tokens
+``z^(0) = z``; level ``l > 0`` quantizes ``z^(l) = pool_l(mu^(l-1))``, the window averages of level ``l - 1``'s soft
+centroids over the token grid (2x2 windows of an image grid, windows of a sequence; window 1 = no pooling), with its
+own ``K_l`` prototypes::
 
     z^(0)   = z                                   (B, *grid_0, D)
     mu^(l)  = DDCL_l(z^(l))                       soft centroid of level l

@@ -1,6 +1,7 @@
 """Token standardisation inside the codebook: the token scale that DDCL needs, without the user's model providing it.
 
-A soft codebook collapses when the encoder can shrink its tokens (DESIGN §2): the Jacobian of the soft centroid,
+A soft codebook collapses when the encoder can shrink its tokens (docs/design.md, "Collapse-free defaults"): the
+Jacobian of the soft centroid,
 ``(2/T) C_n``, vanishes with the tokens' spread. :class:`TokenStandardizer` fixes that scale inside the layer, so any
 encoder works: per-dimension mean and variance over the batch's tokens in training (over every process's batch under
 ``torch.distributed``), running averages in evaluation, the first batch taken whole.

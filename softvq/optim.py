@@ -1,4 +1,5 @@
-"""Optimizer parameter groups that realise DDCL's timescale separation (DESIGN §2, Theorem 1)."""
+"""Optimizer parameter groups that realise DDCL's timescale separation (the paper's Theorem 1; docs/design.md,
+"The recipe inside the layer": ``recipe="plain"`` and ``prototype_update="gradient"``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DDCL readout: pool a padded sequence of tokens through the global prototypes at O(T·K) cost (DESIGN §3.2).
+"""DDCL readout: pool a padded sequence of tokens through the global prototypes at O(T·K) cost
+(docs/design.md, "The readout layer").
 
 A drop-in replacement for mean pooling or a CLS token after a ``torch.nn.TransformerEncoder``. The real tokens of
 every row (``mask == True``) go through one :class:`~softvq.DDCLQuantizer` call, which gives their assignments

@@ -1,4 +1,5 @@
-"""Temperature control for DDCL (DESIGN §2: cooling T keeps prototypes separated; T -> 0 is hard VQ).
+"""Temperature control for DDCL (docs/design.md, "Temperature, initialisation, restarts": cooling T keeps prototypes
+separated; T -> 0 is hard VQ).
 
 Two ways: :func:`anneal_temperature`, a schedule over the run's progress, and :func:`adapt_temperature`, a feedback
 rule that keeps the assignments' entropy H(Q) at a target, i.e. ties T to the current distance scale.

@@ -19,7 +19,8 @@ def plain(*args, **kw) -> DDCLQuantizer:
 
 
 def brute_force(z: torch.Tensor, p: torch.Tensor, temperature: float, distance: str = "euclidean"):
-    """DESIGN §1 written out literally, with the (N, K, D) difference tensor the library must avoid."""
+    """docs/design.md, "The layer: L_q = L_OLS + V", written out literally, with the (N, K, D) difference tensor the
+    library must avoid."""
     if distance == "cosine":
         z, p = F.normalize(z, dim=-1), F.normalize(p, dim=-1)
     diff = z[:, None, :] - p[None, :, :]  # (N, K, D)
@@ -350,7 +351,8 @@ def test_never_builds_an_n_by_k_by_d_tensor(distance):
 
 
 def test_jacobian_of_soft_centroid_is_assignment_covariance():
-    """DESIGN §2: d mu_n / d z_n = (2/T) C_n with C_n = sum_k q_nk (p_k - mu_n)(p_k - mu_n)^T, trace C_n = V_n."""
+    """docs/design.md, "What reaches the encoder": d mu_n / d z_n = (2/T) C_n with
+    C_n = sum_k q_nk (p_k - mu_n)(p_k - mu_n)^T, trace C_n = V_n."""
     torch.manual_seed(10)
     quantizer = make(num_codes=7, dim=3, temperature=0.6)
     z = torch.randn(1, 3, dtype=torch.float64)

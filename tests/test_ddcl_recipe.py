@@ -14,9 +14,9 @@ from softvq import DDCLQuantizer
 
 def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
               back: bool = True):
-    """DESIGN §1 written out with an explicit (N, K, D) difference tensor, plus the recipe's two maps: batch
-    standardisation (biased variance, eps 1e-5 of the mean variance) before, and ``code * std + mean`` after; hard
-    output as ``mu + sg(code - mu)``."""
+    """docs/design.md, "The layer: L_q = L_OLS + V", written out with an explicit (N, K, D) difference tensor, plus
+    the recipe's two maps: batch standardisation (biased variance, eps 1e-5 of the mean variance) before, and
+    ``code * std + mean`` after; hard output as ``mu + sg(code - mu)``."""
     mean = std = None
     if standardize:
         mean = z.mean(0)

@@ -26,7 +26,8 @@ def reference_pool(x: torch.Tensor, window: tuple[int, ...]) -> torch.Tensor:
 
 
 def reference(hier: HierarchicalDDCL, z: torch.Tensor, windows: list[tuple[int, ...]]) -> list[dict]:
-    """DESIGN §1 at every level, written out with explicit (N, K, D) differences, in float64."""
+    """docs/design.md, "The layer: L_q = L_OLS + V", at every level, written out with explicit (N, K, D) differences,
+    in float64."""
     levels, x = [], z
     for level, layer in enumerate(hier.levels):
         if level > 0:

@@ -13,7 +13,8 @@ K, D = 5, 4
 
 def loop_reference(z: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, temperature: float,
                    distance: str = "euclidean") -> dict:
-    """DESIGN §1 and the readout's definitions, one real token and one prototype at a time (differentiable)."""
+    """docs/design.md, "The layer: L_q = L_OLS + V", and the readout's definitions, one real token and one prototype at
+    a time (differentiable)."""
     batch, length, _ = z.shape
     codes = F.normalize(p, dim=-1) if distance == "cosine" else p
     slots, pooled, mass = [], [], []

@@ -148,7 +148,7 @@ positive_float, non_negative_float = _float_check(False), _float_check(True)
 
 @dataclass
 class Hardware:
-    """How Lightning runs a command (README: Scaling out); ``--trainer.*`` on every training command.
+    """How Lightning runs a command (docs/scaling.md, "Scaling out"); ``--trainer.*`` on every training command.
 
     Args:
         accelerator: Lightning accelerator: ``auto``, ``cpu``, ``gpu``, ...
@@ -217,7 +217,7 @@ class Hardware:
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
     """:class:`Hardware`'s settings as flags of an argparse command (``softvq-prior``; ``softvq-train`` derives
     ``--trainer.*`` from the dataclass itself); :func:`hardware_kwargs` turns them into ``L.Trainer`` arguments."""
-    g = p.add_argument_group("hardware (README: Scaling out)")
+    g = p.add_argument_group("hardware (docs/scaling.md, 'Scaling out')")
     g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
     g.add_argument("--devices", default="1", help="devices per node: a count, a comma-separated list of indices, or "
                                                   "'auto'; more than one trains data-parallel (DDP)")

@@ -34,7 +34,7 @@ QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ}
 # Arguments the trainer sets itself: the code count and dimension come from --model, the layout from the VQ-VAE.
 LAYER_SKIP = {"num_codes", "dim", "channel_first"}
 # What may differ when a run is resumed (dotted keys of config.json): they extend it (epochs), say where the run and the
-# same data are (a moved directory) or how to run it, and change no result (README: Resuming).
+# same data are (a moved directory) or how to run it, and change no result (docs/training.md, "Run directories").
 RESUME_SAFE = ("epochs", "out", "data.data_root", "data.download", "data.num_workers",
                "data.cache_dir", "check_replicas", "trainer.accelerator", "trainer.strategy", "trainer.progress_bar",
                "trainer.compile")

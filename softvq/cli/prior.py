@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     check_args(args, parser)
     # One run per --out (a second is refused naming the holder's pid); SIGTERM/SIGINT stop at the next batch and
-    # exit 143/130 with the last checkpoint kept (README: Run directories, resuming, exit codes).
+    # exit 143/130 with the last checkpoint kept (docs/training.md, "Run directories, resuming, exit codes").
     with GracefulStop() as stop, RunLock(args.out):
         return train(args, stop)
 

@@ -98,15 +98,15 @@ class VQVAE(EpochMetrics, L.LightningModule):
             statistics at evaluation) before the quantizer, so the encoder cannot shrink what the codebook sees;
             ``"none"``; default ``"batch"`` for the hierarchical DDCL (``levels > 1``) and ``"none"`` otherwise (a
             single DDCL layer standardises its tokens itself).
-        levels: ``L``, DDCL levels (hierarchical mode, ``"ddcl"`` only; DESIGN §3.3). With ``L > 1`` the quantizer is a
-            :class:`softvq.HierarchicalDDCL` whose level 0 (``num_codes`` codes) quantizes the latent grid and level
-            ``l`` (``level_codes`` codes) the ``level_pool`` x ``level_pool`` averages of level ``l - 1``'s soft
-            centroids (8x8 -> 4x4 with the defaults); the decoder sees every level, nearest-upsampled to the latent
-            grid and concatenated (``L * code_dim`` input channels). Every level has its own entropy-controlled
-            temperature (levels above 0 start at level 0's ``T`` scaled by their tokens' variance, measured on the
-            first training batch; with an annealing schedule all levels share ``T``) and dead-code restart, and
-            ``history.jsonl`` gains ``<key>_l<level>`` keys for every level (the plain keys are level 0's).
-            ``encode`` then returns one index grid per level.
+        levels: ``L``, DDCL levels (hierarchical mode, ``"ddcl"`` only; docs/design.md, "Stacked codebooks"). With
+            ``L > 1`` the quantizer is a :class:`softvq.HierarchicalDDCL` whose level 0 (``num_codes`` codes)
+            quantizes the latent grid and level ``l`` (``level_codes`` codes) the ``level_pool`` x ``level_pool``
+            averages of level ``l - 1``'s soft centroids (8x8 -> 4x4 with the defaults); the decoder sees every level,
+            nearest-upsampled to the latent grid and concatenated (``L * code_dim`` input channels). Every level has
+            its own entropy-controlled temperature (levels above 0 start at level 0's ``T`` scaled by their tokens'
+            variance, measured on the first training batch; with an annealing schedule all levels share ``T``) and
+            dead-code restart, and ``history.jsonl`` gains ``<key>_l<level>`` keys for every level (the plain keys
+            are level 0's). ``encode`` then returns one index grid per level.
         level_codes: the codebook size of every level above 0 (an int), or one per level above 0.
         level_pool: the pooling window between consecutive levels, on both grid axes.
     """
