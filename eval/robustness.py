@@ -386,8 +386,20 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: f
                  for r in cell[s][c] if "test" in r and r["test"]["utilization"] < COLLAPSE]
     failures = [(s, r["config"], r["seed"], r["failed"]) for s in settings for c in configs for r in cell[s][c]
                 if "failed" in r]
-    lines += ["", f"## Collapses (test utilization < {100 * COLLAPSE:.0f}%) and failed runs", ""]
-    lines += [f"- `{c}` in `{s}`, seed {seed}: {100 * u:.1f}% used" for s, c, seed, u in collapses] or ["- none"]
+    lines += ["", f"## Collapses (test utilization < {100 * COLLAPSE:.0f}% on a seed) and failed runs", "",
+              "Per configuration, every setting where a seed collapsed: the lowest seed's test utilization and how "
+              "many seeds collapsed.", ""]
+    for c in configs:
+        hits = {}
+        for s, config, _, u in collapses:
+            if config == c:
+                low, n = hits.get(s, (1.0, 0))
+                hits[s] = (min(low, u), n + 1)
+        if hits:
+            where = ", ".join(f"`{s}` {100 * low:.1f}% ({n}/{len(cell[s][c])})" for s, (low, n) in hits.items())
+            lines.append(f"- `{c}`, {len(hits)} of {len(settings)} settings: {where}")
+    if not collapses:
+        lines.append("- no collapse")
     lines += [f"- `{c}` in `{s}`, seed {seed} failed: {why}" for s, c, seed, why in failures]
     verdict = targets(regret, worst, cell, settings, configs)
     lines += ["", "## Targets", "", *verdict, ""]
@@ -409,11 +421,11 @@ def plot_regret(regret: dict[str, dict[str, float]], settings: list[str], config
     import matplotlib.pyplot as plt
 
     values = torch.tensor([[regret[s][c] for c in configs] for s in settings], dtype=torch.float64)
-    shown = values.clamp(max=4.0).numpy()
+    shown = torch.where(values.isinf(), 5.0, values.clamp(max=4.0)).numpy()  # only a failed run is over vmax
     cmap = plt.get_cmap("viridis_r").copy()
     cmap.set_over("black")
     fig, ax = plt.subplots(figsize=(1.3 * len(configs) + 2.5, 0.42 * len(settings) + 1.6))
-    image = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=4.0 - 1e-9, aspect="auto")
+    image = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=4.0, aspect="auto")
     for i, s in enumerate(settings):
         for j, c in enumerate(configs):
             v = regret[s][c]
@@ -421,7 +433,7 @@ def plot_regret(regret: dict[str, dict[str, float]], settings: list[str], config
                     color="white" if min(v, 4.0) > 2.0 else "black")
     ax.set_xticks(range(len(configs)), configs, rotation=30, ha="right", fontsize=8)
     ax.set_yticks(range(len(settings)), settings, fontsize=8)
-    ax.set_title("regret: dB below the best configuration in each setting (test split)", fontsize=9)
+    ax.set_title("regret: dB below the best configuration in each setting (test split; black: failed)", fontsize=9)
     fig.colorbar(image, ax=ax, label="dB (clipped at 4)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -486,7 +498,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.settings = [s for s in args.settings if s in ("base", "k64")] or ["base"]
     if args.steps < 1 or args.jobs < 1 or args.threads < 1 or args.test_limit < 0 or args.val_size < 0:
         p.error("--steps, --jobs and --threads must be positive and --test-limit and --val-size not negative")
-    args.command = "python -m eval.robustness " + " ".join(argv if argv is not None else sys.argv[1:])
+    # The command that makes this report: without --no-train (with the runs stored, it reads them just the same).
+    args.command = "python -m eval.robustness " + " ".join(a for a in (argv if argv is not None else sys.argv[1:])
+                                                         if a != "--no-train")
     return args
 
 

@@ -103,3 +103,22 @@ def test_a_tiny_grid_end_to_end_with_a_failing_run(tiny_cifar, tmp_path, monkeyp
     assert again["regret"] == summary["regret"]
     with pytest.raises(SystemExit, match="no stored run"):
         R.main([*argv, "--steps", "3", "--no-train"])  # another step count: no stored run has it
+
+
+def test_the_report_lists_every_collapse_by_configuration(tmp_path):
+    def run(setting, config, seed, psnr, utilization):
+        return {"setting": setting, "config": config, "seed": seed, "train_s": 1.0,
+                "test": {"psnr_hard": psnr, "utilization": utilization, "perplexity_per_code": 0.5}}
+
+    runs = [run("base", "ddcl", 0, 20.0, 1.0), run("base", "ddcl", 1, 19.0, 0.97),
+            run("base", "hard", 0, 15.0, 0.10), run("base", "hard", 1, 16.0, 0.60),
+            run("k64", "ddcl", 0, 18.0, 0.40), run("k64", "ddcl", 1, 18.0, 0.45),
+            run("k64", "hard", 0, 19.0, 0.9), run("k64", "hard", 1, 19.5, 0.9)]
+    args = R.parse_args(["--settings", "base", "k64", "--configs", "ddcl", "hard", "--out", str(tmp_path)])
+    summary = R.write_report(runs, args, wall_s=None)
+    text = (tmp_path / "report.md").read_text()
+    assert "- `ddcl`, 1 of 2 settings: `k64` 40.0% (2/2)" in text
+    assert "- `hard`, 1 of 2 settings: `base` 10.0% (1/2)" in text
+    assert summary["regret"] == {"base": {"ddcl": 0.0, "hard": 4.0}, "k64": {"ddcl": 1.25, "hard": 0.0}}
+    assert "Regret ≤ 0.5 dB in every setting: NOT met — over it in `k64` (1.25 dB)" in text
+    assert "Test utilization ≥ 95% in every setting (lowest seed): NOT met; lowest 40.0% in `k64`" in text
