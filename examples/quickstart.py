@@ -1,4 +1,5 @@
-"""Quickstart: DDCLQuantizer vs HardVQ as the bottleneck of a small autoencoder, trained side by side.
+"""Quickstart: DDCLQuantizer vs HardVQ (plain, and with EMA + dead-code restart, the strong hard recipe) as the
+bottleneck of a small autoencoder, trained side by side.
 
     python examples/quickstart.py            # a few seconds on 2 CPU cores
     python examples/quickstart.py --steps 50 --codes 32
@@ -65,11 +66,14 @@ def main(argv: list[str] | None = None) -> None:
         # The layer's defaults: it standardises its tokens, sets and holds its temperature, moves its prototypes
         # itself and outputs the hard code; nothing else to configure, any optimizer.
         "ddcl": TokenAutoencoder(softvq.DDCLQuantizer(args.codes, 8)),
+        # Hard VQ as most tutorials write it (a gradient-trained codebook): it leaves most codes dead.
         "hard": TokenAutoencoder(softvq.HardVQ(args.codes, 8, beta=0.25)),
+        # The strong hard baseline: an EMA codebook and restarts of codes used less than once per batch.
+        "hard_ema": TokenAutoencoder(softvq.HardVQ(args.codes, 8, ema_decay=0.99, dead_code_threshold=1.0)),
     }
     optimizers = {name: torch.optim.Adam(model.parameters(), lr=args.lr) for name, model in models.items()}
     usage = {name: softvq.CodebookUsage(args.codes) for name in models}
-    print(f"{'step':>5} {'model':>5} {'mse':>8} {'mse_hard':>8} {'util':>6} {'dead':>5} {'perplexity':>10}"
+    print(f"{'step':>5} {'model':>8} {'mse':>8} {'mse_hard':>8} {'util':>6} {'dead':>5} {'perplexity':>10}"
           f"   decomposition")
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                 t = out.terms
                 extra = (f"L_q {t['l_q']:.4f} = L_OLS {t['l_ols']:.4f} + V {t['v']:.4f} "
                          f"(residual {t['identity_residual']:.1e})") if name == "ddcl" else ""
-                print(f"{step:>5} {name:>5} {mse.item():>8.4f} {mse_hard:>8.4f} {health['utilization'].item():>6.1%} "
+                print(f"{step:>5} {name:>8} {mse.item():>8.4f} {mse_hard:>8.4f} {health['utilization'].item():>6.1%} "
                       f"{int(health['dead_codes']):>5} {health['perplexity'].item():>10.1f}   {extra}")
                 usage[name].reset()
     print(f"done in {time.perf_counter() - start:.1f} s")
