@@ -122,3 +122,23 @@ def test_the_report_lists_every_collapse_by_configuration(tmp_path):
     assert summary["regret"] == {"base": {"ddcl": 0.0, "hard": 4.0}, "k64": {"ddcl": 1.25, "hard": 0.0}}
     assert "Regret ≤ 0.5 dB in every setting: NOT met — over it in `k64` (1.25 dB)" in text
     assert "Test utilization ≥ 95% in every setting (lowest seed): NOT met; lowest 40.0% in `k64`" in text
+
+
+def test_gradient_gain_is_one_for_straight_through_and_the_jacobian_norm_for_ddcl():
+    straight = R.gradient_gain(softvq.HardVQ(16, 4), 4, tokens=64, clusters=4, warmup=2)
+    assert straight["gain"] == pytest.approx(1.0, abs=1e-6) and straight["cosine"] == pytest.approx(1.0, abs=1e-6)
+    # DDCL, one token, float64: the reference is the full Jacobian of the layer's output, g -> J^T g.
+    torch.manual_seed(0)
+    layer = softvq.DDCLQuantizer(8, 3).double()
+    with torch.no_grad():
+        for _ in range(3):
+            layer(torch.randn(64, 3, dtype=torch.float64))
+    layer.eval()  # no state moves between the calls
+    z, g = torch.randn(1, 3, dtype=torch.float64), torch.randn(1, 3, dtype=torch.float64)
+    jacobian = torch.autograd.functional.jacobian(lambda x: layer(x).quantized, z).reshape(3, 3)
+    reference = g.reshape(3) @ jacobian
+    measured = R.gain_at(layer, z, g)
+    assert measured["gain"] == pytest.approx(float(reference.norm() / g.norm()), rel=1e-9)
+    cosine = float(reference @ g.reshape(3) / (reference.norm() * g.norm()))
+    assert measured["cosine"] == pytest.approx(cosine, rel=1e-9, abs=1e-12)
+    assert abs(measured["gain"] - 1.0) > 1e-3  # not a straight-through gradient
