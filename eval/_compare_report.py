@@ -349,11 +349,11 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     plot_usage(groups, labels, out / "usage.png")
     lines = [*_intro(runs, settings, seconds), *_head_to_head(groups, labels, eps, epochs)]
     if eps:
-        lines += _eps_study(eps_all, {**labels, "ddcl_plain": "plain layer, eps = 0.01 (the issue-4 recipe)"},
+        lines += _eps_study(eps_all, {**labels, "ddcl_plain": "plain layer, eps = 0.01 (plain-layer recipe)"},
                             epochs, out)
     if temp:
         lines += _temperature_study({"ddcl_plain": default, **temp} if default else temp,
-                                    {**labels, "ddcl_plain": "plain layer, T entropy-controlled (the issue-4 recipe)"},
+                                    {**labels, "ddcl_plain": "plain layer, T entropy-controlled (plain-layer recipe)"},
                                     epochs, out)
     write_atomic(out / "report.md", "\n".join(lines))
     results = {"settings": settings, "seconds": seconds, "runs": runs_for_json(runs)}

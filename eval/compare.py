@@ -71,7 +71,7 @@ METHODS = (("ddcl", "DDCL", ("--quantizer", "ddcl")),
            ("hard_ema", "hard VQ, EMA + restart", ("--quantizer", "hard", "--hard.ema_decay", "0.99",
                                                   "--hard.dead_code_threshold", "1")))
 # The eps and temperature studies are about the paper's layer, whose prototypes the optimizer trains: they run on the
-# issue-4 recipe (plain layer, LatentNorm, T from 4 held at H(Q) = 2.5 by the model, restarts below 1), whose default
+# plain-layer recipe (LatentNorm, T from 4 held at H(Q) = 2.5 by the model, restarts below 1), whose default
 # eps (0.01) and entropy-controlled T are the "ddcl_plain" runs.
 PLAIN = ("--quantizer", "ddcl", "--ddcl.recipe", "plain", "--model.latent_norm", "batch", "--ddcl.temperature", "4",
          "--ddcl.dead_code_threshold", "1")
