@@ -146,6 +146,7 @@ def build(method: str, num_codes: int, dim: int) -> nn.Module:
 
 def fsq_levels(num_codes: int) -> list[int]:
     """FSQ levels whose product is ``num_codes``, from the FSQ paper's recommended sets where it has one."""
+    # 4096 has no exact set: [7, 5, 5, 5, 5] is the paper's nearest, 4,375 codes.
     table = {64: [4, 4, 4], 256: [8, 8, 4], 512: [8, 8, 8], 1024: [8, 5, 5, 5], 4096: [7, 5, 5, 5, 5]}
     if num_codes not in table:
         raise ValueError(f"FSQ needs a codebook size with known levels {sorted(table)}, got {num_codes}")
@@ -192,12 +193,24 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def train_run(method: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Train one VQ-VAE with bottleneck ``method`` and score it on the test split; ``result.json`` in ``out``."""
+    _, _, result = fit_run(method, seed, args, out)
+    write_atomic(out / "result.json", json.dumps(result, indent=1))
+    return result
+
+
+def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
+            quantizer: nn.Module | None = None) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
+    """Train one VQ-VAE (bottleneck ``quantizer``, by default ``build(method, ...)``) in ``out`` and test it: the
+    trained model, its data module and the run's record (settings, per-epoch history, test figures, wall time).
+    The study of rate against distortion (``eval/rate_distortion.py``) trains through this too, so both train
+    exactly the same model."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "history.jsonl").unlink(missing_ok=True)
     L.seed_everything(seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=seed)
-    quantizer = build(method, args.num_codes, args.code_dim)
+    if quantizer is None:
+        quantizer = build(method, args.num_codes, args.code_dim)
     # The same encoder and decoder weights for every method: the bottlenecks draw different amounts of randomness.
     L.seed_everything(seed, workers=True, verbose=False)
     model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
@@ -218,8 +231,7 @@ def train_run(method: str, seed: int, args: argparse.Namespace, out: Path) -> di
     test["num_codes"] = model.num_codes
     result = {"method": method, "seed": seed, "settings": settings_of(args), "history": history, "test": test,
               "wall_s": time.perf_counter() - start}
-    write_atomic(out / "result.json", json.dumps(result, indent=1))
-    return result
+    return model, data, result
 
 
 def load_or_train(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | None:
