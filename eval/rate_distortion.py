@@ -185,7 +185,7 @@ def run_point(method: str, k: int, seed: int, target: float | None, args: argpar
     grid = tuple(codes["train"].shape[1:])
     prior, prior_seconds = fit_prior(codes, num_codes, grid, settings["prior"])
     codebook = model.quantizer.decode_indices(torch.arange(num_codes)[None]).reshape(num_codes, -1)
-    result.update({"settings": settings, "commit": code_commit(), "num_codes": num_codes, "target_entropy": target,
+    result.update({"settings": settings, "commit": args.commit, "num_codes": num_codes, "target_entropy": target,
                    "prior_seconds": prior_seconds,
                    "prior": {split: prior_figures(prior, codes[split], num_codes) for split in ("val", "test")},
                    "neighbours": {split: neighbour_similarity(codes[split], codebook) for split in ("val", "test")}})
@@ -261,6 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 peers.fsq_levels(k)
             except ValueError as err:
                 p.error(str(err))
+    args.commit = code_commit()  # at the start: the code this process imported, whatever changes while it trains
     args.command = "python -m eval.rate_distortion " + " ".join(argv if argv is not None else sys.argv[1:])
     return args
 
