@@ -150,6 +150,13 @@ def test_sample_writes_a_png_grid_of_decoded_samples(trained, tmp_path):
     assert every["labels"].tolist() == [c for c in range(10) for _ in range(2)]  # every class, in blocks
     again = sample.main(["--prior", str(ckpt), "--n", "20", "--out", str(tmp_path / "all.png"), "--seed", "1"])
     assert torch.equal(again["codes"], every["codes"])
+    # the conditional prior trained with label dropout (train_prior's default 0.1) samples with guidance
+    assert json.loads((trained["out"] / "test.json").read_text())["label_dropout"] == 0.1
+    guided = sample.main(["--prior", str(ckpt), "--n", "20", "--out", str(tmp_path / "all.png"), "--seed", "1",
+                          "--guidance", "3"])
+    prior = load_prior(ckpt)
+    expected = prior.sample(20, every["labels"], guidance=3.0, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(guided["codes"], expected) and not torch.equal(guided["codes"], every["codes"])
 
 
 def test_sample_refuses_a_vqvae_of_another_k_and_bad_options(trained, vqvaes, tmp_path, capsys):
@@ -185,6 +192,8 @@ def test_sample_refuses_a_class_for_an_unconditional_prior(vqvaes, tiny_cifar, t
         sample.main(["--prior", ckpt, "--class", "cat", "--out", str(tmp_path / "g.png")])
     result = sample.main(["--prior", ckpt, "--n", "2", "--out", str(tmp_path / "g.png")])
     assert result["labels"] is None and result["images"].shape == (2, 3, 32, 32)
+    with pytest.raises(ValueError, match="--guidance 2.0 needs a class-conditional prior trained with label dropout"):
+        sample.main(["--prior", ckpt, "--guidance", "2", "--out", str(tmp_path / "g.png")])
 
 
 def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tmp_path):

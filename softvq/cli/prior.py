@@ -109,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where extracted codes are cached (default $SOFTVQ_CACHE/codes, ~/.cache/softvq/codes)")
     g = p.add_argument_group("model")
     g.add_argument("--class-conditional", action="store_true",
-                   help="condition on the CIFAR-10 label (one start token per class)")
+                   help="condition on the CIFAR-10 label (one start token per class, and a null class for guidance)")
+    g.add_argument("--label-dropout", type=_dropout, default=0.1,
+                   help="with --class-conditional: share of sequences trained with the null class instead of their "
+                        "label, the unconditional model that sample.py --guidance mixes in")
     g.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
     g.add_argument("--heads", type=positive_int, default=4, help="attention heads (must divide --dim)")
     g.add_argument("--dim", type=positive_int, default=256, help="model width")
@@ -141,8 +144,8 @@ def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None
     if "config" not in saved or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint of train_prior.py (no prior config in it)")
     now = config.to_dict()
-    diff = [f"{k}: checkpoint {saved['config'].get(k)!r} vs now {v!r}" for k, v in now.items()
-            if saved["config"].get(k) != v]
+    before = {"null_class": False, **saved["config"]}  # saved before the null class existed: it has none
+    diff = [f"{k}: checkpoint {before.get(k)!r} vs now {v!r}" for k, v in now.items() if before.get(k) != v]
     if diff:
         raise ValueError(f"checkpoint {path} is a prior of another configuration; pass the same flags to resume "
                          f"it:\n  " + "\n  ".join(diff))
@@ -150,6 +153,15 @@ def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None
     if old != sha256:
         raise ValueError(f"checkpoint {path} models the codes of another VQ-VAE (sha256 {str(old)[:16]}...), not "
                          f"of --vqvae (sha256 {sha256[:16]}...)")
+
+
+def saved_null_class(path: Path) -> bool:
+    """Whether the prior checkpoint at ``path`` has the null class (``False`` for one saved before it existed)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
+    ckpt = load_torch_file(path, "checkpoint")
+    config = (ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}).get("config") or {}
+    return bool(config.get("null_class", False))
 
 
 def prepare_out(args: argparse.Namespace) -> None:
@@ -263,24 +275,33 @@ def fit(trainer: L.Trainer, prior: CodePrior, splits: dict[str, CodeSet], args: 
 def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
     """The prior run of :func:`main`'s flags, with ``args.out``'s lock held; writes and returns ``test.json``."""
     record, splits, classes, encode_seconds = encode(args)
-    config = PriorConfig(num_codes=record.num_codes, height=record.height, width=record.width,
-                         num_classes=len(classes) if args.class_conditional else 0, layers=args.layers,
-                         heads=args.heads, dim=args.dim, mlp_ratio=args.mlp_ratio, dropout=args.dropout)
     ckpt_path = None
+    null_class, label_dropout = True, args.label_dropout if args.class_conditional else None
     if args.resume is not None:
         ckpt_path = args.out / "checkpoints" / "last.ckpt" if args.resume == "last" else Path(args.resume)
+        null_class = saved_null_class(ckpt_path)
+        if not null_class and args.class_conditional:
+            log.warning("%s was saved before the null class existed: it trains on without label dropout (and "
+                        "samples without guidance)", ckpt_path)
+            label_dropout = 0.0
+    config = PriorConfig(num_codes=record.num_codes, height=record.height, width=record.width,
+                         num_classes=len(classes) if args.class_conditional else 0, null_class=null_class,
+                         layers=args.layers, heads=args.heads, dim=args.dim, mlp_ratio=args.mlp_ratio,
+                         dropout=args.dropout)
+    if ckpt_path is not None:
         check_prior_checkpoint(ckpt_path, config, record.sha256)
     prepare_out(args)
 
     L.seed_everything(args.seed, workers=True, verbose=False)
     prior = CodePrior(config, record, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-                      min_lr_ratio=args.min_lr_ratio)
+                      min_lr_ratio=args.min_lr_ratio, label_dropout=label_dropout)
     steps_per_epoch = math.ceil(len(splits["train"].labels) / args.batch_size)
     trainer = build_trainer(args, len(splits["val"].labels) > 0, steps_per_epoch)
     fit_seconds = fit(trainer, prior, splits, args, ckpt_path, stop)
     history = read_history(args.out / "history.jsonl")
     results = {"vqvae": asdict(record),
-               "class_conditional": args.class_conditional, "config": config.to_dict(),
+               "class_conditional": args.class_conditional, "label_dropout": prior.label_dropout,
+               "config": config.to_dict(),
                "parameters": sum(p.numel() for p in prior.parameters()),
                "train_sequences": len(splits["train"].labels), "val_sequences": len(splits["val"].labels),
                "epochs": args.epochs, "fit_seconds": round(fit_seconds, 1), "encode_seconds": round(encode_seconds, 1),

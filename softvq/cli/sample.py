@@ -3,6 +3,7 @@
 Examples:
     python sample.py --prior runs/prior-ddcl/checkpoints/last.ckpt --n 64 --out samples.png
     python sample.py --prior runs/prior-cond/checkpoints/last.ckpt --class horse --temperature 0.9 --top-k 100
+    python sample.py --prior runs/prior-cond/checkpoints/last.ckpt --guidance 3    # classifier-free guidance
 
 ``--vqvae`` defaults to the checkpoint recorded in the prior; a VQ-VAE of another codebook size or latent grid is
 refused, and so is another checkpoint of the same shape (its codes mean something else) unless
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torchvision.utils import make_grid, save_image
 
-from softvq.cli.common import HelpFormatter, positive_float, positive_int, run_command
+from softvq.cli.common import HelpFormatter, non_negative_float, positive_float, positive_int, run_command
 from softvq.data.cifar10 import CLASSES, sha256_file
 from softvq.models.prior import check_pairing, class_index, load_prior
 from softvq.models.vqvae import load_vqvae
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="divide the logits by this (< 1: sharper, more typical images; > 1: more varied)")
     p.add_argument("--top-k", type=positive_int, default=None,
                    help="sample each code among the K most likely only (1 = greedy); default: all codes")
+    p.add_argument("--guidance", type=non_negative_float, default=1.0,
+                   help="classifier-free guidance weight w of a class-conditional prior: logits l_null + w (l_class - "
+                        "l_null); 1 = plain conditional sampling, > 1 = more typical of the class")
     p.add_argument("--class", dest="label", default=None, metavar="NAME|INDEX",
                    help=f"class of a class-conditional prior: one of {', '.join(CLASSES)} or 0-{len(CLASSES) - 1}")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws")
@@ -73,9 +77,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prior = load_prior(args.prior, map_location=device)
     if args.top_k is not None and args.top_k > prior.num_codes:
         raise ValueError(f"--top-k must be at most K = {prior.num_codes} (the prior's codebook size), got {args.top_k}")
-    # the class names the prior's training data had (recorded since issue 18), else CIFAR-10's
+    # the class names the prior's training data had (when it recorded them), else CIFAR-10's
     classes = tuple(prior.vqvae.classes) if prior.vqvae is not None and prior.vqvae.classes else CLASSES
     labels = sample_labels(args.n, args.label, prior.config.num_classes, classes)
+    if args.guidance != 1.0 and not prior.config.has_null_class:
+        raise ValueError(f"--guidance {args.guidance} needs a class-conditional prior trained with label dropout "
+                         f"(train_prior.py --class-conditional); {args.prior} has no null class")
     vqvae_path = args.vqvae if args.vqvae is not None else Path(prior.vqvae.path) if prior.vqvae else None
     if vqvae_path is None:
         raise ValueError("this prior records no VQ-VAE; pass --vqvae")
@@ -83,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     check_pairing(prior, vqvae, sha256_file(vqvae_path), vqvae_path, allow_other_vqvae=args.allow_other_vqvae)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     codes = prior.sample(args.n, None if labels is None else labels.to(device), temperature=args.temperature,
-                         top_k=args.top_k, generator=generator)
+                         top_k=args.top_k, generator=generator, guidance=args.guidance)
     images = vqvae.decode_indices(codes).clamp(0.0, 1.0).cpu()  # (n, 3, H, W)
     nrow = args.nrow or math.ceil(math.sqrt(args.n))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -74,6 +74,13 @@ class CodePrior(L.LightningModule):
         weight_decay: AdamW weight decay of the weight matrices and embeddings.
         warmup_steps: optimizer steps of linear warmup.
         min_lr_ratio: the learning rate at the last step, as a share of ``lr``.
+        label_dropout: a class-conditional prior with the null class (``config.has_null_class``) trains each sequence
+            with its label replaced by the null class at this rate, so one network also learns the unconditional
+            model that classifier-free guidance (``sample(guidance=w)``) mixes in. ``None``: 0.1 with the null class,
+            0 without.
+
+    A conditional prior saved before the null class existed (its ``config`` has no ``null_class``) loads as it was
+    saved: no null class, no label dropout, and sampling without guidance draws what it drew then.
     """
 
     def __init__(
@@ -84,9 +91,13 @@ class CodePrior(L.LightningModule):
         weight_decay: float = 0.01,
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
+        label_dropout: float | None = None,
     ) -> None:
         super().__init__()
-        self.config = PriorConfig(**config) if isinstance(config, dict) else config
+        if isinstance(config, dict):
+            # a checkpoint saved before the null class existed has no "null_class": it has no such start token
+            config = PriorConfig(**{"null_class": False, **config})
+        self.config = config
         self.vqvae = VQVAERecord(**vqvae) if isinstance(vqvae, dict) else vqvae
         if self.vqvae is not None and self.vqvae.num_codes != self.config.num_codes:
             raise ValueError(f"config.num_codes ({self.config.num_codes}) differs from the VQ-VAE's K "
@@ -95,11 +106,20 @@ class CodePrior(L.LightningModule):
         self.weight_decay = check_float("weight_decay", weight_decay, allow_zero=True)
         self.warmup_steps = check_non_negative_int("warmup_steps", warmup_steps)
         self.min_lr_ratio = check_float("min_lr_ratio", min_lr_ratio, allow_zero=True)
+        if label_dropout is None:
+            label_dropout = 0.1 if self.config.has_null_class else 0.0
+        if not (isinstance(label_dropout, (int, float)) and 0.0 <= label_dropout < 1.0):
+            raise ValueError(f"label_dropout must be a number in [0, 1), got {label_dropout!r}")
+        if label_dropout > 0 and not self.config.has_null_class:
+            raise ValueError(f"label_dropout={label_dropout} needs a class-conditional config with null_class=True "
+                             f"(the token the dropped labels become); this config has num_classes="
+                             f"{self.config.num_classes}, null_class={self.config.null_class}")
+        self.label_dropout = float(label_dropout)
         # Plain types only: Lightning's weights_only checkpoint loading accepts them.
         self.save_hyperparameters({"config": self.config.to_dict(),
                                    "vqvae": None if self.vqvae is None else asdict(self.vqvae),
                                    "lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                                   "min_lr_ratio": min_lr_ratio})
+                                   "min_lr_ratio": min_lr_ratio, "label_dropout": self.label_dropout})
         self.net = CodeTransformer(self.config)
         self.train_nll = MeanMetric()
         self.val_nll = MeanMetric()
@@ -115,26 +135,32 @@ class CodePrior(L.LightningModule):
         return self.config.num_classes > 0
 
     # ---- model API -----------------------------------------------------------------------------------------
-    def forward(self, codes: Tensor, labels: Tensor | None = None) -> Tensor:
+    def forward(self, codes: Tensor, labels: Tensor | None = None, null: bool = False) -> Tensor:
         """Next-code logits; see :meth:`models.transformer.CodeTransformer.forward`."""
-        return self.net(codes, labels)
+        return self.net(codes, labels, null)
 
-    def nll(self, codes: Tensor, labels: Tensor | None = None) -> Tensor:
-        """Per-position negative log-likelihood in nats of whole code grids ``(B, h, w)``: ``(B, h * w)``."""
+    def guided_logits(self, codes: Tensor, labels: Tensor, guidance: float) -> Tensor:
+        """Classifier-free guided next-code logits ``l_null + w * (l_label - l_null)``: ``w = 1`` is the conditional
+        model, ``w = 0`` the unconditional one (the null class), ``w > 1`` pushes samples toward their class."""
+        return guide(self(codes, labels), self(codes, null=True), guidance)
+
+    def nll(self, codes: Tensor, labels: Tensor | None = None, null: bool = False) -> Tensor:
+        """Per-position negative log-likelihood in nats of whole code grids ``(B, h, w)``: ``(B, h * w)``
+        (``null``: under the null class, the unconditional model of a guided conditional prior)."""
         c = self.config
         if codes.shape[1:] != (c.height, c.width):
             raise ValueError(f"expected code grids of shape (B, {c.height}, {c.width}), got {tuple(codes.shape)}")
-        logits = self(codes, labels)  # (B, L, K)
+        logits = self(codes, labels, null)  # (B, L, K)
         targets = rearrange(codes, "b h w -> b (h w)").to(logits.device, torch.long)
         return F.cross_entropy(rearrange(logits, "b l k -> b k l").float(), targets, reduction="none")
 
     @torch.no_grad()
     def sample(self, n: int, labels: Tensor | None = None, temperature: float = 1.0, top_k: int | None = None,
-               generator: torch.Generator | None = None) -> Tensor:
+               generator: torch.Generator | None = None, guidance: float = 1.0, cache: bool = True) -> Tensor:
         """Draw ``n`` code grids, one code at a time in raster order.
 
-        There is no key/value cache: each of the ``L = h * w`` steps runs the transformer over the prefix drawn so
-        far, which is cheap at ``L = 64`` (64 images take about 10 s on one CPU thread at width 128).
+        Each step decodes one position with a key/value cache (:meth:`CodeTransformer.step`); ``cache=False`` re-runs
+        the transformer over the whole prefix at every step instead (the same draws, ``L`` times the work).
 
         Args:
             n: number of grids.
@@ -143,24 +169,45 @@ class CodePrior(L.LightningModule):
             top_k: sample among the ``top_k`` most likely codes only; ``None`` = all ``K``. ``top_k=1`` is greedy
                 (argmax) decoding.
             generator: a ``torch.Generator`` on the model's device, for reproducible draws.
+            guidance: classifier-free guidance weight ``w`` of a conditional prior with the null class: the logits
+                are ``l_null + w * (l_label - l_null)`` (before ``temperature`` and ``top_k``). ``1`` (default) is
+                plain conditional sampling and needs no null class; ``0`` samples the unconditional model.
+            cache: decode with the key/value cache.
 
         Returns:
             ``(n, h, w)`` int64 codes in ``[0, K)``.
         """
         check_positive_int("n", n)
         temperature, top_k = check_temperature_top_k(temperature, top_k, self.num_codes)
-        c = self.config
+        guidance = check_float("guidance", guidance, allow_zero=True)
+        guided = guidance != 1.0
+        if guided and not self.config.has_null_class:
+            raise ValueError(f"guidance={guidance} needs a class-conditional prior trained with the null class "
+                             f"(label dropout); this one has num_classes={self.config.num_classes}, "
+                             f"null_class={self.config.null_class}: sample it with guidance=1")
+        c, net = self.config, self.net
         was_training = self.training
         self.eval()
         codes = torch.zeros(n, 0, dtype=torch.long, device=self.device)
         try:
+            if cache:
+                start = net.start_tokens(labels, n)
+                if guided:
+                    start = torch.cat([start, net.start_tokens(None, n, null=True)])
+                caches, inputs = net.new_cache(start.shape[0]), start
             for _ in range(c.length):
-                logits = self(codes, labels)[:, -1].float() / temperature  # (n, K): the next code
+                if cache:
+                    logits = net.step(inputs, caches)
+                    logits = guide(logits[:n], logits[n:], guidance) if guided else logits
+                else:
+                    logits = (self.guided_logits(codes, labels, guidance) if guided else self(codes, labels))[:, -1]
+                logits = logits.float() / temperature  # (n, K): the next code
                 if top_k is not None and top_k < c.num_codes:
                     kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = logits.softmax(-1)
-                codes = torch.cat([codes, torch.multinomial(probs, 1, generator=generator)], dim=1)
+                drawn = torch.multinomial(logits.softmax(-1), 1, generator=generator)  # (n, 1)
+                codes = torch.cat([codes, drawn], dim=1)
+                inputs = torch.cat([drawn[:, 0]] * (2 if guided else 1))
         finally:
             self.train(was_training)
         return rearrange(codes, "b (h w) -> b h w", h=c.height)
@@ -168,7 +215,16 @@ class CodePrior(L.LightningModule):
     # ---- training --------------------------------------------------------------------------------------------
     def _common_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
         codes, labels = batch
-        loss = self.nll(codes, labels if self.conditional else None).mean()
+        if not self.conditional:
+            loss = self.nll(codes).mean()
+        elif stage == "train" and self.label_dropout > 0:
+            # classifier-free guidance: a share of the sequences learn the unconditional model (the null class)
+            dropped = torch.rand(codes.shape[0], device=codes.device) < self.label_dropout
+            parts = [self.nll(codes[~dropped], labels[~dropped])] if not dropped.all() else []
+            parts += [self.nll(codes[dropped], null=True)] if dropped.any() else []
+            loss = torch.cat(parts).mean()
+        else:
+            loss = self.nll(codes, labels).mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite {stage} loss ({float(loss)}) at global step {self.global_step}")
         metric = self.train_nll if stage == "train" else self.val_nll
@@ -225,6 +281,11 @@ def format_prior_record(record: dict[str, Any]) -> str:
     val = "n/a" if record.get("val_bits") is None else f"{record['val_bits']:.4f}"
     return (f"epoch {record['epoch']:>3} | train {record['train_bits']:.4f} bits/position | val {val} | "
             f"lr {record['lr']:.2e} | {record['time_s']:.0f}s")
+
+
+def guide(conditional: Tensor, unconditional: Tensor, guidance: float) -> Tensor:
+    """Classifier-free guidance: ``unconditional + guidance * (conditional - unconditional)`` of two logit tensors."""
+    return unconditional + guidance * (conditional - unconditional)
 
 
 def check_temperature_top_k(temperature: float, top_k: int | None, num_codes: int) -> tuple[float, int | None]:
