@@ -191,6 +191,7 @@ def run_point(method: str, k: int, seed: int, target: float | None, args: argpar
                    "neighbours": {split: neighbour_similarity(codes[split], codebook) for split in ("val", "test")}})
     torch.save({name: c.to(torch.int16) for name, c in codes.items()}, out / "codes.pt")
     torch.save(model.state_dict(), out / "vqvae.pt")
+    torch.save({"config": prior.config.to_dict(), "state_dict": prior.state_dict()}, out / "prior.pt")
     write_atomic(path, json.dumps(result, indent=1))
     test = result["prior"]["test"]
     print(f"[rate_distortion] {method} K={k} seed {seed}: test PSNR {result['test']['psnr_hard']:.2f} dB, "
