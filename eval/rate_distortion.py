@@ -19,7 +19,8 @@ K = 512 that reads the **validation** split only (it is a tuning study: which en
 Each point lives in ``--runs/<method>/K<K>/seed<S>/``: ``result.json`` (the VQ-VAE record of ``eval.peers.fit_run``
 plus the prior's figures and the code-neighbourhood statistics), ``codes.pt`` (the code grids of the train, val and
 test images, int16), ``vqvae.pt`` and ``prior.pt`` (the VQ-VAE's and the prior's state dicts, for sampling). A point
-whose ``result.json`` has the same settings is read, not retrained; ``--no-train`` only reads. The report is :mod:`eval._rd_report`.
+whose ``result.json`` has the same settings is read, not retrained; ``--no-train`` only reads. The report is
+:mod:`eval._rd_report`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,226 @@
+"""Sample quality of each bottleneck's generative model, measured offline: a classifier Fréchet distance and accuracy.
+
+For every point of the rate-distortion study (``eval/rate_distortion.py``: the same VQ-VAE and the same prior per
+bottleneck), draw samples with one protocol, decode them, and score them with a CIFAR-10 classifier trained here
+(``eval/_classifier.py``; no Inception weights can be downloaded): the Fréchet distance of its penultimate features
+between the samples and real images (torchmetrics' ``FrechetInceptionDistance`` with a custom feature extractor),
+with a bootstrap interval, beside the same distance for the VQ-VAE's own reconstructions of those real images (the
+floor that the codes set for samples). With ``--conditional``, a class-conditional prior with classifier-free
+guidance is trained on each seed-0 point's codes, and its samples' classification accuracy is reported beside the
+classifier's accuracy on the reconstructions of real images (the ceiling) and on the real images.
+
+Usage:
+    python -m eval.sample_quality --data-root ../shared/data/cifar10-jpeg.tar.gz --rd-runs runs/rate_distortion
+
+The protocol (temperature; guidance weight for conditional samples) is chosen on the **validation** split: the
+value whose samples have the lowest Fréchet distance to the 5,000 validation images, averaged over every bottleneck,
+so no bottleneck gets its own. The test split (its first ``--samples`` images) is read once, for the final table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval import _classifier as clf
+from eval import rate_distortion as rd
+from eval._robustness_grid import code_commit
+from softvq.cli.common import run_command
+from softvq.data.cifar10 import CIFAR10DataModule
+from softvq.models import VQVAE
+from softvq.models.checkpoint_io import load_torch_file
+from softvq.models.files import write_atomic
+from softvq.models.prior import CodePrior
+from softvq.models.transformer import PriorConfig
+
+
+def load_point(directory: Path) -> tuple[dict[str, Any], VQVAE, CodePrior, dict[str, torch.Tensor]]:
+    """A finished rate-distortion point: its record, VQ-VAE, prior (eval mode) and code grids."""
+    result = json.loads((directory / "result.json").read_text())
+    s = result["settings"]
+    quantizer = rd.build_quantizer(result["method"], s["num_codes"], s["code_dim"], result.get("target_entropy"))
+    vqvae = VQVAE(quantizer=quantizer, code_dim=s["code_dim"], width=s["width"], res_blocks=s["res_blocks"],
+                  res_hidden=s["res_hidden"], lr=s["lr"])
+    vqvae.load_state_dict(load_torch_file(directory / "vqvae.pt", "VQ-VAE state"))
+    stored = load_torch_file(directory / "prior.pt", "prior state")
+    prior = CodePrior(PriorConfig(**stored["config"]))
+    prior.load_state_dict(stored["state_dict"])
+    codes = {k: v.long() for k, v in load_torch_file(directory / "codes.pt", "codes").items()}
+    return result, vqvae.eval(), prior.eval(), codes
+
+
+@torch.no_grad()
+def draw(vqvae: VQVAE, prior: CodePrior, n: int, temperature: float, seed: int, labels: torch.Tensor | None = None,
+         guidance: float = 1.0, batch: int = 1000) -> torch.Tensor:
+    """``n`` decoded samples ``(n, 3, 32, 32)`` in ``[0, 1]``, drawn in batches with one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    images = []
+    for start in range(0, n, batch):
+        y = None if labels is None else labels[start:start + batch]
+        codes = prior.sample(min(batch, n - start), y, temperature=temperature, generator=g, guidance=guidance)
+        images.append(vqvae.decode_indices(codes).clamp(0, 1))
+    return torch.cat(images)
+
+
+@torch.no_grad()
+def reconstruct(vqvae: VQVAE, images: torch.Tensor, batch: int = 500) -> torch.Tensor:
+    return torch.cat([vqvae.decode_indices(vqvae.encode(images[i:i + batch])).clamp(0, 1)
+                      for i in range(0, len(images), batch)])
+
+
+def fit_conditional_prior(codes: torch.Tensor, labels: torch.Tensor, settings: dict[str, Any], num_codes: int
+                          ) -> CodePrior:
+    """The study's prior (the same settings) trained class-conditionally with label dropout 0.1 (the default)."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    grid = tuple(codes.shape[1:])
+    config = PriorConfig(num_codes=num_codes, height=grid[0], width=grid[1], num_classes=10,
+                         layers=settings["layers"], heads=settings["heads"], dim=settings["dim"],
+                         dropout=settings["dropout"])
+    L.seed_everything(settings["seed"], workers=True, verbose=False)
+    prior = CodePrior(config, lr=settings["lr"], weight_decay=settings["weight_decay"],
+                      warmup_steps=settings["warmup_steps"])
+    loader = DataLoader(TensorDataset(codes, labels), batch_size=settings["batch_size"], shuffle=True,
+                        generator=torch.Generator().manual_seed(settings["seed"]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*no `val_dataloader`|.*does not have many workers|.*LeafSpec")
+        L.Trainer(max_epochs=settings["epochs"], accelerator="cpu", logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(prior, loader)
+    return prior.eval()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = CIFAR10DataModule(args.data_root, val_size=args.val_size, num_workers=0)
+    data.setup()
+    settings = {"width": args.classifier_width, "epochs": args.classifier_epochs, "batch_size": 128, "lr": 0.1,
+                "seed": 0, "data": str(args.data_root)}
+    classifier, record, path = clf.load_or_train(data.train_set, data.val_set, data.test_set, settings,
+                                                 args.classifier_cache)
+    val_x, val_y = clf.images_of(data.val_set)
+    test_x, test_y = clf.images_of(data.test_set, args.samples)
+    val_f, test_f = clf.features_of(classifier, val_x), clf.features_of(classifier, test_x)
+    points = sorted(p.parent for p in args.rd_runs.glob("*/K*/seed*/prior.pt"))
+    points = [p for p in points if "_target" not in p.parts[-3]]  # the sweep's points are a validation study
+    if not points:
+        raise FileNotFoundError(f"no finished rate-distortion point with a prior under {args.rd_runs}")
+    val_fd: dict[float, list[float]] = {t: [] for t in args.temperatures}
+    loaded = []
+    for directory in points:
+        result, vqvae, prior, codes = load_point(directory)
+        loaded.append((directory, result, vqvae, prior, codes))
+        for t in args.temperatures:  # validation: the protocol's temperature
+            val_fd[t].append(clf.frechet_distance(val_f, clf.features_of(classifier, draw(
+                vqvae, prior, args.samples, t, args.seed))))
+    temperature = min(args.temperatures, key=lambda t: statistics.fmean(val_fd[t]))
+    rows = []
+    for directory, result, vqvae, prior, _ in loaded:
+        samples = draw(vqvae, prior, args.samples, temperature, args.seed)
+        recon = reconstruct(vqvae, test_x)
+        rows.append({"point": str(directory.relative_to(args.rd_runs)), "method": result["method"],
+                     "num_codes": result["settings"]["num_codes"], "seed": result["seed"],
+                     "psnr_hard": result["test"]["psnr_hard"],
+                     "bits_per_image": result["prior"]["test"]["bits_per_image"],
+                     "samples_fd": clf.bootstrap_frechet(test_f, clf.features_of(classifier, samples)),
+                     "reconstruction_fd": clf.bootstrap_frechet(test_f, clf.features_of(classifier, recon)),
+                     "reconstruction_accuracy": float((clf.predict(classifier, recon) == test_y).double().mean())})
+        print(f"[sample_quality] {rows[-1]['point']}: samples FD {rows[-1]['samples_fd']['value']:.2f}, "
+              f"reconstructions FD {rows[-1]['reconstruction_fd']['value']:.2f}", flush=True)
+    conditional = conditional_study(loaded, classifier, (val_f, val_y), (test_f, test_x, test_y), data, args) \
+        if args.conditional else None
+    summary = {"command": args.command, "commit": code_commit(), "classifier": {
+        "path": str(path), "sha256": record["sha256"], "test_accuracy": record["test_accuracy"],
+        "settings": settings}, "real_test_accuracy": float((clf.predict(classifier, test_x) == test_y).double().mean()),
+        "protocol": {"temperature": temperature, "top_k": None, "samples": args.samples, "seed": args.seed,
+                     "validation_fd": {str(t): v for t, v in val_fd.items()}}, "rows": rows,
+        "conditional": conditional}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
+    return summary
+
+
+def conditional_study(loaded: list, classifier: clf.SmallResNet, val: tuple, test: tuple,
+                      data: CIFAR10DataModule, args: argparse.Namespace) -> dict[str, Any]:
+    """Seed-0 points: a guided conditional prior each; guidance chosen on validation, then the test figures."""
+    val_f, _ = val
+    test_f, test_x, test_y = test
+    train_labels = subset_labels(data.train_set, args.train_subset)
+    labels = torch.arange(args.samples) % 10
+    priors, val_rows = [], {w: [] for w in args.guidance}
+    for directory, result, vqvae, _, codes in loaded:
+        if result["seed"] != 0:
+            continue
+        prior = fit_conditional_prior(codes["train"], train_labels, result["settings"]["prior"], vqvae.num_codes)
+        priors.append((directory, result, vqvae, prior))
+        for w in args.guidance:
+            samples = draw(vqvae, prior, args.samples, 1.0, args.seed, labels, w)
+            val_rows[w].append({"fd": clf.frechet_distance(val_f, clf.features_of(classifier, samples)),
+                                "accuracy": float((clf.predict(classifier, samples) == labels).double().mean())})
+    guidance = min(args.guidance, key=lambda w: statistics.fmean(r["fd"] for r in val_rows[w]))
+    rows = []
+    for directory, result, vqvae, prior in priors:
+        samples = draw(vqvae, prior, args.samples, 1.0, args.seed + 1, labels, guidance)
+        rows.append({"point": str(directory.relative_to(args.rd_runs)), "method": result["method"],
+                     "num_codes": result["settings"]["num_codes"],
+                     "samples_accuracy": float((clf.predict(classifier, samples) == labels).double().mean()),
+                     "samples_fd": clf.bootstrap_frechet(test_f, clf.features_of(classifier, samples)),
+                     "reconstruction_accuracy": float((clf.predict(classifier, reconstruct(vqvae, test_x))
+                                                       == test_y).double().mean())})
+    return {"guidance": guidance, "validation": {str(w): v for w, v in val_rows.items()}, "rows": rows}
+
+
+def subset_labels(subset: torch.utils.data.Subset, n: int) -> torch.Tensor:
+    """The labels of the first ``n`` images of a training ``Subset`` (the points' training images: the fixed split
+    takes the first ``train_subset`` of one order), from the dataset's ``targets`` without decoding images."""
+    targets = getattr(subset.dataset, "targets", None)
+    if targets is None:
+        return clf.images_of(subset, n)[1]
+    return torch.as_tensor([targets[i] for i in subset.indices[:n]], dtype=torch.long)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    p.add_argument("--rd-runs", type=Path, default=Path("runs/rate_distortion"), help="eval.rate_distortion's runs")
+    p.add_argument("--samples", type=int, default=5000, help="samples per point, and real test images")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.9, 1.0], help="chosen among on validation")
+    p.add_argument("--guidance", type=float, nargs="+", default=[1.0, 2.0, 3.0], help="chosen among on validation")
+    p.add_argument("--conditional", action="store_true", help="also the guided class-conditional study")
+    p.add_argument("--train-subset", type=int, default=10_000, help="the training images the points' codes cover")
+    p.add_argument("--val-size", type=int, default=5000, help="the validation hold-out (the points' split)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    p.add_argument("--classifier-width", type=int, default=32)
+    p.add_argument("--classifier-epochs", type=int, default=8)
+    p.add_argument("--classifier-cache", type=Path, default=Path("runs/classifier"))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path("reports/sample_quality"))
+    args = p.parse_args(argv)
+    if args.samples < 2 or args.classifier_width < 1 or args.classifier_epochs < 1:
+        p.error("--samples must be >= 2 and --classifier-width / --classifier-epochs positive")
+    for t in args.temperatures:
+        if not t > 0:
+            p.error(f"--temperatures must be positive, got {t}")
+    for w in args.guidance:
+        if not w >= 0:
+            p.error(f"--guidance must be non-negative, got {w}")
+    args.command = "python -m eval.sample_quality " + " ".join(argv if argv is not None else sys.argv[1:])
+    return args
+
+
+def cli(argv: list[str] | None = None) -> int:
+    return run_command(main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())
