@@ -69,3 +69,12 @@ def test_training_benchmark_times_both_models_side_by_side(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["batch_size"] == 8
     assert all(len(result["step_seconds"][m]) == 4 for m in ("ddcl", "hard"))  # 2 rounds x 2 timed steps
+
+
+def test_sampling_benchmark_times_cached_and_uncached_decoding(capsys):
+    bench_sampling = load(ROOT / "eval" / "bench_sampling.py")
+    result = bench_sampling.main(["--num-codes", "16", "--layers", "1", "--dim", "32", "--n", "4", "--reps", "1",
+                                  "--guidance", "2"])
+    out = capsys.readouterr().out
+    assert "| cached |" in out and "| uncached |" in out and "speed-up" in out
+    assert result["cached"] > 0 and result["speedup"] == result["uncached"] / result["cached"]
