@@ -10,6 +10,9 @@ Public API:
   per-level L_q, L_OLS, V; returns a :class:`HierarchicalOutput`.
 - :class:`DDCLReadout` — the DDCL prototypes as a readout for padded token sequences ``(B, T, D)`` (slots, one
   pooled vector, assignments) at O(T·K), replacing mean pooling or a CLS token; returns a :class:`ReadoutOutput`.
+- :class:`ResidualDDCL` — residual quantization: ``Q`` DDCL codebooks, level q quantizing what levels ``< q`` left
+  (indices ``(..., Q)``, decoding from any number of levels, quantize dropout); :class:`ResidualHardVQ`, the hard
+  baseline with EMA and restarts per level; :class:`ResidualQuantizer`, the stack over any softvq layers.
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
 - :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
@@ -31,6 +34,7 @@ from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput
 from softvq.metrics import CodebookUsage
 from softvq.optim import param_groups
 from softvq.readout import DDCLReadout, ReadoutOutput
+from softvq.residual import ResidualDDCL, ResidualHardVQ, ResidualQuantizer
 from softvq.schedule import adapt_temperature, anneal_temperature
 from softvq.types import QuantizerOutput
 
@@ -45,6 +49,9 @@ __all__ = [
     "HierarchicalOutput",
     "QuantizerOutput",
     "ReadoutOutput",
+    "ResidualDDCL",
+    "ResidualHardVQ",
+    "ResidualQuantizer",
     "adapt_temperature",
     "anneal_temperature",
     "assignment_entropy",

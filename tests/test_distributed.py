@@ -20,6 +20,7 @@ from torch import nn
 from softvq import DDCLQuantizer, HardVQ
 from softvq.models.callbacks import ReplicaCheck, replica_differences
 from softvq.models.vqvae import VQVAE, LatentNorm
+from softvq.residual import ResidualDDCL
 
 
 def _data() -> torch.Tensor:
@@ -79,6 +80,23 @@ def _recipe_steps(batches: list[torch.Tensor], rows: slice, seed_offset: int = 0
     return out
 
 
+def _residual_steps(batches: list[torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Three training steps of a ResidualDDCL with quantize dropout (the level count must be drawn alike on every
+    rank, or the skipped levels' all-reduces deadlock) and restarts (float64), weighted objective."""
+    torch.manual_seed(5)
+    model = ResidualDDCL(3, 8, 4, quantize_dropout=True, dead_code_threshold=12.0).double()
+    weights = torch.linspace(-1, 1, 3 * 128 * 4, dtype=torch.float64).reshape(3, 128, 4)
+    out: dict[str, torch.Tensor] = {}
+    for step, x in enumerate(batches):
+        torch.manual_seed(400)
+        x = x.double().clone().requires_grad_(True)
+        result = model(x)
+        (result.quantized * weights[step, rows]).sum().backward()
+        out[f"q{step}"], out[f"grad{step}"], out[f"idx{step}"] = result.quantized.detach(), x.grad, result.indices
+    out.update(codebook=model.codebook.detach().clone(), mean=model.standardizer.running_mean.clone())
+    return out
+
+
 def _sync_calls(rank: int) -> tuple[list[str], list[int]]:
     """The host-device synchronisations of DDCL (the recipe) and HardVQ (EMA + restarts) training steps and an
     evaluation in the process group (test_compile's recorder), after the first batch: its data initialisation reads
@@ -125,6 +143,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         few(data[rank, 0, :3])  # 6 tokens in all for 8 codes: drawn with replacement and jittered
         norm = _latent_norm_steps([_images()[rank, step] for step in range(2)], slice(5 * rank, 5 * rank + 5))
         recipe = _recipe_steps([data[rank, step] for step in range(3)], slice(64 * rank, 64 * rank + 64), rank)
+        residual = _residual_steps([data[rank, step] * 2 + 1 for step in range(3)], slice(64 * rank, 64 * rank + 64))
         same = nn.Linear(3, 2)
         torch.nn.init.constant_(same.weight, 0.5)
         nn.init.zeros_(same.bias)
@@ -159,6 +178,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
                          "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
                          "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
                          **{f"norm_{k}": v for k, v in norm.items()}, **{f"recipe_{k}": v for k, v in recipe.items()},
+                         **{f"residual_{k}": v for k, v in residual.items()},
                          "equal": equal, "differ": differ}
     finally:
         dist.destroy_process_group()
@@ -252,6 +272,20 @@ def test_in_layer_recipe_over_two_ranks_equals_one_process_on_the_whole_batch(tw
     for key in ("q0", "grad0", "q1", "grad1", "q2", "grad2"):
         both = torch.cat([two_ranks[0][f"recipe_{key}"], two_ranks[1][f"recipe_{key}"]])
         torch.testing.assert_close(both, single[key], rtol=1e-9, atol=1e-11, msg=key)
+
+
+def test_residual_ddcl_over_two_ranks_equals_one_process_on_the_whole_batch(two_ranks):
+    """ResidualDDCL (shared standardisation, three DDCL levels, quantize dropout, restarts) on 2 gloo processes
+    against one process on both batches: codebooks, statistics, outputs, input gradients, indices."""
+    data = _data() * 2 + 1
+    single = _residual_steps([torch.cat([data[0, step], data[1, step]]) for step in range(3)], slice(None))
+    for key in ("codebook", "mean"):
+        torch.testing.assert_close(two_ranks[0][f"residual_{key}"], single[key], rtol=1e-10, atol=1e-12, msg=key)
+        assert torch.equal(two_ranks[0][f"residual_{key}"], two_ranks[1][f"residual_{key}"]), key
+    for step in range(3):
+        for key in (f"q{step}", f"grad{step}", f"idx{step}"):
+            both = torch.cat([two_ranks[0][f"residual_{key}"], two_ranks[1][f"residual_{key}"]])
+            torch.testing.assert_close(both, single[key], rtol=1e-9, atol=1e-11, msg=key)
 
 
 def test_training_steps_never_synchronise_with_the_host_under_a_process_group(two_ranks):

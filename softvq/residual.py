@@ -1,0 +1,218 @@
+"""Residual quantization: ``Q`` codebooks in a stack, each quantizing what the levels before it left.
+
+Level ``q`` quantizes ``r_q = x - sum_{j<q} c_j`` (``r_0 = x``) and the output is ``sum_q c_q``; with ``Q`` codebooks
+of ``K`` codes a token costs ``Q log2 K`` bits. Its known failure is collapse in the deeper levels, whose residuals
+shrink level by level: a fixed-temperature or fixed-scale codebook goes cold there, and hard VQ's deep levels die
+without dead-code expiry. :class:`ResidualDDCL` gives every level its own :class:`~softvq.DDCLQuantizer` (temperature
+controlled to an entropy target, so it follows each level's distance scale; EMA prototypes; restarts; the hard code
+with the soft centroid's Jacobian). :class:`ResidualHardVQ` is the hard baseline, :class:`~softvq.HardVQ` with
+EMA and restarts per level.
+
+Gradients: the residual passed to the next level is ``r_q - sg(c_q)`` (as vector-quantize-pytorch's ``ResidualVQ``
+does), so each level's gradient path to the input is its own Jacobian (the soft centroid's for DDCL, the identity
+for straight-through hard VQ), and the output's gradient is the sum of the levels'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from softvq._replay import in_backward
+from softvq.ddcl import DDCLQuantizer
+from softvq.hard_vq import HardVQ
+from softvq.norm import TokenStandardizer
+from softvq.types import QuantizerOutput
+from softvq.utils import check_choice, check_indices, check_positive_int, compute_dtype
+
+
+class ResidualQuantizer(nn.Module):
+    """A stack of quantizers of one codebook size and token width applied to successive residuals.
+
+    Args:
+        levels: the per-level quantizers (softvq layers: channel-last tokens in, :class:`~softvq.QuantizerOutput`
+            out), level 0 first.
+        standardize: standardise the input once at the top (:class:`~softvq.norm.TokenStandardizer`) and work and
+            sum in that space; the output is then in that standardised space, as a single DDCL layer's default.
+        quantize_dropout: in training, run only the first ``n`` levels, ``n`` drawn uniformly from
+            ``[quantize_dropout_min_levels, Q]`` per step, so one model serves several bitrates (SoundStream).
+            The draw depends only on ``seed`` and the step count, so every DDP process draws the same ``n`` (the
+            skipped levels' all-reduces would otherwise deadlock). Skipped levels get index ``-1``, zero ``probs``
+            and NaN ``terms``.
+        quantize_dropout_min_levels: the fewest levels a training step runs.
+        seed: seed of the level-count draws.
+        channel_first: take feature maps ``(B, D, *spatial)`` and return ``quantized`` in that layout;
+            ``indices`` are ``(B, *spatial, Q)`` either way.
+
+    ``forward`` returns a :class:`~softvq.QuantizerOutput` whose ``quantized`` is the sum of the levels' codes
+    (``(..., D)``), ``indices`` ``(..., Q)``, ``probs`` ``(..., Q, K)``, ``loss`` the sum of the levels' losses and
+    ``terms`` every level's terms as ``"<name>/level<q>"`` plus ``"levels"`` (how many ran).
+    """
+
+    def __init__(self, levels: Sequence[nn.Module], standardize: bool = False, quantize_dropout: bool = False,
+                 quantize_dropout_min_levels: int = 1, seed: int = 0, channel_first: bool = False) -> None:
+        super().__init__()
+        if len(levels) == 0:
+            raise ValueError("a residual quantizer needs at least one level")
+        self.levels = nn.ModuleList(levels)
+        sizes = {(int(m.num_codes), int(m.dim)) for m in levels}
+        if len(sizes) != 1:
+            raise ValueError(f"every level must have the same num_codes and dim, got {sorted(sizes)}")
+        for q, level in enumerate(levels):
+            if getattr(level, "channel_first", False):
+                raise ValueError(f"level {q} has channel_first=True; pass channel_first to the residual quantizer")
+        (self.num_codes, self.dim), = sizes
+        self.num_quantizers = len(levels)
+        self.standardizer = TokenStandardizer(self.dim) if standardize else None
+        self.quantize_dropout = bool(quantize_dropout)
+        self.quantize_dropout_min_levels = check_positive_int("quantize_dropout_min_levels",
+                                                              quantize_dropout_min_levels)
+        if self.quantize_dropout_min_levels > self.num_quantizers:
+            raise ValueError(f"quantize_dropout_min_levels must be at most num_quantizers={self.num_quantizers}, "
+                             f"got {quantize_dropout_min_levels}")
+        self.seed = int(seed)
+        self.channel_first = bool(channel_first)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # training steps: the draws' counter
+
+    def active_levels(self) -> int:
+        """How many levels this step runs: all of them, or with ``quantize_dropout`` in training the draw for the
+        current step (the same on every process: it depends on ``seed`` and the step count only)."""
+        if not (self.training and self.quantize_dropout):
+            return self.num_quantizers
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(self.steps))
+        return int(torch.randint(self.quantize_dropout_min_levels, self.num_quantizers + 1, (), generator=g))
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        if self.channel_first:
+            if not isinstance(z, Tensor) or z.ndim < 2 or z.shape[1] != self.dim:
+                shape = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
+                raise ValueError(f"channel_first=True expects feature maps of shape (B, {self.dim}, ...), got {shape}")
+            out = self._forward_tokens(z.movedim(1, -1))
+            return out._replace(quantized=out.quantized.movedim(-1, 1))
+        return self._forward_tokens(z)
+
+    def _forward_tokens(self, z: Tensor) -> QuantizerOutput:
+        if not isinstance(z, Tensor) or z.ndim < 1 or z.shape[-1] != self.dim:
+            shape = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
+            raise ValueError(f"expected tokens of shape (..., {self.dim}), got {shape}")
+        lead = z.shape[:-1]
+        x = z.reshape(-1, self.dim)
+        update = self.training and not in_backward()
+        if self.standardizer is not None and x.shape[0] > 0:
+            x, _, _ = self.standardizer(x.to(compute_dtype(z.dtype)), update=update)
+        active = self.active_levels()
+        if update and self.training:
+            self.steps.add_(1)
+        residual, total = x, torch.zeros_like(x)
+        indices, probs, terms = [], [], {}
+        loss = x.new_zeros((), dtype=torch.float32)
+        for q, level in enumerate(self.levels):
+            if q < active:
+                out = level(residual)
+                total = total + out.quantized
+                residual = residual - out.quantized.detach()
+                indices.append(out.indices)
+                probs.append(out.probs)
+                loss = loss + out.loss
+                terms.update({f"{name}/level{q}": value for name, value in out.terms.items()})
+            else:
+                indices.append(torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device))
+                probs.append(probs[0].new_zeros(x.shape[0], self.num_codes))  # level 0 always runs
+                names = [k.split("/")[0] for k in terms if k.endswith("/level0")]
+                terms.update({f"{name}/level{q}": x.new_full((), float("nan"), dtype=torch.float32)
+                              for name in names})
+        terms["levels"] = torch.tensor(float(active))
+        return QuantizerOutput(
+            quantized=total.to(z.dtype).reshape(z.shape),
+            indices=torch.stack(indices, -1).reshape(*lead, self.num_quantizers),
+            probs=torch.stack(probs, -2).reshape(*lead, self.num_quantizers, self.num_codes),
+            loss=loss,
+            terms=terms,
+        )
+
+    @property
+    def codebook(self) -> Tensor:
+        """``(Q, K, D)``: every level's codes in the space the levels sum in."""
+        return torch.stack([level.codebook for level in self.levels])
+
+    def decode_indices(self, indices: Tensor, levels: int | None = None) -> Tensor:
+        """Codes ``(..., Q)`` -> the sum of the first ``levels`` levels' codes ``(..., D)`` (all by default; for
+        ``channel_first``, ``(B, *spatial, Q)`` -> ``(B, D, *spatial)``). Index ``-1`` (a level that did not run)
+        adds nothing."""
+        if not isinstance(indices, Tensor) or indices.ndim < 1 or indices.shape[-1] != self.num_quantizers:
+            shape = tuple(indices.shape) if isinstance(indices, Tensor) else type(indices).__name__
+            raise ValueError(f"expected indices of shape (..., {self.num_quantizers}), got {shape}")
+        levels = self.num_quantizers if levels is None else check_positive_int("levels", levels)
+        if levels > self.num_quantizers:
+            raise ValueError(f"levels must be at most num_quantizers={self.num_quantizers}, got {levels}")
+        total = None
+        for q in range(levels):
+            idx = indices[..., q]
+            check_indices(idx.clamp_min(0), self.num_codes)
+            if bool((idx < -1).any()):
+                raise ValueError(f"indices must lie in [0, {self.num_codes}) or be -1 (a level that did not run)")
+            codes = self.levels[q].decode_indices(idx.clamp_min(0)) * (idx >= 0).unsqueeze(-1)
+            total = codes if total is None else total + codes
+        return total.movedim(-1, 1) if self.channel_first and total.ndim > 2 else total
+
+    def extra_repr(self) -> str:
+        return (f"num_quantizers={self.num_quantizers}, num_codes={self.num_codes}, dim={self.dim}, "
+                f"standardize={self.standardizer is not None}, quantize_dropout={self.quantize_dropout}")
+
+
+class ResidualDDCL(ResidualQuantizer):
+    """``Q`` levels of :class:`~softvq.DDCLQuantizer` (each with its own prototypes, temperature control and restarts)
+    on successive residuals.
+
+    Args:
+        num_quantizers: ``Q``, the levels.
+        num_codes: ``K`` per level.
+        dim: ``D``.
+        scale: where the levels work. ``"shared"``: the input is standardised once at the top and every level
+            quantizes and sums in that space (levels built with ``standardize=False``); the output is in that
+            standardised space. ``"per_level"``: every level standardises its own residual and maps its codes back
+            to the residual's scale (``standardize=True, output_scale="input"``); the output is on the input's scale.
+        quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
+        **ddcl_options: passed to every level's :class:`~softvq.DDCLQuantizer` (the layer's defaults otherwise:
+            the same restart threshold and entropy target at every level, no per-level tuning).
+    """
+
+    def __init__(self, num_quantizers: int, num_codes: int, dim: int, *,
+                 scale: Literal["shared", "per_level"] = "shared", quantize_dropout: bool = False,
+                 quantize_dropout_min_levels: int = 1, seed: int = 0, channel_first: bool = False,
+                 **ddcl_options: Any) -> None:
+        check_positive_int("num_quantizers", num_quantizers)
+        self.scale = check_choice("scale", scale, ("shared", "per_level"))
+        for name in ("standardize", "output_scale", "channel_first"):
+            if name in ddcl_options:
+                raise ValueError(f"{name} is set by ResidualDDCL (scale={scale!r}); do not pass it to the levels")
+        level_scale = {"standardize": False} if scale == "shared" else {"standardize": True, "output_scale": "input"}
+        levels = [DDCLQuantizer(num_codes, dim, **level_scale, **ddcl_options) for _ in range(num_quantizers)]
+        super().__init__(levels, standardize=scale == "shared", quantize_dropout=quantize_dropout,
+                         quantize_dropout_min_levels=quantize_dropout_min_levels, seed=seed,
+                         channel_first=channel_first)
+
+
+class ResidualHardVQ(ResidualQuantizer):
+    """``Q`` levels of :class:`~softvq.HardVQ` on successive residuals of the raw input, by default with the strongest
+    hard recipe measured here: EMA codebooks (decay 0.99) and dead-code restarts (threshold 1).
+
+    Args:
+        num_quantizers, num_codes, dim: ``Q``, ``K`` per level, ``D``.
+        ema_decay, dead_code_threshold: every level's :class:`~softvq.HardVQ` options.
+        quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
+        **hard_options: more :class:`~softvq.HardVQ` options (``beta``, ``epsilon``, ``check_finite``).
+    """
+
+    def __init__(self, num_quantizers: int, num_codes: int, dim: int, *, ema_decay: float | None = 0.99,
+                 dead_code_threshold: float = 1.0, quantize_dropout: bool = False, quantize_dropout_min_levels: int = 1,
+                 seed: int = 0, channel_first: bool = False, **hard_options: Any) -> None:
+        check_positive_int("num_quantizers", num_quantizers)
+        levels = [HardVQ(num_codes, dim, ema_decay=ema_decay, dead_code_threshold=dead_code_threshold,
+                         **hard_options) for _ in range(num_quantizers)]
+        super().__init__(levels, standardize=False, quantize_dropout=quantize_dropout,
+                         quantize_dropout_min_levels=quantize_dropout_min_levels, seed=seed,
+                         channel_first=channel_first)
