@@ -190,6 +190,9 @@ def entropy_note(c: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     model = load_vqvae(args.checkpoint).to(device)
+    if getattr(model, "num_quantizers", 1) > 1:
+        raise ValueError(f"{args.checkpoint} quantizes with {model.quantizer_name}, {model.num_quantizers} residual "
+                         f"levels; the readout study reads a single codebook")
     if model.levels > 1:
         raise ValueError(f"{args.checkpoint} is a {model.levels}-level VQ-VAE; the readout study reads one level of "
                          f"tokens and a single codebook (train with --model.levels 1)")

@@ -133,6 +133,14 @@ class ResidualQuantizer(nn.Module):
             terms=terms,
         )
 
+    def level_output(self, out: QuantizerOutput, q: int) -> QuantizerOutput:
+        """Level ``q`` of ``out`` (this layer's output) as the :class:`~softvq.QuantizerOutput` of a single layer:
+        its indices and assignments, its terms under their plain names; ``quantized`` and ``loss`` are the whole
+        stack's (a level's own code is ``decode_indices`` of its indices)."""
+        suffix = f"/level{q}"
+        terms = {k.removesuffix(suffix): v for k, v in out.terms.items() if k.endswith(suffix)}
+        return QuantizerOutput(out.quantized, out.indices[..., q], out.probs[..., q, :], out.loss, terms)
+
     @property
     def codebook(self) -> Tensor:
         """``(Q, K, D)``: every level's codes in the space the levels sum in."""

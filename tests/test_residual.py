@@ -131,3 +131,48 @@ def test_bad_input_and_options_are_clear_errors():
         ResidualHardVQ(0, 16, 8)
     with pytest.raises(ValueError, match="same num_codes and dim"):
         ResidualQuantizer([ResidualHardVQ(1, 16, 8).levels[0], ResidualHardVQ(1, 8, 8).levels[0]])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", ["rddcl", "rhard"])
+def test_vqvae_trains_a_residual_stack_with_per_level_health_and_codes(name, tmp_path):
+    import json
+
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from softvq.models import VQVAE, load_vqvae
+    from softvq.models.callbacks import HistoryWriter
+    from softvq.models.codes import extract_codes
+
+    torch.manual_seed(0)
+    images = torch.rand(48, 3, 16, 16)
+    loader = DataLoader(TensorDataset(images, torch.zeros(48, dtype=torch.long)), batch_size=16)
+    model = VQVAE(name, num_codes=16, code_dim=8, width=16, res_hidden=8, res_blocks=1, num_quantizers=3)
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[HistoryWriter(tmp_path / "h.jsonl", echo=False)])
+    trainer.fit(model, loader, loader)
+    record = json.loads((tmp_path / "h.jsonl").read_text().splitlines()[-1])
+    for q in range(3):  # every level's health, in training and on held-out images
+        assert {f"utilization_l{q}", f"perplexity_l{q}", f"restarts_l{q}", f"val_utilization_l{q}"} <= set(record)
+    assert ("temperature_l2" in record) == (name == "rddcl")
+    model.eval()
+    codes = model.encode(images[:4])
+    assert codes.shape == (4, 4, 4, 3)
+    with torch.no_grad():
+        out = model(images[:4])
+    torch.testing.assert_close(model.decode_indices(codes), out.reconstruction)  # hard output: the codes decode alike
+    first = model.decode_indices(codes, num_levels=1)
+    torch.testing.assert_close(first, model._decode(model.quantizer.levels[0].decode_indices(codes[..., 0])))
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = load_vqvae(path)
+    assert loaded.num_quantizers == 3 and torch.equal(loaded.encode(images[:4]), codes)
+    with pytest.raises(ValueError, match=f"{name} has 3 residual levels"):
+        extract_codes(model, TensorDataset(images[:4], torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(ValueError, match=r"expected indices of shape \(B, h, w, 3\)"):
+        model.decode_indices(codes[..., 0])
+    with pytest.raises(ValueError, match="num_quantizers=2 stacks residual codebooks"):
+        VQVAE("ddcl", num_codes=16, code_dim=8, num_quantizers=2)
+    with pytest.raises(ValueError, match="takes neither levels > 1"):
+        VQVAE(name, num_codes=16, code_dim=8, num_quantizers=2, levels=2)

@@ -51,7 +51,7 @@ class EpochMetrics:
         self._restarts_at_epoch_start = 0
         # levels > 1: every level's health (keys "<key>_l<level>"); level 0 also feeds the plain keys above.
         self.level_metrics = nn.ModuleList([LevelMetrics(k) for k in self.level_num_codes or ()])
-        self._level_restarts_at_epoch_start = [0] * self.levels
+        self._level_restarts_at_epoch_start = [0] * max(self.levels, len(self.level_num_codes or ()))
 
     # ---- training epoch ----------------------------------------------------------------------------------------
     def on_train_epoch_start(self) -> None:
@@ -149,7 +149,7 @@ class EpochMetrics:
         out = self(x)
         hard = self._decode(self.quantizer.decode_indices(out.quantizer.indices)) if self.is_soft \
             else out.reconstruction
-        views = level_views(out.quantizer)
+        views = level_views(out.quantizer, self.quantizer)
         self.val_usage.update(views[0].indices)
         for metrics, view in zip(self.level_metrics, views, strict=False):
             metrics.eval_usage.update(view.indices)

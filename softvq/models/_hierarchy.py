@@ -16,6 +16,7 @@ from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 import softvq
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput
+from softvq.residual import ResidualQuantizer
 from softvq.types import QuantizerOutput
 from softvq.utils import all_reduce_sum_, check_positive_int, is_distributed
 
@@ -25,10 +26,14 @@ TRAIN_KEYS = ("utilization", "dead_codes", "perplexity", "soft_perplexity", "ass
 EVAL_KEYS = ("utilization", "dead_codes", "perplexity")
 
 
-def level_views(out: QuantizerOutput | HierarchicalOutput) -> tuple[QuantizerOutput, ...]:
-    """One :class:`~softvq.QuantizerOutput` per level (just ``(out,)`` for a single-level quantizer)."""
+def level_views(out: QuantizerOutput | HierarchicalOutput, quantizer: nn.Module | None = None
+                ) -> tuple[QuantizerOutput, ...]:
+    """One :class:`~softvq.QuantizerOutput` per level (just ``(out,)`` for a single-level quantizer; ``quantizer``,
+    the module that made ``out``, tells a residual stack's output apart)."""
     if isinstance(out, HierarchicalOutput):
         return tuple(out.level(i) for i in range(len(out.indices)))
+    if isinstance(quantizer, ResidualQuantizer):
+        return tuple(quantizer.level_output(out, q) for q in range(quantizer.num_quantizers))
     return (out,)
 
 
@@ -100,8 +105,9 @@ class LevelMetrics(nn.Module):
         self.train_entropy.update(entropy, weight=images)
         for name, metric in self.train_terms.items():
             metric.update(out.terms[name], weight=images)
-        self.train_identity.update(out.terms["identity_residual"])
         self.train_v_min.update(out.terms["v"])
+        if "identity_residual" in out.terms:  # a DDCL level (a residual stack's hard VQ levels report none)
+            self.train_identity.update(out.terms["identity_residual"])
         return entropy
 
     def train_record(self, suffix: str) -> dict[str, Any]:
@@ -116,7 +122,8 @@ class LevelMetrics(nn.Module):
         for name, metric in self.train_terms.items():
             record[f"{name}{suffix}"] = float(metric.compute())
         record[f"v_min{suffix}"] = float(self.train_v_min.compute())
-        record[f"identity_residual{suffix}"] = float(self.train_identity.compute())
+        if self.train_identity.update_count > 0:
+            record[f"identity_residual{suffix}"] = float(self.train_identity.compute())
         return record
 
     def eval_summary(self, stage: str, suffix: str) -> dict[str, float | int]:
@@ -131,11 +138,12 @@ def codebook_record(layer: nn.Module, suffix: str, restarts_at_epoch_start: int)
     record: dict[str, Any] = {}
     codebook = layer.codebook
     if codebook.shape[0] >= 2:
-        separation = softvq.prototype_separation(codebook, distance=layer.distance)
+        separation = softvq.prototype_separation(codebook, distance=getattr(layer, "distance", "euclidean"))
         record[f"separation{suffix}"] = float(separation["mean"])
         record[f"separation_min{suffix}"] = float(separation["min"])
     record[f"restarts{suffix}"] = layer.restarts - restarts_at_epoch_start
-    record[f"temperature{suffix}"] = float(layer.temperature)
+    if getattr(layer, "temperature", None) is not None:  # a DDCL level
+        record[f"temperature{suffix}"] = float(layer.temperature)
     return record
 
 

@@ -13,6 +13,8 @@ from softvq.norm import batch_moments, bessel
 from softvq.utils import check_choice, is_distributed
 
 QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
+# Residual stacks (VQVAE(num_quantizers=Q)): Q DDCL levels, or Q HardVQ levels with EMA + restart (softvq.residual).
+RESIDUAL_QUANTIZERS: tuple[str, ...] = ("rddcl", "rhard")
 LATENT_NORMS: tuple[str, ...] = ("none", "batch")
 # A single-level DDCL bottleneck uses the layer's own recipe (softvq.DDCLQuantizer, recipe="auto": standardised
 # tokens, entropy-controlled T, EMA prototypes, dead-code restart, hard output). The hierarchical VQ-VAE (levels > 1)
@@ -24,10 +26,20 @@ HIERARCHY_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold":
 DDCL_TARGET_ENTROPY = 2.5
 
 
-def build_quantizer(name: str, num_codes: int, dim: int, **kwargs: Any) -> nn.Module:
+def build_quantizer(name: str, num_codes: int, dim: int, num_quantizers: int = 1, **kwargs: Any) -> nn.Module:
     """``"ddcl"`` -> :class:`softvq.DDCLQuantizer` (the layer's own defaults unless overridden), ``"hard"`` ->
-    :class:`softvq.HardVQ`, with ``kwargs``."""
-    check_choice("quantizer", name, QUANTIZERS)
+    :class:`softvq.HardVQ`, ``"rddcl"`` / ``"rhard"`` -> :class:`softvq.ResidualDDCL` / :class:`softvq.ResidualHardVQ`
+    of ``num_quantizers`` levels, with ``kwargs``."""
+    check_choice("quantizer", name, QUANTIZERS + RESIDUAL_QUANTIZERS)
+    if name in RESIDUAL_QUANTIZERS:
+        cls = softvq.ResidualDDCL if name == "rddcl" else softvq.ResidualHardVQ
+        try:
+            return cls(num_quantizers, num_codes, dim, **kwargs)
+        except TypeError as err:
+            raise ValueError(f"invalid option for quantizer {name!r}: {err}") from err
+    if num_quantizers != 1:
+        raise ValueError(f"num_quantizers={num_quantizers} stacks residual codebooks: use quantizer 'rddcl' or "
+                         f"'rhard', not {name!r}")
     cls = softvq.DDCLQuantizer if name == "ddcl" else softvq.HardVQ
     try:
         return cls(num_codes, dim, **kwargs)

@@ -60,6 +60,10 @@ def extract_codes(model: VQVAE, dataset: Dataset, batch_size: int = 256, num_wor
     """
     check_positive_int("batch_size", batch_size)
     check_non_negative_int("num_workers", num_workers)
+    if getattr(model, "num_quantizers", 1) > 1:
+        raise ValueError(f"extract_codes models one code per position; this VQ-VAE's {model.quantizer_name} has "
+                         f"{model.num_quantizers} residual levels (a prior over several codes per position is not "
+                         f"implemented)")
     if getattr(model, "levels", 1) > 1:
         raise ValueError(f"extract_codes models one code grid; this VQ-VAE has {model.levels} levels (a prior over "
                          f"hierarchical codes is not implemented)")

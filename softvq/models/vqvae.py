@@ -31,11 +31,13 @@ from softvq.models.bottleneck import (
     HIERARCHY_DEFAULTS,
     LATENT_NORMS,
     QUANTIZERS,
+    RESIDUAL_QUANTIZERS,
     LatentNorm,
     build_quantizer,
 )
 from softvq.models.loading import load_module
 from softvq.optim import has_trainable_prototypes
+from softvq.residual import ResidualQuantizer
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
 from softvq.utils import all_reduce_sum_, check_choice, check_float, check_positive_int
@@ -132,13 +134,14 @@ class VQVAE(EpochMetrics, L.LightningModule):
         levels: int = 1,
         level_codes: int | Sequence[int] = 128,
         level_pool: int = 2,
+        num_quantizers: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
         # Quantizer first, then encoder, decoder and latent norm: this order fixes the random initialisation and the
         # parameter order (saved optimizer states rely on it) and the state-dict keys.
         self._build_quantizer(quantizer, num_codes, code_dim, quantizer_kwargs, temperature_schedule, levels,
-                              level_codes, level_pool)
+                              level_codes, level_pool, num_quantizers)
         self._build_autoencoder(quantizer, code_dim, in_channels, width, res_hidden, res_blocks, downsamples,
                                 latent_norm)
         self.lr = check_float("lr", lr)
@@ -148,10 +151,17 @@ class VQVAE(EpochMetrics, L.LightningModule):
 
     def _build_quantizer(self, quantizer: str | nn.Module, num_codes: int, code_dim: int,
                          quantizer_kwargs: dict[str, Any] | None, temperature_schedule: str, levels: int,
-                         level_codes: int | Sequence[int], level_pool: int) -> None:
-        """Sets :attr:`quantizer` (the module), ``quantizer_name``, ``levels``, ``level_num_codes`` (``None`` for a
-        single level), ``num_codes`` (level 0's) and ``is_soft``."""
+                         level_codes: int | Sequence[int], level_pool: int, num_quantizers: int) -> None:
+        """Sets :attr:`quantizer` (the module), ``quantizer_name``, ``levels``, ``num_quantizers`` (residual levels),
+        ``level_num_codes`` (``None`` for a single level), ``num_codes`` (level 0's) and ``is_soft``."""
         self.levels = check_positive_int("levels", levels)
+        self.num_quantizers = quantizer.num_quantizers if isinstance(quantizer, ResidualQuantizer) else \
+            check_positive_int("num_quantizers", num_quantizers)
+        residual = isinstance(quantizer, ResidualQuantizer) or quantizer in RESIDUAL_QUANTIZERS
+        if residual and (levels > 1 or temperature_schedule != "constant"):
+            raise ValueError(f"a residual quantizer sums its levels on one grid, each level with its own temperature "
+                             f"control: it takes neither levels > 1 (got {levels}) nor a temperature schedule (got "
+                             f"{temperature_schedule!r})")
         if isinstance(quantizer, HierarchicalDDCL):
             self.levels = quantizer.num_levels
         elif levels > 1 and quantizer != "ddcl":
@@ -169,13 +179,14 @@ class VQVAE(EpochMetrics, L.LightningModule):
             kwargs = dict(quantizer_kwargs or {})
             if quantizer == "ddcl" and temperature_schedule != "constant":  # the schedule sets T, not the layer
                 kwargs.setdefault("target_entropy", None)
-            self.quantizer = build_quantizer(quantizer, num_codes, code_dim, **kwargs)
-        self.level_num_codes = tuple(layer.num_codes for layer in self._codebooks()) if self.levels > 1 else None
+            self.quantizer = build_quantizer(quantizer, num_codes, code_dim, num_quantizers=num_quantizers, **kwargs)
+        several = self.levels > 1 or isinstance(self.quantizer, ResidualQuantizer)
+        self.level_num_codes = tuple(layer.num_codes for layer in self._codebooks()) if several else None
         self.num_codes = self.level_num_codes[0] if self.level_num_codes else \
             int(getattr(self.quantizer, "num_codes", num_codes))
         if getattr(self.quantizer, "dim", code_dim) != code_dim:
             raise ValueError(f"the quantizer's dim ({self.quantizer.dim}) differs from code_dim ({code_dim})")
-        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ)
+        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ | softvq.ResidualHardVQ)
 
     def _build_autoencoder(self, quantizer: str | nn.Module, code_dim: int, in_channels: int, width: int,
                            res_hidden: int, res_blocks: int, downsamples: int, latent_norm: str | None) -> None:
@@ -239,7 +250,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
 
     def _codebooks(self) -> list[nn.Module]:
         """The codebook layers, level 0 first (the quantizer itself for a single level)."""
-        if isinstance(self.quantizer, HierarchicalDDCL):
+        if isinstance(self.quantizer, HierarchicalDDCL | ResidualQuantizer):
             return list(self.quantizer.levels)
         return [self.quantizer]
 
@@ -251,7 +262,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
         (e.g. ``mode="max-autotune"``)."""
         self.encoder.compile(**compile_kwargs)
         self.decoder.compile(**compile_kwargs)
-        if isinstance(self.quantizer, HierarchicalDDCL):
+        if isinstance(self.quantizer, HierarchicalDDCL | ResidualQuantizer):  # level by level
             for level in self.quantizer.levels:
                 level.compile(**compile_kwargs)
         else:
@@ -295,13 +306,22 @@ class VQVAE(EpochMetrics, L.LightningModule):
     @torch.no_grad()
     def encode(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         """Images ``(B, C, H, W)`` in ``[0, 1]`` -> code indices ``(B, h, w)`` (argmax of the assignments); with
-        ``levels > 1`` a tuple of per-level grids ``(B, h_l, w_l)``, level 0 first."""
+        ``levels > 1`` a tuple of per-level grids ``(B, h_l, w_l)``, level 0 first; for a residual quantizer
+        ``(B, h, w, Q)``."""
         return self.quantizer(rearrange(self.latents(x), "b d h w -> b h w d")).indices
 
     @torch.no_grad()
-    def decode_indices(self, indices: Tensor | Sequence[Tensor]) -> Tensor:
-        """Code indices ``(B, h, w)`` (``levels > 1``: one grid per level, as :meth:`encode` returns them) -> images
+    def decode_indices(self, indices: Tensor | Sequence[Tensor], num_levels: int | None = None) -> Tensor:
+        """Code indices ``(B, h, w)`` (``levels > 1``: one grid per level, as :meth:`encode` returns them; a residual
+        quantizer: ``(B, h, w, Q)``, decoded from its first ``num_levels`` levels, all by default) -> images
         ``(B, C, H, W)`` in ``[0, 1]`` units (not clamped)."""
+        if isinstance(self.quantizer, ResidualQuantizer):
+            if not isinstance(indices, Tensor) or indices.ndim != 4:
+                raise ValueError(f"expected indices of shape (B, h, w, {self.num_quantizers}), got "
+                                 f"{tuple(indices.shape) if isinstance(indices, Tensor) else type(indices).__name__}")
+            return self._decode(self.quantizer.decode_indices(indices.to(self.device), num_levels))
+        if num_levels is not None:
+            raise ValueError("num_levels decodes the first levels of a residual quantizer; this one has one level")
         if self.levels > 1:
             check_level_indices(indices, self.levels)
             return self._decode(self.quantizer.decode_indices([idx.to(self.device) for idx in indices]))
@@ -336,8 +356,8 @@ class VQVAE(EpochMetrics, L.LightningModule):
         if int(all_reduce_sum_((~torch.isfinite(loss.detach())).long().reshape(1))):
             raise FloatingPointError(f"non-finite training loss ({float(loss.detach())}) in {where} (reconstruction "
                                      f"{float(rec.detach())}, quantizer {float(out.quantizer.loss.detach())})")
-        views = level_views(out.quantizer)  # one QuantizerOutput per level
-        if any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
+        views = level_views(out.quantizer, self.quantizer)  # one QuantizerOutput per level
+        if self.levels > 1 and any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
             hierarchy.match_temperatures_(self._codebooks(), out.quantizer.inputs, fresh)
         n = x.shape[0]
         entropies = self._update_train_metrics(views, rec.detach(), n)
