@@ -176,3 +176,26 @@ def test_vqvae_trains_a_residual_stack_with_per_level_health_and_codes(name, tmp
         VQVAE("ddcl", num_codes=16, code_dim=8, num_quantizers=2)
     with pytest.raises(ValueError, match="takes neither levels > 1"):
         VQVAE(name, num_codes=16, code_dim=8, num_quantizers=2, levels=2)
+
+
+def test_softvq_train_runs_residual_stacks_side_by_side(tmp_path, tiny_cifar):
+    import json
+
+    from PIL import Image
+
+    from softvq.cli import train
+
+    train.main(["--quantizer", "rddcl", "rhard", "--model.num_quantizers", "3", "--data.data_root",
+                str(tiny_cifar["folder"]), "--data.train_subset", "96", "--data.val_size", "32", "--data.batch_size",
+                "32", "--model.width", "16", "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.code_dim",
+                "8", "--model.num_codes", "16", "--data.num_workers", "0", "--trainer.progress_bar", "false",
+                "--epochs", "1", "--rddcl.scale", "per_level", "--out", str(tmp_path)])
+    for name in ("rddcl", "rhard"):
+        record = json.loads((tmp_path / name / "history.jsonl").read_text().splitlines()[-1])
+        assert {"val_utilization_l2", "perplexity_l2", "restarts_l2"} <= set(record)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["model"]["num_quantizers"] == 3 and name in config
+        with Image.open(tmp_path / name / "recon_epoch01.png") as png:  # 3 rows + decodes of the first 1 and 2 levels
+            width, height = png.size
+        assert height / width > 0.5  # five rows of 8 images (three rows would be about 0.35-0.45)
+    assert json.loads((tmp_path / "rddcl" / "config.json").read_text())["rddcl"]["scale"] == "per_level"

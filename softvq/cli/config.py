@@ -9,6 +9,8 @@ Sections, each a constructor's arguments (its checks run when the run starts, be
 - ``--model.*``: :class:`softvq.models.VQVAE` (encoder/decoder, optimizer, hierarchy);
 - ``--ddcl.*``: :class:`softvq.DDCLQuantizer`, used by ``--quantizer ddcl``;
 - ``--hard.*``: :class:`softvq.HardVQ`, used by ``--quantizer hard``;
+- ``--rddcl.*`` / ``--rhard.*``: :class:`softvq.ResidualDDCL` / :class:`softvq.ResidualHardVQ`, used by
+  ``--quantizer rddcl`` / ``rhard`` with ``--model.num_quantizers`` levels;
 - ``--trainer.*``: :class:`softvq.cli.common.Hardware`.
 """
 
@@ -24,15 +26,17 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
-from softvq import DDCLQuantizer, HardVQ
+from softvq import DDCLQuantizer, HardVQ, ResidualDDCL, ResidualHardVQ
 from softvq.cli.common import Hardware
 from softvq.data import CIFAR10DataModule
-from softvq.models import QUANTIZERS, VQVAE
+from softvq.models import QUANTIZERS, RESIDUAL_QUANTIZERS, VQVAE
 from softvq.utils import check_non_negative_int, check_positive_int
 
-QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ}
-# Arguments the trainer sets itself: the code count and dimension come from --model, the layout from the VQ-VAE.
-LAYER_SKIP = {"num_codes", "dim", "channel_first"}
+QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "rddcl": ResidualDDCL, "rhard": ResidualHardVQ}
+# Arguments the trainer sets itself: the code count and dimension come from --model (and a residual stack's levels,
+# --model.num_quantizers), the layout from the VQ-VAE; ResidualDDCL sets its levels' scale options itself.
+LAYER_SKIP = {"num_codes", "dim", "channel_first", "num_quantizers"}
+RESIDUAL_SKIP = {"standardize", "output_scale"}
 # What may differ when a run is resumed (dotted keys of config.json): they extend it (epochs), say where the run and the
 # same data are (a moved directory) or how to run it, and change no result (docs/training.md, "Run directories").
 RESUME_SAFE = ("epochs", "out", "data.data_root", "data.download", "data.num_workers",
@@ -74,7 +78,7 @@ def build_parser() -> ArgumentParser:
                "~/.cache/softvq). With internet access, --data.download true fetches the official release. "
                "Write a config file with --print_config > run.yaml and train from it with --config run.yaml.")
     p.add_argument("--config", action=ActionConfigFile, help="a YAML/JSON file of these settings (flags after it win)")
-    p.add_argument("--quantizer", nargs="+", choices=QUANTIZERS, default=["ddcl"],
+    p.add_argument("--quantizer", nargs="+", choices=QUANTIZERS + RESIDUAL_QUANTIZERS, default=["ddcl"],
                    help="bottleneck(s) to train; several are trained one after the other into --out/<quantizer> "
                         "and compared in --out/comparison.md")
     p.add_class_arguments(RunOptions, None)
@@ -87,7 +91,8 @@ def build_parser() -> ArgumentParser:
     p.add_class_arguments(CIFAR10DataModule, "data", skip={"seed"})
     p.add_class_arguments(VQVAE, "model", skip={"quantizer", "quantizer_kwargs"})
     for name, cls in QUANTIZER_CLASSES.items():
-        p.add_class_arguments(cls, name, skip=LAYER_SKIP & set(inspect.signature(cls).parameters))
+        skip = LAYER_SKIP & set(inspect.signature(cls).parameters) | (RESIDUAL_SKIP if name == "rddcl" else set())
+        p.add_class_arguments(cls, name, skip=skip)
     p.add_class_arguments(Hardware, "trainer")
     return p
 
@@ -133,6 +138,8 @@ def model_kwargs(cfg: Namespace, quantizer: str) -> dict[str, Any]:
     model = cfg.model.as_dict()
     if quantizer != "ddcl":
         model.update(temperature_schedule="constant", temperature_final=None)
+    if quantizer not in RESIDUAL_QUANTIZERS:  # one codebook beside a residual stack of --model.num_quantizers
+        model.update(num_quantizers=1)
     return {**model, "quantizer": quantizer, "quantizer_kwargs": layer_kwargs(cfg, quantizer)}
 
 
@@ -146,7 +153,8 @@ def check_all(cfg: Namespace) -> dict[str, VQVAE]:
     hardware(cfg)
     CIFAR10DataModule(**data_kwargs(cfg))
     for name, cls in QUANTIZER_CLASSES.items():
-        cls(cfg.model.num_codes, cfg.model.code_dim, **cfg[name].as_dict())
+        stack = (cfg.model.num_quantizers,) if name in RESIDUAL_QUANTIZERS else ()
+        cls(*stack, cfg.model.num_codes, cfg.model.code_dim, **cfg[name].as_dict())
     return {quantizer: VQVAE(**model_kwargs(cfg, quantizer)) for quantizer in cfg.quantizer}
 
 
@@ -176,7 +184,7 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     training batch by bisection to the target entropy, and ``ddcl.dead_code_threshold`` (the recipe's 1, or 0 for the
     plain layer; the cap on it is ``ddcl.dead_code_cap``).
     """
-    layer = model.quantizer.levels[0] if model.levels > 1 else model.quantizer  # level 0 for the hierarchy
+    layer = model._codebooks()[0]  # level 0 of a hierarchy or a residual stack
     section = layer_kwargs(cfg, quantizer) if model.levels == 1 else {
         k: getattr(layer, k) for k in cfg.ddcl.as_dict() if hasattr(layer, k) and not callable(getattr(layer, k))}
     model_section = _resolved(cfg.model.as_dict(), model)

@@ -160,7 +160,11 @@ class EpochMetrics:
             self.val_metrics["psnr" + suffix].update(clamped, x)
             self.val_metrics["ssim" + suffix].update(clamped, x)
         if batch_idx == 0:  # for the reconstruction grid (models.callbacks.ReconstructionGrid)
-            return {"images": x[:8], "reconstruction": out.reconstruction[:8], "reconstruction_hard": hard[:8]}
+            grid = {"images": x[:8], "reconstruction": out.reconstruction[:8], "reconstruction_hard": hard[:8]}
+            if self.num_quantizers > 1:  # a residual stack: decoded from its first 1, 2, ... levels too
+                grid["reconstruction_levels"] = [self._decode(self.quantizer.decode_indices(
+                    out.quantizer.indices[:8], q)) for q in range(1, self.num_quantizers)]
+            return grid
         return None
 
     def _eval_reset(self) -> None:

@@ -167,9 +167,10 @@ class EpochCheckpoint(ModelCheckpoint):
 
 
 class ReconstructionGrid(L.Callback):
-    """Saves originals / soft reconstructions / hard-decoded reconstructions of the first validation batch.
+    """Saves originals / soft reconstructions / hard-decoded reconstructions of the first validation batch (for a
+    residual stack also the reconstructions decoded from its first 1, 2, ... levels).
 
-    Written as ``<directory>/recon_epochNN.png`` (rows: originals, soft, hard) and logged to TensorBoard.
+    Written as ``<directory>/recon_epochNN.png`` (rows: originals, soft, hard, levels) and logged to TensorBoard.
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
@@ -181,12 +182,15 @@ class ReconstructionGrid(L.Callback):
             return
         rows = [outputs[k].detach().float().clamp(0, 1).cpu() for k in ("images", "reconstruction",
                                                                        "reconstruction_hard")]
+        levels = [r.detach().float().clamp(0, 1).cpu() for r in outputs.get("reconstruction_levels", [])]
+        labels = (*ROW_LABELS, *(f"first {q} level{'s' * (q > 1)}" for q in range(1, len(levels) + 1)))
+        rows += levels
         grid = make_grid(torch.cat(rows), nrow=rows[0].shape[0], padding=2, pad_value=1.0)
         epoch = trainer.current_epoch + 1
         self.directory.mkdir(parents=True, exist_ok=True)
         title = f"{getattr(pl_module, 'quantizer_name', '')} validation images, epoch {epoch}".strip()
         write_atomic(self.directory / f"recon_epoch{epoch:02d}.png",
-                     lambda f: labelled_rows_png(rows, ROW_LABELS, title, f))
+                     lambda f: labelled_rows_png(rows, labels, title, f))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_image("val/reconstructions", grid, global_step=trainer.global_step)

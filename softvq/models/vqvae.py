@@ -44,8 +44,8 @@ from softvq.utils import all_reduce_sum_, check_choice, check_float, check_posit
 
 # Also importable from here: the bottleneck names (softvq.models.bottleneck) and the checkpoint loader
 # (softvq.models.loading.load_module).
-__all__ = ["DDCL_TARGET_ENTROPY", "HIERARCHY_DEFAULTS", "LATENT_NORMS", "PIXEL_SHIFT", "QUANTIZERS", "VQVAE",
-           "LatentNorm", "VQVAEOutput", "build_quantizer", "load_module", "load_vqvae"]
+__all__ = ["DDCL_TARGET_ENTROPY", "HIERARCHY_DEFAULTS", "LATENT_NORMS", "PIXEL_SHIFT", "QUANTIZERS",
+           "RESIDUAL_QUANTIZERS", "VQVAE", "LatentNorm", "VQVAEOutput", "build_quantizer", "load_module", "load_vqvae"]
 
 PIXEL_SHIFT = 0.5  # the model sees x - 0.5, so inputs and reconstructions are centred on 0
 
