@@ -29,6 +29,15 @@ from softvq.types import QuantizerOutput
 from softvq.utils import check_choice, check_indices, check_positive_int, compute_dtype
 
 
+def is_residual(module: object) -> bool:
+    """Whether ``module`` is a residual stack as :class:`~softvq.models.VQVAE` sees one: a :class:`ResidualQuantizer`,
+    or any module with ``num_quantizers``, per-level ``levels`` and :meth:`ResidualQuantizer.level_output` (an
+    adapter around another library's residual quantizer)."""
+    return isinstance(module, ResidualQuantizer) or (
+        isinstance(getattr(module, "num_quantizers", None), int) and callable(getattr(module, "level_output", None))
+        and isinstance(getattr(module, "levels", None), nn.ModuleList))
+
+
 class ResidualQuantizer(nn.Module):
     """A stack of quantizers of one codebook size and token width applied to successive residuals.
 

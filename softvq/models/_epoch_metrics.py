@@ -62,7 +62,7 @@ class EpochMetrics:
         self._restarts_at_epoch_start = getattr(self._codebooks()[0], "restarts", 0)
         for level, metrics in enumerate(self.level_metrics):
             metrics.reset_train()
-            self._level_restarts_at_epoch_start[level] = self._codebooks()[level].restarts
+            self._level_restarts_at_epoch_start[level] = getattr(self._codebooks()[level], "restarts", 0)
 
     def _update_train_metrics(self, views: Sequence[QuantizerOutput], mse: Tensor, n: int) -> list[Tensor]:
         """Add one training batch of ``n`` images (``views``: one quantizer output per level, ``mse``: the batch's

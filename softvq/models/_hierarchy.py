@@ -16,7 +16,7 @@ from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 import softvq
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput
-from softvq.residual import ResidualQuantizer
+from softvq.residual import is_residual
 from softvq.types import QuantizerOutput
 from softvq.utils import all_reduce_sum_, check_positive_int, is_distributed
 
@@ -32,7 +32,7 @@ def level_views(out: QuantizerOutput | HierarchicalOutput, quantizer: nn.Module 
     the module that made ``out``, tells a residual stack's output apart)."""
     if isinstance(out, HierarchicalOutput):
         return tuple(out.level(i) for i in range(len(out.indices)))
-    if isinstance(quantizer, ResidualQuantizer):
+    if is_residual(quantizer):
         return tuple(quantizer.level_output(out, q) for q in range(quantizer.num_quantizers))
     return (out,)
 
@@ -104,9 +104,11 @@ class LevelMetrics(nn.Module):
         entropy = softvq.assignment_entropy(out.probs)
         self.train_entropy.update(entropy, weight=images)
         for name, metric in self.train_terms.items():
-            metric.update(out.terms[name], weight=images)
-        self.train_v_min.update(out.terms["v"])
-        if "identity_residual" in out.terms:  # a DDCL level (a residual stack's hard VQ levels report none)
+            if name in out.terms:  # a DDCL or HardVQ level (another library's levels report none)
+                metric.update(out.terms[name], weight=images)
+        if "v" in out.terms:
+            self.train_v_min.update(out.terms["v"])
+        if "identity_residual" in out.terms:  # a DDCL level
             self.train_identity.update(out.terms["identity_residual"])
         return entropy
 
@@ -120,8 +122,10 @@ class LevelMetrics(nn.Module):
             f"assignment_entropy{suffix}": float(self.train_entropy.compute()),
         }
         for name, metric in self.train_terms.items():
-            record[f"{name}{suffix}"] = float(metric.compute())
-        record[f"v_min{suffix}"] = float(self.train_v_min.compute())
+            if metric.update_count > 0:
+                record[f"{name}{suffix}"] = float(metric.compute())
+        if self.train_v_min.update_count > 0:
+            record[f"v_min{suffix}"] = float(self.train_v_min.compute())
         if self.train_identity.update_count > 0:
             record[f"identity_residual{suffix}"] = float(self.train_identity.compute())
         return record
@@ -141,7 +145,8 @@ def codebook_record(layer: nn.Module, suffix: str, restarts_at_epoch_start: int)
         separation = softvq.prototype_separation(codebook, distance=getattr(layer, "distance", "euclidean"))
         record[f"separation{suffix}"] = float(separation["mean"])
         record[f"separation_min{suffix}"] = float(separation["min"])
-    record[f"restarts{suffix}"] = layer.restarts - restarts_at_epoch_start
+    if getattr(layer, "restarts", None) is not None:
+        record[f"restarts{suffix}"] = layer.restarts - restarts_at_epoch_start
     if getattr(layer, "temperature", None) is not None:  # a DDCL level
         record[f"temperature{suffix}"] = float(layer.temperature)
     return record

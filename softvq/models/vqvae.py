@@ -37,7 +37,7 @@ from softvq.models.bottleneck import (
 )
 from softvq.models.loading import load_module
 from softvq.optim import has_trainable_prototypes
-from softvq.residual import ResidualQuantizer
+from softvq.residual import is_residual
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
 from softvq.utils import all_reduce_sum_, check_choice, check_float, check_positive_int
@@ -155,9 +155,9 @@ class VQVAE(EpochMetrics, L.LightningModule):
         """Sets :attr:`quantizer` (the module), ``quantizer_name``, ``levels``, ``num_quantizers`` (residual levels),
         ``level_num_codes`` (``None`` for a single level), ``num_codes`` (level 0's) and ``is_soft``."""
         self.levels = check_positive_int("levels", levels)
-        self.num_quantizers = quantizer.num_quantizers if isinstance(quantizer, ResidualQuantizer) else \
+        self.num_quantizers = quantizer.num_quantizers if is_residual(quantizer) else \
             check_positive_int("num_quantizers", num_quantizers)
-        residual = isinstance(quantizer, ResidualQuantizer) or quantizer in RESIDUAL_QUANTIZERS
+        residual = is_residual(quantizer) or quantizer in RESIDUAL_QUANTIZERS
         if residual and (levels > 1 or temperature_schedule != "constant"):
             raise ValueError(f"a residual quantizer sums its levels on one grid, each level with its own temperature "
                              f"control: it takes neither levels > 1 (got {levels}) nor a temperature schedule (got "
@@ -180,7 +180,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
             if quantizer == "ddcl" and temperature_schedule != "constant":  # the schedule sets T, not the layer
                 kwargs.setdefault("target_entropy", None)
             self.quantizer = build_quantizer(quantizer, num_codes, code_dim, num_quantizers=num_quantizers, **kwargs)
-        several = self.levels > 1 or isinstance(self.quantizer, ResidualQuantizer)
+        several = self.levels > 1 or is_residual(self.quantizer)
         self.level_num_codes = tuple(layer.num_codes for layer in self._codebooks()) if several else None
         self.num_codes = self.level_num_codes[0] if self.level_num_codes else \
             int(getattr(self.quantizer, "num_codes", num_codes))
@@ -250,7 +250,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
 
     def _codebooks(self) -> list[nn.Module]:
         """The codebook layers, level 0 first (the quantizer itself for a single level)."""
-        if isinstance(self.quantizer, HierarchicalDDCL | ResidualQuantizer):
+        if isinstance(self.quantizer, HierarchicalDDCL) or is_residual(self.quantizer):
             return list(self.quantizer.levels)
         return [self.quantizer]
 
@@ -262,7 +262,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
         (e.g. ``mode="max-autotune"``)."""
         self.encoder.compile(**compile_kwargs)
         self.decoder.compile(**compile_kwargs)
-        if isinstance(self.quantizer, HierarchicalDDCL | ResidualQuantizer):  # level by level
+        if isinstance(self.quantizer, HierarchicalDDCL) or is_residual(self.quantizer):  # level by level
             for level in self.quantizer.levels:
                 level.compile(**compile_kwargs)
         else:
@@ -315,7 +315,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
         """Code indices ``(B, h, w)`` (``levels > 1``: one grid per level, as :meth:`encode` returns them; a residual
         quantizer: ``(B, h, w, Q)``, decoded from its first ``num_levels`` levels, all by default) -> images
         ``(B, C, H, W)`` in ``[0, 1]`` units (not clamped)."""
-        if isinstance(self.quantizer, ResidualQuantizer):
+        if is_residual(self.quantizer):
             if not isinstance(indices, Tensor) or indices.ndim != 4:
                 raise ValueError(f"expected indices of shape (B, h, w, {self.num_quantizers}), got "
                                  f"{tuple(indices.shape) if isinstance(indices, Tensor) else type(indices).__name__}")
