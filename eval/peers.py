@@ -255,17 +255,13 @@ def load_or_train(method: str, seed: int, args: argparse.Namespace) -> dict[str,
     return train_run(method, seed, args, out)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="bottlenecks to compare")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every method")
+def add_vqvae_arguments(p: argparse.ArgumentParser) -> None:
+    """The VQ-VAE and run flags of :func:`settings_of` (but ``--num-codes``), which every study that trains through
+    :func:`fit_run` shares: the peers' setting by default."""
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--train-subset", type=int, default=10_000)
     p.add_argument("--val-size", type=int, default=5000)
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--num-codes", type=int, default=512)
     p.add_argument("--code-dim", type=int, default=64)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--res-blocks", type=int, default=2)
@@ -275,6 +271,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per run (default: torch's); 1 lets another job use the second core")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="bottlenecks to compare")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every method")
+    p.add_argument("--num-codes", type=int, default=512)
+    add_vqvae_arguments(p)
     p.add_argument("--runs", type=Path, default=Path("runs/peers"), help="where the runs are kept")
     p.add_argument("--out", type=Path, default=Path("reports/peers"), help="report directory")
     p.add_argument("--no-train", action="store_true",

@@ -182,12 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--num-quantizers", type=int, default=4)
     p.add_argument("--num-codes", type=int, default=256)
-    for name, default in (("epochs", 5), ("train-subset", 10_000), ("val-size", 5000), ("batch-size", 128),
-                          ("code-dim", 64), ("width", 128), ("res-blocks", 2), ("res-hidden", 32), ("test-limit", 0),
-                          ("num-workers", 1)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--threads", type=int, default=None)
+    peers.add_vqvae_arguments(p)
     p.add_argument("--runs", type=Path, default=Path("runs/residual"))
     p.add_argument("--out", type=Path, default=Path("reports/residual"))
     p.add_argument("--no-train", action="store_true")

@@ -39,6 +39,7 @@ from softvq.utils import (
     broadcast_,
     check_bool,
     check_choice,
+    check_feature_maps,
     check_float,
     check_indices,
     check_positive_int,
@@ -349,9 +350,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             (float32, or float64 for float64 input), scalar ``loss`` and ``terms``.
         """
         if self.channel_first:
-            if not isinstance(z, Tensor) or z.ndim < 2 or z.shape[1] != self.dim:
-                shape = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
-                raise ValueError(f"channel_first=True expects feature maps of shape (B, {self.dim}, ...), got {shape}")
+            check_feature_maps(z, self.dim)
             out = self._forward_tokens(z.movedim(1, -1))
             return out._replace(quantized=out.quantized.movedim(-1, 1))
         return self._forward_tokens(z)

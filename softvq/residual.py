@@ -26,7 +26,7 @@ from softvq.ddcl import DDCLQuantizer
 from softvq.hard_vq import HardVQ
 from softvq.norm import TokenStandardizer
 from softvq.types import QuantizerOutput
-from softvq.utils import check_choice, check_indices, check_positive_int, compute_dtype
+from softvq.utils import check_choice, check_feature_maps, check_indices, check_positive_int, compute_dtype
 
 
 def is_residual(module: object) -> bool:
@@ -96,9 +96,7 @@ class ResidualQuantizer(nn.Module):
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         if self.channel_first:
-            if not isinstance(z, Tensor) or z.ndim < 2 or z.shape[1] != self.dim:
-                shape = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
-                raise ValueError(f"channel_first=True expects feature maps of shape (B, {self.dim}, ...), got {shape}")
+            check_feature_maps(z, self.dim)
             out = self._forward_tokens(z.movedim(1, -1))
             return out._replace(quantized=out.quantized.movedim(-1, 1))
         return self._forward_tokens(z)

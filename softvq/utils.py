@@ -338,3 +338,11 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     from it gets the gradient of the mean of all processes' losses, as one process with all the batches would.
     """
     return _AllReduceSum.apply(tensor) if is_distributed() else tensor
+
+
+def check_feature_maps(z: object, dim: int) -> None:
+    """``z`` must be feature maps ``(B, dim, ...)``, as a ``channel_first`` layer takes them; else a ValueError
+    naming the shape it got."""
+    if not isinstance(z, Tensor) or z.ndim < 2 or z.shape[1] != dim:
+        shape = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
+        raise ValueError(f"channel_first=True expects feature maps of shape (B, {dim}, ...), got {shape}")
