@@ -109,7 +109,7 @@ def studies(tmp_path_factory, tiny_cifar):
                                    "--classifier-width", "4", "--classifier-epochs", "1", "--conditional",
                                    "--guidance", "1", "2", "--classifier-cache", str(base / "classifier"),
                                    "--out", str(base / "quality"), "--threads", "1"])
-    return {"base": base, "argv": argv, "summary": summary, "quality": quality}
+    return {"base": base, "argv": argv, "summary": summary, "quality": quality, "tiny": tiny_cifar["folder"]}
 
 
 def test_rate_distortion_end_to_end_and_bits_are_the_summed_position_nlls(studies):
@@ -122,10 +122,17 @@ def test_rate_distortion_end_to_end_and_bits_are_the_summed_position_nlls(studie
     assert len(summary["results"]) == 5 and not summary["missing"]  # 2 methods x 2 sizes + 1 sweep point
     # the reported bits per image are the sum over positions of the prior's NLL of the test codes
     directory = base / "runs" / "ddcl" / "K64" / "seed0"
-    result, _, prior, codes = sample_quality.load_point(directory)
+    result, vqvae, prior, codes = sample_quality.load_point(directory)
     with torch.no_grad():
         nll = prior.nll(codes["test"]).double()  # (N, 64) nats
     assert codes["test"].shape == (50, 8, 8)
+    # the kept VQ-VAE weights reload into the same model: it encodes the test images into the kept codes
+    from softvq.data.cifar10 import CIFAR10DataModule
+
+    data = CIFAR10DataModule(studies["tiny"], val_size=50, num_workers=0)
+    data.setup("test")
+    images, _ = clf.images_of(data.test_set, 50)
+    assert torch.equal(vqvae.encode(images), codes["test"])
     assert result["prior"]["test"]["bits_per_image"] == pytest.approx(float(nll.sum(1).mean() / math.log(2)),
                                                                       rel=1e-5)
     again = rd.main([*studies["argv"], "--no-train"])  # read, not retrained
