@@ -281,6 +281,8 @@ def write_report(results: list[dict[str, Any]], settings: dict[str, Any], out: P
              "Figures below are on the official test split (10,000 images), read once for this table; the target-"
              "entropy sweep reads the validation split only.", ""]
     if missing:
+        lines += [f"**Interim**: {len(results)} of {len(results) + len(missing)} points are finished; the verdicts "
+                  f"below read those only.", ""]
         lines += ["Not run: " + ", ".join(f"{m['method']} K={m['num_codes']} seed {m['seed']}"
                                           + (f" target {m['target_entropy']}" if m.get("target_entropy") else "")
                                           for m in missing) + ".", ""]
