@@ -181,7 +181,9 @@ def target_lines(rows: list[dict[str, Any]], small: int) -> list[str]:
         at_k = [r for r in rows if r["num_codes"] == k]
         comparable = [r for r in at_k if r.get("inside")]
         if not comparable:
-            lines.append(f"- K = {k}: no peer's line reaches DDCL's PSNR: **not measured**.")
+            why = ("no peer has points at two PSNRs yet" if all("peer_bits" not in r for r in at_k)
+                   else "no peer's line reaches DDCL's PSNR")
+            lines.append(f"- K = {k}: {why}: **not measured**.")
             continue
         worst = min(comparable, key=lambda r: r["saving"])
         saving_ok = all(r["saving"] >= TARGET_SAVING for r in comparable) and len(comparable) == len(at_k)
