@@ -149,6 +149,9 @@ def test_sample_quality_end_to_end(studies):
         assert row["samples_fd"]["value"] >= 0 and row["samples_fd"]["low"] <= row["samples_fd"]["high"]
         assert 0 <= row["reconstruction_accuracy"] <= 1
     assert q["conditional"]["guidance"] in (1.0, 2.0) and len(q["conditional"]["rows"]) == 4
+    text = (studies["base"] / "quality" / "report.md").read_text()
+    for part in ("classifier Fréchet distance", "## Unconditional samples", "## Guided class-conditional samples"):
+        assert part in text, part
     saved = json.loads((studies["base"] / "quality" / "results.json").read_text())
     assert saved["classifier"]["sha256"] == q["classifier"]["sha256"]
 
