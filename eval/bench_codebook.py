@@ -28,13 +28,20 @@ from torch import nn
 from eval._bench import markdown_table, sweep, sync
 
 METHODS = ("ddcl", "ddcl_plain", "hard", "vqp", "vqp_recipe")
+# Residual stacks of RESIDUAL_LEVELS levels of K codes each (not in the default sweep: --methods rddcl rhard vqp_rvq)
+RESIDUAL = ("rddcl", "rhard", "vqp_rvq")
+RESIDUAL_LEVELS = 4
 COMPILED = ("ddcl_compiled", "hard_compiled")
 LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "ddcl_plain": "DDCLQuantizer(recipe='plain'), gradient-trained prototypes",
           "hard": "HardVQ (EMA 0.99 + dead-code restart 1)", "vqp": "vector-quantize-pytorch VectorQuantize",
           "vqp_recipe": "VectorQuantize(kmeans_init, threshold_ema_dead_code=2, rotation_trick)",
           "ddcl_compiled": "torch.compile(DDCLQuantizer, fullgraph=True)",
-          "hard_compiled": "torch.compile(HardVQ, fullgraph=True)"}
+          "hard_compiled": "torch.compile(HardVQ, fullgraph=True)",
+          "rddcl": f"ResidualDDCL({RESIDUAL_LEVELS} levels, its defaults)",
+          "rhard": f"ResidualHardVQ({RESIDUAL_LEVELS} levels, EMA 0.99 + restart 1)",
+          "vqp_rvq": f"vector-quantize-pytorch ResidualVQ({RESIDUAL_LEVELS} levels, kmeans init, threshold 2, "
+                     f"rotation trick)"}
 
 
 def build(method: str, num_codes: int, dim: int) -> nn.Module:
@@ -55,6 +62,16 @@ def build(method: str, num_codes: int, dim: int) -> nn.Module:
         from softvq import HardVQ
 
         return HardVQ(num_codes, dim, ema_decay=0.99, dead_code_threshold=1.0, check_finite=False)
+    if method in ("rddcl", "rhard"):
+        from softvq import ResidualDDCL, ResidualHardVQ
+
+        cls = ResidualDDCL if method == "rddcl" else ResidualHardVQ
+        return cls(RESIDUAL_LEVELS, num_codes, dim, check_finite=False)
+    if method == "vqp_rvq":
+        from vector_quantize_pytorch import ResidualVQ
+
+        return ResidualVQ(dim=dim, num_quantizers=RESIDUAL_LEVELS, codebook_size=num_codes, kmeans_init=True,
+                          threshold_ema_dead_code=2, rotation_trick=True)
     if method in ("vqp", "vqp_recipe"):
         try:
             from vector_quantize_pytorch import VectorQuantize
@@ -64,7 +81,7 @@ def build(method: str, num_codes: int, dim: int) -> nn.Module:
             return VectorQuantize(dim=dim, codebook_size=num_codes, decay=0.8, commitment_weight=1.0)
         return VectorQuantize(dim=dim, codebook_size=num_codes, kmeans_init=True, threshold_ema_dead_code=2,
                               rotation_trick=True)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS + COMPILED}")
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS + COMPILED + RESIDUAL}")
 
 
 def make_step(module: nn.Module, z: torch.Tensor) -> Callable[[], None]:
@@ -117,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=64, help="D, token dimension (default 64)")
     parser.add_argument("--codes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096],
                         help="K values to sweep (default 64..4096)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS + COMPILED, default=list(METHODS),
+    parser.add_argument("--methods", nargs="+", choices=METHODS + COMPILED + RESIDUAL, default=list(METHODS),
                         help="quantizers to compare; ratios are to HardVQ when it is included")
     parser.add_argument("--compile", action="store_true",
                         help="add the torch.compile(fullgraph=True) versions of ddcl and hard (compiling takes a "
@@ -140,7 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # The ratios the targets are about (numerator, denominator), printed where both were measured.
 RATIOS = (("ddcl", "hard"), ("ddcl", "vqp"), ("ddcl", "vqp_recipe"), ("ddcl_compiled", "hard_compiled"),
-          ("ddcl_compiled", "ddcl"), ("hard_compiled", "hard"), ("ddcl_plain", "hard"))
+          ("ddcl_compiled", "ddcl"), ("hard_compiled", "hard"), ("ddcl_plain", "hard"), ("rddcl", "rhard"),
+          ("rddcl", "vqp_rvq"), ("rddcl", "ddcl"))
 
 
 def format_table(rows: list[dict], methods: list[str], with_memory: bool) -> str:

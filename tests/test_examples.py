@@ -78,3 +78,11 @@ def test_sampling_benchmark_times_cached_and_uncached_decoding(capsys):
     out = capsys.readouterr().out
     assert "| cached |" in out and "| uncached |" in out and "speed-up" in out
     assert result["cached"] > 0 and result["speedup"] == result["uncached"] / result["cached"]
+
+
+def test_benchmark_times_residual_stacks_beside_single_layers(capsys):
+    bench_codebook = load(ROOT / "eval" / "bench_codebook.py")
+    bench_codebook.main(["--tokens", "256", "--dim", "8", "--codes", "16", "--reps", "1", "--warmup", "1",
+                         "--methods", "ddcl", "rddcl", "rhard", "--no-memory"])
+    out = capsys.readouterr().out
+    assert "rddcl/rhard" in out and "rddcl/ddcl" in out and "ResidualDDCL(4 levels" in out
