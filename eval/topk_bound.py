@@ -35,7 +35,7 @@ from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
 
-KS = (4, 8, 16, 32, 64, 128, 256)
+KS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MASS_BOUND, GRADIENT_BOUND = 1e-4, 1e-3
 
 
