@@ -40,6 +40,10 @@ def test_matched_psnr_reads_the_peers_bits_off_its_log_linear_line():
     assert small["spread"]["peer_bits"] == pytest.approx([expected_peer] * 3)
     large = next(r for r in rows if r["num_codes"] == 4096)
     assert not large["inside"] and "outside" in large["reason"]  # 25.1 dB: 1.1 dB beyond the peer's 24
+    # the peer's K = 4096 point (24 dB, 488.6 bits) has more PSNR but more bits than DDCL's K = 512 point: no beat
+    beaten = report.dominated_by(report.group(peer + ours + [point("vqp_vq", 512, 0, 23.6, 300.0)]))
+    assert "beaten on both axes by vqp_vq K = 512 (23.60 dB, 300.0 bits)" in beaten[0]
+    assert "hard_ema" not in beaten[0] and "no peer point beats it" in beaten[1]
     lines = report.target_lines(rows, 512)
     assert "K = 512" in lines[0] and "**met**" in lines[0]
     assert "K = 4096: no peer's line reaches DDCL's PSNR" in lines[1]
