@@ -251,7 +251,7 @@ def test_non_finite_tokens_in_training(capsys, monkeypatch, tmp_path, tiny_cifar
 
 # ---- the library API --------------------------------------------------------------------------------------------
 def test_unknown_quantizer_name():
-    with pytest.raises(ValueError, match=r"quantizer must be one of \('ddcl', 'hard'\), got 'soft'"):
+    with pytest.raises(ValueError, match=r"quantizer must be one of \('ddcl', 'hard', 'rddcl', 'rhard'\), got 'soft'"):
         VQVAE(quantizer="soft")
 
 
