@@ -25,10 +25,12 @@ reported beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -307,15 +309,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def study_run(threads: int | None = None) -> Iterator[None]:
+    """What every study that trains through :func:`fit_run` starts with: INFO logging, ``threads`` torch threads
+    (``None``: torch's), and Lightning's warnings that say nothing about a study (in-memory data with few loader
+    workers, loops without validation, a pytree deprecation) silenced while it trains."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if threads:
+        torch.set_num_threads(threads)
+    with warnings.catch_warnings():
+        for message in (".*does not have many workers.*", ".*isinstance\\(treespec, LeafSpec\\)` is deprecated",
+                        ".*no `val_dataloader`"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     runs, missing = [], []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+    with study_run(args.threads):
         for seed in args.seeds:  # seed-major: an interrupted comparison has every method at the first seeds
             for method in args.methods:
                 run = load_or_train(method, seed, args)

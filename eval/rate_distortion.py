@@ -31,7 +31,6 @@ import logging
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +120,7 @@ def fit_prior(codes: dict[str, Tensor], num_codes: int, grid: tuple[int, int], s
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
     begin = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
-        warnings.filterwarnings("ignore", message=".*no `val_dataloader`")
+    with peers.study_run():
         trainer.fit(prior, loader)
     return prior.eval(), time.perf_counter() - begin
 
@@ -259,12 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
+    with peers.study_run(args.threads):
         trained = [run_point(*point, args) for point in points_of(args)]
     if args.only and not args.no_train:
         return {"trained": len(trained)}  # one worker of several: the report is written by a --no-train pass

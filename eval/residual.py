@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -202,10 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from eval._residual_report import write_report
 
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*|.*LeafSpec")
+    with peers.study_run(args.threads):
         runs = [r for seed in args.seeds for m in args.methods if (r := run(m, seed, args)) is not None]
     if not runs:
         raise FileNotFoundError(f"no finished run in {args.runs} for these settings, and --no-train forbids training")

@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from eval import _classifier as clf
 from eval import rate_distortion as rd
 from eval._robustness_grid import code_commit
+from eval.peers import study_run
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
@@ -90,8 +90,7 @@ def fit_conditional_prior(codes: torch.Tensor, labels: torch.Tensor, settings: d
                       warmup_steps=settings["warmup_steps"])
     loader = DataLoader(TensorDataset(codes, labels), batch_size=settings["batch_size"], shuffle=True,
                         generator=torch.Generator().manual_seed(settings["seed"]))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*no `val_dataloader`|.*does not have many workers|.*LeafSpec")
+    with study_run():
         L.Trainer(max_epochs=settings["epochs"], accelerator="cpu", logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(prior, loader)
     return prior.eval()
