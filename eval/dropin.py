@@ -19,14 +19,24 @@ quantizer's constructor, each with its library's defaults:
     vqp_fsq       FSQ(levels=[8, 6, 5], dim=32, channel_first=True)   (the FSQ paper's set for ~2^8 codes: 240)
     vqp_simvq     SimVQ(dim=32, codebook_size=K, channel_first=True)
 
+Residual quantizers, Q = ``--num-quantizers`` levels of K codes (``--methods rddcl vqp_rvq``; compared with each
+other, not with the single codebooks, which spend a quarter of the bits at Q = 4):
+
+    rddcl         softvq.ResidualDDCL(Q, K, 32, channel_first=True)
+    vqp_rvq       ResidualVQ(dim=32, num_quantizers=Q, codebook_size=K)   (channel-last: its accept_image_fmap
+                  fails in forward in vector-quantize-pytorch 1.32, so the model permutes around it as for HardVQ)
+
 Scored on the official test split: PSNR of the images decoded from the hard indices alone (each library's own
-index -> code function), utilization, dead codes and perplexity of those indices.
+index -> code function), utilization, dead codes and perplexity of those indices (of a residual stack: the lowest
+level's utilization and perplexity, the dead codes of all levels together, and every level's figures in
+``results.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -38,23 +48,31 @@ from torch import Tensor, nn
 from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
-from eval._peers_report import mean_std, test_table, values
+from eval._peers_report import test_table, values
+from eval._spread import beyond_spread
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
 
 LABELS = {"ddcl": "softvq DDCLQuantizer(K, D), defaults", "hard": "softvq HardVQ(K, D), defaults",
-          "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults"}
+          "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults",
+          "rddcl": "softvq ResidualDDCL(Q, K, D), defaults", "vqp_rvq": "vqp ResidualVQ(Q, K, D), defaults"}
 METHODS = tuple(LABELS)
+SINGLE = ("ddcl", "hard", "vqp_vq", "vqp_fsq", "vqp_simvq")
+RESIDUAL = ("rddcl", "vqp_rvq")  # indices (B, h, w, Q)
 DIM = 32
+NUM_QUANTIZERS = 4
 
 
-def make_quantizer(method: str, num_codes: int) -> tuple[nn.Module, int]:
-    """The quantizer as its library's documentation constructs it, and its codebook size."""
+def make_quantizer(method: str, num_codes: int, num_quantizers: int = NUM_QUANTIZERS) -> tuple[nn.Module, int]:
+    """The quantizer as its library's documentation constructs it, and its codebook size (per level for a residual
+    stack of ``num_quantizers`` levels)."""
     if method == "ddcl":
         return softvq.DDCLQuantizer(num_codes=num_codes, dim=DIM, channel_first=True), num_codes
     if method == "hard":
         return softvq.HardVQ(num_codes, DIM), num_codes
+    if method == "rddcl":
+        return softvq.ResidualDDCL(num_quantizers, num_codes, DIM, channel_first=True), num_codes
     try:
         import vector_quantize_pytorch as vqp
     except ImportError as err:
@@ -65,6 +83,8 @@ def make_quantizer(method: str, num_codes: int) -> tuple[nn.Module, int]:
         return vqp.FSQ(levels=[8, 6, 5], dim=DIM, channel_first=True), 240
     if method == "vqp_simvq":
         return vqp.SimVQ(dim=DIM, codebook_size=num_codes, channel_first=True), num_codes
+    if method == "vqp_rvq":
+        return vqp.ResidualVQ(dim=DIM, num_quantizers=num_quantizers, codebook_size=num_codes), num_codes
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
@@ -83,7 +103,7 @@ class SmallAutoencoder(nn.Module):
     """
 
     def __init__(self, method: str, num_codes: int, *, dim: int = DIM, quantizer: tuple[nn.Module, int] | None = None,
-                 encoder_scale: float = 1.0) -> None:
+                 encoder_scale: float = 1.0, num_quantizers: int = NUM_QUANTIZERS) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -91,16 +111,23 @@ class SmallAutoencoder(nn.Module):
         self.encoder_scale = float(encoder_scale)
         self.down = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.GELU(),
                                   nn.Conv2d(16, dim, 3, padding=1), nn.MaxPool2d(2))
-        self.quantizer, self.num_codes = quantizer if quantizer is not None else make_quantizer(method, num_codes)
+        self.quantizer, self.num_codes = (quantizer if quantizer is not None
+                                          else make_quantizer(method, num_codes, num_quantizers))
         self.up = nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(dim, 16, 3, padding=1), nn.GELU(),
                                 nn.Upsample(scale_factor=2), nn.Conv2d(16, 3, 3, padding=1))
 
     def quantize(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(quantized (B, D, h, w), indices (B, h, w), loss)`` in each library's calling convention."""
+        """``(quantized (B, D, h, w), indices (B, h, w) or (B, h, w, Q), loss)`` in each library's calling
+        convention."""
         if self.method == "hard":
             out = self.quantizer(rearrange(z, "b d h w -> b h w d"))
             return rearrange(out.quantized, "b h w d -> b d h w"), out.indices, out.loss
-        if self.method == "ddcl":
+        if self.method == "vqp_rvq":
+            h = z.shape[-2]
+            quantized, indices, losses = self.quantizer(rearrange(z, "b d h w -> b (h w) d"))
+            return (rearrange(quantized, "b (h w) d -> b d h w", h=h), rearrange(indices, "b (h w) q -> b h w q", h=h),
+                    losses.sum())
+        if self.method in ("ddcl", "rddcl"):
             out = self.quantizer(z)
             return out.quantized, out.indices, out.loss
         if self.method == "vqp_fsq":
@@ -110,8 +137,10 @@ class SmallAutoencoder(nn.Module):
         return quantized, indices, loss.sum()
 
     def decode_indices(self, indices: Tensor) -> Tensor:
-        """Images from hard indices ``(B, h, w)`` alone, through each library's own index -> code function."""
-        if self.method in ("hard", "ddcl"):
+        """Images from hard indices alone, through each library's own index -> code function."""
+        if self.method == "vqp_rvq":
+            codes = rearrange(self.quantizer.get_output_from_indices(indices), "b h w d -> b d h w")
+        elif self.method in ("hard", "ddcl", "rddcl"):
             codes = self.quantizer.decode_indices(indices)
             codes = rearrange(codes, "b h w d -> b d h w") if self.method == "hard" else codes
         elif self.method == "vqp_vq":
@@ -128,7 +157,7 @@ class SmallAutoencoder(nn.Module):
 
 def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
-    model = SmallAutoencoder(method, args.num_codes)
+    model = SmallAutoencoder(method, args.num_codes, num_quantizers=args.num_quantizers)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loader = data.train_dataloader()
     step, start = 0, time.perf_counter()
@@ -149,28 +178,34 @@ def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFA
     train_s = time.perf_counter() - start
     model.eval()
     psnr = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))  # per image, then averaged
-    counts = torch.zeros(model.num_codes, dtype=torch.long)
+    levels = args.num_quantizers if method in RESIDUAL else 1
+    counts = torch.zeros(levels, model.num_codes, dtype=torch.long)
     seen = 0
     with torch.no_grad():
         for x, _ in data.test_dataloader():
             _, indices, _ = model(x)
             psnr.update(model.decode_indices(indices).clamp(0.0, 1.0), x)
-            counts += torch.bincount(indices.reshape(-1).long(), minlength=model.num_codes)
+            for q, level in enumerate(indices.reshape(-1, levels).long().unbind(-1)):
+                counts[q] += torch.bincount(level, minlength=model.num_codes)
             seen += x.shape[0]
             if args.test_limit and seen >= args.test_limit:
                 break
-    usage = softvq.functional.usage_from_counts(counts)
-    return {"method": method, "seed": seed, "train_s": train_s,
-            "test": {"psnr_hard": float(psnr.compute()), "utilization": float(usage["utilization"]),
-                     "dead_codes": int(usage["dead_codes"]), "perplexity": float(usage["perplexity"]),
-                     "num_codes": model.num_codes, "images": seen}}
+    usage = [{k: float(v) for k, v in softvq.functional.usage_from_counts(c).items()} for c in counts]
+    test = {"psnr_hard": float(psnr.compute()), "utilization": min(u["utilization"] for u in usage),
+            "dead_codes": int(sum(u["dead_codes"] for u in usage)), "perplexity": min(u["perplexity"] for u in usage),
+            "num_codes": model.num_codes, "images": seen}
+    if method in RESIDUAL:
+        test["levels"] = usage
+    return {"method": method, "seed": seed, "train_s": train_s, "test": test}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(SINGLE),
+                   help=f"single codebooks {SINGLE}; residual stacks {RESIDUAL} (compared with each other)")
+    p.add_argument("--num-quantizers", type=int, default=NUM_QUANTIZERS, help="levels of a residual stack")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps per model")
     p.add_argument("--batch-size", type=int, default=256)
@@ -187,8 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.test_limit = 20, args.seeds[:2], 512
-    if args.steps < 1 or args.batch_size < 1 or args.num_codes < 2:
-        p.error("--steps and --batch-size must be positive and --num-codes at least 2")
+    if args.steps < 1 or args.batch_size < 1 or args.num_codes < 2 or args.num_quantizers < 1:
+        p.error("--steps, --batch-size and --num-quantizers must be positive and --num-codes at least 2")
     args.command = "python -m eval.dropin " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     return args
 
@@ -201,9 +236,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data.setup("fit")
     data.setup("test")
     runs = []
-    settings = {k: getattr(args, k) for k in ("steps", "batch_size", "num_codes", "lr", "alpha", "test_limit")}
+    common = {k: getattr(args, k) for k in ("steps", "batch_size", "num_codes", "lr", "alpha", "test_limit")}
     for seed in args.seeds:
         for method in args.methods:
+            settings = {**common, "num_quantizers": args.num_quantizers} if method in RESIDUAL else common
             path = args.runs / method / f"seed{seed}.json"
             stored = json.loads(path.read_text()) if path.is_file() else {}
             if stored.get("settings") == settings:
@@ -227,24 +263,37 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
                ("utilization", "test util %", "{:.1f}", 100.0), ("dead_codes", "dead", "{:.0f}", 1.0),
                ("perplexity", "perplexity", "{:.0f}", 1.0), ("num_codes", "K", "{:.0f}", 1.0))
     verdict = []
-    if "ddcl" in groups:
-        m0, s0 = (float(v) for v in mean_std(values(groups["ddcl"], "psnr_hard")))
-        util = float(values(groups["ddcl"], "utilization").min()) * 100
+    for ours, kind in (("ddcl", SINGLE), ("rddcl", RESIDUAL)):  # a residual stack against residual stacks only
+        if ours not in groups:
+            continue
+        name = "DDCL" if ours == "ddcl" else "ResidualDDCL"
+        mine = sorted(groups[ours], key=lambda r: r["seed"])
         for key, group_runs in groups.items():
-            if key != "ddcl":
-                m, s = (float(v) for v in mean_std(values(group_runs, "psnr_hard")))
-                side = "ahead of" if m0 >= m else "behind"
-                spread = "beyond" if abs(m0 - m) > s0 + s else "within"
-                verdict.append(f"- DDCL {side} {LABELS[key]} by {abs(m0 - m):.2f} dB ({m0:.2f} vs {m:.2f}), {spread} "
-                               f"the seed spread ({s0:.2f} + {s:.2f}).")
-        verdict.append(f"- DDCL test utilization, lowest seed: {util:.1f}% (target ≥ 99%).")
+            if key == ours or key not in kind:
+                continue
+            theirs = sorted(group_runs, key=lambda r: r["seed"])
+            a, b = ([r["test"]["psnr_hard"] for r in runs_] for runs_ in (mine, theirs))
+            if [r["seed"] for r in mine] != [r["seed"] for r in theirs]:
+                continue  # the rule pairs seeds
+            rule = beyond_spread(a, b)
+            side = "ahead of" if rule["margin"] >= 0 else "behind"
+            spread = "beyond the seed spread" if rule["counts"] else f"not beyond the seed spread ({rule['reason']})"
+            verdict.append(f"- {name} {side} {LABELS[key]} by {abs(rule['margin']):.2f} dB "
+                           f"({statistics.fmean(a):.2f} vs {statistics.fmean(b):.2f}), {spread}.")
+        util = float(values(groups[ours], "utilization").min()) * 100
+        verdict.append(f"- {name} test utilization, lowest seed" + (" and level" if ours == "rddcl" else "")
+                       + f": {util:.1f}% (target ≥ 99%).")
     lines = ["# Drop-in check: each quantizer in a foreign autoencoder, with its library's defaults", "",
              f"Regenerate: `{args.command}`", "",
              f"vector-quantize-pytorch's example shape on CIFAR-10 (D = {DIM}, 8x8 grid), {args.steps} steps of "
              f"{args.batch_size} images, L1 + {args.alpha:g}·quantizer loss, Adam({args.lr:g}) on "
              f"`model.parameters()`, seeds {args.seeds}; test split ({args.test_limit or 10000} images), "
-             f"images decoded from the hard indices alone. See the module docstring of `eval/dropin.py` for each "
-             f"constructor.", "", *test_table(groups, LABELS, columns), "", *verdict, ""]
+             f"images decoded from the hard indices alone" + (
+                 f"; residual stacks: {args.num_quantizers} levels of K codes, lowest level's utilization and "
+                 f"perplexity, every level's dead codes" if set(groups) & set(RESIDUAL) else "")
+             + ". See the module docstring of `eval/dropin.py` for each constructor. A margin counts beyond the seed "
+             "spread when it exceeds the sum of the two sample stds over >= 3 paired seeds, with one sign on "
+             "every seed.", "", *test_table(groups, LABELS, columns), "", *verdict, ""]
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "report.md", "\n".join(lines))
     summary = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}

@@ -78,13 +78,19 @@ def test_dropin_models_decode_their_indices_to_what_they_output(tiny_cifar, tmp_
         with torch.no_grad():
             reconstruction, indices, _ = model(x)
             torch.testing.assert_close(model.decode_indices(indices), reconstruction, rtol=1e-5, atol=1e-5)
-        assert indices.shape == (2, 8, 8)
+        assert indices.shape == ((2, 8, 8, dropin.NUM_QUANTIZERS) if method in dropin.RESIDUAL else (2, 8, 8))
     summary = dropin.main(["--data-root", str(tiny_cifar["folder"]), "--steps", "3", "--seeds", "0", "--batch-size",
                            "16", "--num-codes", "64", "--test-limit", "16", "--num-workers", "0",
-                           "--methods", "ddcl", "hard", "--out", str(tmp_path / "dropin"),
-                           "--runs", str(tmp_path / "dropin-runs")])
-    assert [r["method"] for r in summary["runs"]] == ["ddcl", "hard"]
+                           "--methods", "ddcl", "hard", "rddcl", "vqp_rvq", "--num-quantizers", "2",
+                           "--out", str(tmp_path / "dropin"), "--runs", str(tmp_path / "dropin-runs")])
+    assert [r["method"] for r in summary["runs"]] == ["ddcl", "hard", "rddcl", "vqp_rvq"]
     text = (tmp_path / "dropin" / "report.md").read_text()
-    assert "DDCL" in text and "PSNR from hard indices" in text
+    assert "DDCL" in text and "PSNR from hard indices" in text and "residual stacks: 2 levels" in text
     for run in summary["runs"]:
         assert 0 < run["test"]["utilization"] <= 1 and run["test"]["images"] == 16
+        if run["method"] in dropin.RESIDUAL:  # the table shows the worst level
+            levels = run["test"]["levels"]
+            assert len(levels) == 2 and run["settings"]["num_quantizers"] == 2
+            assert run["test"]["utilization"] == min(level["utilization"] for level in levels)
+        else:
+            assert "num_quantizers" not in run["settings"]  # single-codebook runs stored earlier stay valid
