@@ -13,7 +13,8 @@ Methods (``--methods``):
     vqp_rvq     vector-quantize-pytorch ``ResidualVQ(num_quantizers=Q, codebook_size=K, kmeans_init=True,
                 threshold_ema_dead_code=2, rotation_trick=True)``, the recipe its README gives against dead codes
     vqp_rfsq    vector-quantize-pytorch ``ResidualFSQ(levels=[8, 6, 5], num_quantizers=Q)``: 240 codes a level
-    ddcl512     the single ``softvq.DDCLQuantizer(512, D)`` (9 bits per position): the PSNR a bit buys
+    ddcl512     the single ``softvq.DDCLQuantizer(512, D)`` (9 bits per position): the PSNR a bit buys; with
+                ``--single-runs`` read from the rate-distortion study's DDCL K = 512 points, which train this model
 
 Every run trains with ``eval.peers.fit_run`` into ``--runs/<method>/seed<S>/`` (``result.json``, read when its
 settings match). Each run's test record has every level's utilization and perplexity, and the PSNR decoded from its
@@ -149,6 +150,26 @@ def psnr_by_levels(model: nn.Module, loader: Any, levels: int, limit: int = 0) -
     return [float(m.compute()) for m in metrics]
 
 
+def single_from_rate_distortion(seed: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The one-codebook row (``ddcl512``) of seed ``seed`` read from the rate-distortion study's runs
+    (``--single-runs``), whose DDCL K = 512 points train exactly this VQ-VAE (``eval.peers.fit_run`` with
+    ``softvq.DDCLQuantizer(512, D)`` and the same settings); ``None`` when that point is missing or was trained
+    with other settings."""
+    if args.single_runs is None:
+        return None
+    path = args.single_runs / "ddcl" / "K512" / f"seed{seed}" / "result.json"
+    if not path.is_file():
+        return None
+    stored = json.loads(path.read_text())
+    wanted = peers.settings_of(argparse.Namespace(**{**vars(args), "num_codes": 512}))
+    if {k: v for k, v in stored.get("settings", {}).items() if k != "prior"} != wanted:
+        return None
+    return {**{k: v for k, v in stored.items() if k not in ("prior", "neighbours")}, "method": "ddcl512",
+            "settings": {**peers.settings_of(args), "num_quantizers": args.num_quantizers}, "levels": 1,
+            "bits_per_position": bits_per_position("ddcl512", args),
+            "psnr_by_levels": [stored["test"]["psnr_hard"]], "source": str(path)}
+
+
 def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | None:
     out = args.runs / method / f"seed{seed}"
     settings = {**peers.settings_of(args), "num_quantizers": args.num_quantizers}
@@ -157,6 +178,8 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | No
         stored = json.loads(path.read_text())
         if stored.get("settings") == settings:
             return stored
+    if method == "ddcl512" and (shared := single_from_rate_distortion(seed, args)) is not None:
+        return shared
     if args.no_train:
         return None
     print(f"[residual] training {method} seed {seed} -> {out}", flush=True)
@@ -183,6 +206,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-codes", type=int, default=256)
     peers.add_vqvae_arguments(p)
     p.add_argument("--runs", type=Path, default=Path("runs/residual"))
+    p.add_argument("--single-runs", type=Path, default=None,
+                   help="eval.rate_distortion's --runs: its DDCL K = 512 points (the same VQ-VAE training) are read "
+                        "as the ddcl512 rows instead of training them again")
     p.add_argument("--out", type=Path, default=Path("reports/residual"))
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--no-progress-bar", action="store_true")

@@ -3,10 +3,13 @@ PSNR by levels decoded, the report and the scale probe."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 
-from eval import residual
+from eval import peers, residual
 
 
 def test_peer_residual_decodes_like_the_library_and_masks_levels():
@@ -42,3 +45,23 @@ def test_residual_study_end_to_end(tmp_path, tiny_cifar):
     assert (tmp_path / "out" / "psnr_by_levels.png").stat().st_size > 0
     residual.main([*argv, "--probe-scale"])  # reads the rddcl run, trains the per-level one
     assert "Better on validation" in (tmp_path / "out" / "scale_probe.md").read_text()
+
+
+def test_the_single_codebook_rows_are_read_from_matching_rate_distortion_points(tmp_path):
+    argv = ["--data-root", "data", "--epochs", "1", "--train-subset", "96", "--seeds", "0", "1", "--methods",
+            "ddcl512", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--no-train"]
+    args = residual.parse_args([*argv, "--single-runs", str(tmp_path / "rd")])
+    point = {"method": "ddcl", "seed": 0, "test": {"psnr_hard": 21.5, "ssim_hard": 0.7, "num_codes": 512},
+             "history": [{"epoch": 1}], "prior": {"test": {}}, "neighbours": {},
+             "settings": {**peers.settings_of(argparse.Namespace(**{**vars(args), "num_codes": 512})), "prior": {}}}
+    for seed, epochs in ((0, 1), (1, 2)):  # seed 1's point was trained for 2 epochs: another VQ-VAE
+        directory = tmp_path / "rd" / "ddcl" / "K512" / f"seed{seed}"
+        directory.mkdir(parents=True)
+        stored = {**point, "seed": seed, "settings": {**point["settings"], "epochs": epochs}}
+        (directory / "result.json").write_text(json.dumps(stored))
+    row = residual.run("ddcl512", 0, args)
+    assert row["method"] == "ddcl512" and row["levels"] == 1 and row["bits_per_position"] == 9.0
+    assert row["psnr_by_levels"] == [21.5] and row["test"] == point["test"] and "prior" not in row
+    assert row["source"].endswith("seed0/result.json")
+    assert residual.run("ddcl512", 1, args) is None  # other settings: not read (and --no-train: not trained)
+    assert residual.run("ddcl512", 0, residual.parse_args(argv)) is None  # without --single-runs nothing is shared
