@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+import softvq
 import softvq.data.cifar10 as cifar10
+import softvq.norm
 from eval import probe
 
 
@@ -30,3 +33,27 @@ def test_probe_reads_validation_and_never_the_test_split(tiny_cifar, tmp_path, m
     assert json.loads(results.read_text()) == result
     with pytest.raises(SystemExit):
         probe.main(["--data-root", str(tiny_cifar["folder"]), "--val-size", "0"])
+
+
+def test_a_straight_through_level_keeps_the_code_and_passes_the_gradient_unchanged():
+    z = torch.randn(64, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    grads, outs = [], []
+    for level_gradient in ("soft_centroid", "straight_through"):
+        torch.manual_seed(0)  # the same prototypes (drawn from the first batch) and restarts in both
+        layer = probe.build_quantizer("rddcl", 16, 4, {}, num_quantizers=2, level_gradient=level_gradient)
+        x = z.clone().requires_grad_(True)
+        out = layer.double().train()(x)
+        upstream = torch.linspace(-1, 1, out.quantized.numel(), dtype=torch.float64).reshape(out.quantized.shape)
+        (out.quantized * upstream).sum().backward()
+        grads.append(x.grad)
+        outs.append(out)
+    torch.testing.assert_close(outs[1].quantized, outs[0].quantized, rtol=0, atol=1e-12)  # the same codes (r + (c - r))
+    assert torch.equal(outs[1].indices, outs[0].indices)
+    # through the shared standardiser s(z), each of the 2 levels passes the upstream g unchanged: grad = 2 J_s^T g
+    x = z.clone().requires_grad_(True)
+    standardised, _, _ = softvq.norm.TokenStandardizer(4).double().train()(x)
+    (2 * standardised * upstream).sum().backward()
+    torch.testing.assert_close(grads[1], x.grad, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(grads[0], grads[1])  # the soft centroid's Jacobian is another gradient
+    with pytest.raises(ValueError, match="rddcl only"):
+        probe.build_quantizer("rhard", 16, 4, {}, level_gradient="straight_through")
