@@ -81,12 +81,14 @@ def targets(groups: dict[str, list[dict[str, Any]]], labels: dict[str, str]) -> 
                  f"**{'met' if test_util >= 0.99 else 'not met'}**.")
     lines.append(f"- Perplexity >= 0.8 K = {0.8 * k:.0f} at every level: lowest {test_ppl:.0f} → "
                  f"**{'met' if test_ppl >= 0.8 * k else 'not met'}**.")
-    val = [r["history"][e].get(f"val_utilization_l{q}") for r in ours for e in range(1, len(r["history"]))
-           for q in range(r["levels"])]
-    val = [v for v in val if v is not None]
-    if val:
-        lines.append(f"- Every DDCL level >= 99% used on validation from epoch 2 on: lowest {100 * min(val):.1f}% → "
-                     f"**{'met' if min(val) >= 0.99 else 'not met'}**.")
+    for key, what, goal, fmt in (("utilization", ">= 99% used", 0.99, "{:.1%}"),
+                                 ("perplexity", f"perplexity >= 0.8 K = {0.8 * k:.0f}", 0.8 * k, "{:.0f}")):
+        val = [r["history"][e].get(f"val_{key}_l{q}") for r in ours for e in range(1, len(r["history"]))
+               for q in range(r["levels"])]
+        val = [v for v in val if v is not None]
+        if val:
+            lines.append(f"- Every DDCL level {what} on validation from epoch 2 on: lowest {fmt.format(min(val))} → "
+                         f"**{'met' if min(val) >= goal else 'not met'}**.")
     peers = {m: g for m, g in groups.items() if m in PEERS}
     if peers:
         best = max(peers, key=lambda m: statistics.fmean(r["test"]["psnr_hard"] for r in peers[m]))
