@@ -12,7 +12,7 @@ from eval._robustness_grid import code_commit
 from eval._spread import beyond_spread
 from softvq.models.files import write_atomic
 
-RESIDUAL = ("rddcl", "rddcl_per_level", "rhard", "vqp_rvq", "vqp_rfsq")
+RESIDUAL = ("rddcl", "rddcl_per_level", "rddcl_dropout", "rhard", "vqp_rvq", "vqp_rfsq")
 PEERS = ("rhard", "vqp_rvq", "vqp_rfsq")
 
 

@@ -9,6 +9,8 @@ Usage (Q = 4 levels of K = 256, 32 bits per position; the peers' setting: 5 epoc
 Methods (``--methods``):
     rddcl       ``softvq.ResidualDDCL(Q, K, D)``, the layer's defaults
     rddcl_per_level  the same with ``scale="per_level"`` (the scale probe only)
+    rddcl_dropout  the same with ``quantize_dropout=True`` (measured separately, as the peers run without it: one
+                model for 1..Q levels, its PSNR by levels decoded against the headline ResidualDDCL's)
     rhard       ``softvq.ResidualHardVQ(Q, K, D)``: HardVQ per level, EMA 0.99 + restart 1
     vqp_rvq     vector-quantize-pytorch ``ResidualVQ(num_quantizers=Q, codebook_size=K, kmeans_init=True,
                 threshold_ema_dead_code=2, rotation_trick=True)``, the recipe its README gives against dead codes
@@ -45,6 +47,7 @@ from softvq.types import QuantizerOutput
 LABELS = {
     "rddcl": "softvq ResidualDDCL, defaults",
     "rddcl_per_level": "softvq ResidualDDCL, scale='per_level'",
+    "rddcl_dropout": "softvq ResidualDDCL, quantize_dropout=True",
     "rhard": "softvq ResidualHardVQ (EMA 0.99 + restart 1 per level)",
     "vqp_rvq": "vqp ResidualVQ (kmeans init, dead < 2, rotation trick)",
     "vqp_rfsq": "vqp ResidualFSQ [8,6,5] (240 codes a level)",
@@ -111,6 +114,8 @@ def build(method: str, num_quantizers: int, num_codes: int, dim: int) -> nn.Modu
         return softvq.ResidualDDCL(num_quantizers, num_codes, dim)
     if method == "rddcl_per_level":
         return softvq.ResidualDDCL(num_quantizers, num_codes, dim, scale="per_level")
+    if method == "rddcl_dropout":
+        return softvq.ResidualDDCL(num_quantizers, num_codes, dim, quantize_dropout=True)
     if method == "rhard":
         return softvq.ResidualHardVQ(num_quantizers, num_codes, dim)
     if method == "ddcl512":

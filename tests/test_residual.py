@@ -199,3 +199,27 @@ def test_softvq_train_runs_residual_stacks_side_by_side(tmp_path, tiny_cifar):
             width, height = png.size
         assert height / width > 0.5  # five rows of 8 images (three rows would be about 0.35-0.45)
     assert json.loads((tmp_path / "rddcl" / "config.json").read_text())["rddcl"]["scale"] == "per_level"
+
+
+def test_vqvae_trains_with_quantize_dropout_and_counts_only_the_levels_that_ran():
+    from softvq.models import VQVAE
+
+    torch.manual_seed(0)
+    images = torch.rand(16, 3, 16, 16)  # 16 images x 16 positions = 256 tokens a step
+    quantizer = ResidualDDCL(3, 16, 8, quantize_dropout=True, seed=5)
+    reference = ResidualDDCL(3, 16, 8, quantize_dropout=True, seed=5).train()
+    model = VQVAE(quantizer=quantizer, code_dim=8, width=16, res_hidden=8, res_blocks=1)
+    model.train()
+    ran = []
+    for step in range(8):
+        reference.steps.fill_(step)
+        ran.append(reference.active_levels())  # the draw of this step, replayed from the seed and the step count
+        loss = model.training_step((images, torch.zeros(16, dtype=torch.long)), step)
+        assert torch.isfinite(loss)
+    assert len(set(ran)) > 1  # the draws skipped levels on some steps
+    for q, metrics in enumerate(model.level_metrics):
+        steps = sum(n > q for n in ran)
+        assert int(metrics.train_usage.hard_counts.sum()) == 256 * steps  # a skipped level counts nothing
+    model.eval()
+    with torch.no_grad():  # evaluation runs every level
+        assert bool((model(images).quantizer.indices >= 0).all())

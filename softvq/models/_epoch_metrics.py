@@ -64,18 +64,22 @@ class EpochMetrics:
             metrics.reset_train()
             self._level_restarts_at_epoch_start[level] = getattr(self._codebooks()[level], "restarts", 0)
 
-    def _update_train_metrics(self, views: Sequence[QuantizerOutput], mse: Tensor, n: int) -> list[Tensor]:
+    def _update_train_metrics(self, views: Sequence[QuantizerOutput], mse: Tensor, n: int,
+                              levels_run: int | None = None) -> list[Tensor | None]:
         """Add one training batch of ``n`` images (``views``: one quantizer output per level, ``mse``: the batch's
-        reconstruction MSE); returns each level's H(Q) of the batch, for the entropy-controlled temperature."""
+        reconstruction MSE); returns each level's H(Q) of the batch, for the entropy-controlled temperature.
+        ``levels_run``: how many levels the step ran (a residual stack's quantize dropout skips the last ones, whose
+        indices are -1); the skipped levels count nothing and their H(Q) is ``None``."""
         q = views[0]
+        ran = len(views) if levels_run is None else levels_run
         self.train_usage.update(q.indices, q.probs)
         self.train_mse.update(mse, weight=n)
         # the layer's own H(Q) where it reports one (DDCL; HardVQ: 0): another pass over the (N, K) assignments with a
         # log per entry cost DDCL's training step 7 ms of 250 here
         entropy = q.terms["entropy"] if "entropy" in q.terms else softvq.assignment_entropy(q.probs)
         self.train_entropy.update(entropy, weight=n)
-        entropies = [entropy] + [metrics.update_train(view, n) for metrics, view in zip(
-            self.level_metrics[1:], views[1:], strict=True)]
+        entropies = [entropy] + [metrics.update_train(view, n) if level < ran else None for level, (metrics, view)
+                                 in enumerate(zip(self.level_metrics[1:], views[1:], strict=True), start=1)]
         if self.level_metrics:
             self.level_metrics[0].update_train(q, n)
         for name, value in q.terms.items():

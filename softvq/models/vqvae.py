@@ -360,7 +360,9 @@ class VQVAE(EpochMetrics, L.LightningModule):
         if self.levels > 1 and any(fresh[1:]) and self.temperature_schedule == "constant":  # the levels' first batch
             hierarchy.match_temperatures_(self._codebooks(), out.quantizer.inputs, fresh)
         n = x.shape[0]
-        entropies = self._update_train_metrics(views, rec.detach(), n)
+        # a residual stack says how many levels ran (quantize dropout): a host number, no device sync
+        ran = out.quantizer.terms.get("levels") if is_residual(self.quantizer) else None
+        entropies = self._update_train_metrics(views, rec.detach(), n, None if ran is None else int(ran))
         if self.target_entropy is not None:
             self._control_temperature(entropies)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
@@ -384,11 +386,13 @@ class VQVAE(EpochMetrics, L.LightningModule):
             raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of {values} in "
                                      f"{where}: training diverged (lower --lr?)")
 
-    def _control_temperature(self, entropies: Sequence[Tensor]) -> None:
+    def _control_temperature(self, entropies: Sequence[Tensor | None]) -> None:
         """Entropy-controlled temperature (:func:`softvq.adapt_temperature`) for the next step, each level its own,
         from this step's H(Q) per level (``entropies``) averaged over processes: the same ``T`` on every process."""
         trainer = self._trainer  # None when the step is called by hand
         for layer, level_entropy in zip(self._codebooks(), entropies, strict=True):
+            if level_entropy is None:  # a level this step did not run
+                continue
             mean_entropy = self.all_gather(level_entropy).mean() \
                 if trainer is not None and trainer.world_size > 1 else level_entropy
             layer.temperature = softvq.adapt_temperature(
