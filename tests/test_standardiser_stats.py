@@ -1,0 +1,57 @@
+"""eval.standardiser_stats: the three ways of taking the token standardiser's statistics, against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import softvq
+from eval import standardiser_stats as ss
+from softvq.models import VQVAE
+
+
+def tiny(quantizer: torch.nn.Module) -> VQVAE:
+    torch.manual_seed(0)
+    model = VQVAE(quantizer=quantizer, code_dim=8, width=16, res_hidden=8, res_blocks=1)
+    model.train()
+    images = torch.rand(32, 3, 16, 16)
+    for step in range(3):  # initialise the codebook and move the running statistics
+        model.training_step((images, torch.zeros(32, dtype=torch.long)), step)
+    return model.eval()
+
+
+def test_the_standardiser_on_the_encoders_tokens_is_found():
+    single, stack = tiny(softvq.DDCLQuantizer(16, 8)), tiny(softvq.ResidualDDCL(3, 16, 8))
+    assert ss.standardisers(single) == [single.quantizer.standardizer]
+    assert ss.standardisers(stack) == [stack.quantizer.standardizer]  # the levels' own ones are unused
+    per_level = tiny(softvq.ResidualDDCL(3, 16, 8, scale="per_level"))
+    assert ss.standardisers(per_level) == [level.standardizer for level in per_level.quantizer.levels]
+
+
+def test_three_modes_against_hand_computations():
+    model = tiny(softvq.ResidualDDCL(2, 16, 8))
+    s = model.quantizer.standardizer
+    batches = [(torch.rand(8, 3, 16, 16), torch.zeros(8, dtype=torch.long)) for _ in range(3)]
+    tokens = torch.cat([model.latents(x).movedim(1, -1).reshape(-1, 8) for x, _ in batches]).double()
+    mean, var = ss.precise_statistics(model, batches, s)
+    torch.testing.assert_close(mean, tokens.mean(0))
+    torch.testing.assert_close(var, tokens.var(0, unbiased=True))
+
+    def by_hand() -> float:  # per-image PSNR of the hard reconstruction, averaged
+        with torch.no_grad():
+            values = [10 * math.log10(1 / float((model(x[i:i + 1]).reconstruction.clamp(0, 1) - x[i:i + 1])
+                                                .square().mean())) for x, _ in batches for i in range(len(x))]
+        return sum(values) / len(values)
+
+    assert abs(ss.val_psnr(model, batches, "running") - by_hand()) < 1e-3
+    running = s.running_mean.clone(), s.running_var.clone()
+    one = batches[:1]
+    batch_psnr = ss.val_psnr(model, one, "batch")
+    assert torch.equal(s.running_mean, running[0]) and torch.equal(s.running_var, running[1])  # nothing moved
+    assert not s.training
+    x = one[0][0]
+    t = model.latents(x).movedim(1, -1).reshape(-1, 8)
+    s.running_mean.copy_(t.mean(0))
+    s.running_var.copy_(t.var(0, unbiased=False))  # training mode standardises with the biased batch variance
+    assert abs(ss.val_psnr(model, one, "running") - batch_psnr) < 1e-4
