@@ -55,19 +55,34 @@ class TokenStandardizer(nn.Module):
     caller can map codes back to the input's scale (``codes * std + mean``). With ``frozen = True`` the running
     statistics are used in training mode too, and never change (a trained codebook reused as a fixed feature map).
 
+    With ``renorm=True`` training mode standardises *in value* with the running statistics (just moved by the batch),
+    as evaluation does, while the gradient is batch standardisation's (batch renormalisation, Ioffe 2017:
+    ``(z - mean_B) / std_B * r + d`` with ``r = sg(std_B / std)`` and ``d = sg((mean_B - mean) / std)``, clipped to
+    ``[1 / renorm_clip[0], renorm_clip[0]]`` and ``[-renorm_clip[1], renorm_clip[1]]``). Batch standardisation
+    makes the tokens' per-dimension scale a direction the loss cannot see, so the encoder can drift along it faster
+    than running averages follow, and evaluation then standardises with statistics training never used.
+
     Args:
         dim: ``D``.
         momentum: weight of each new batch in the running statistics, in ``(0, 1]``.
         eps: added to the variance, relative to the mean variance over dimensions.
+        renorm: batch renormalisation in training (see above).
+        renorm_clip: ``(r_max, d_max)``, the clipping of ``r`` and ``d``.
     """
 
-    def __init__(self, dim: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, momentum: float = 0.1, eps: float = 1e-5, renorm: bool = False,
+                 renorm_clip: tuple[float, float] = (3.0, 5.0)) -> None:
         super().__init__()
         self.dim = check_positive_int("dim", dim)
         self.momentum = check_float("momentum", momentum)
         if self.momentum > 1.0:
             raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
         self.eps = check_float("eps", eps)
+        self.renorm = bool(renorm)
+        r_max, d_max = (check_float("renorm_clip", float(v)) for v in renorm_clip)
+        if r_max < 1.0:
+            raise ValueError(f"renorm_clip[0] (r_max) must be >= 1, got {r_max!r}")
+        self.renorm_clip = (r_max, d_max)
         self.register_buffer("running_mean", torch.zeros(dim))
         self.register_buffer("running_var", torch.ones(dim))
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
@@ -80,10 +95,24 @@ class TokenStandardizer(nn.Module):
             mean, var, count = batch_moments(z)
             if update:
                 self._track(mean.detach(), var.detach(), count)
+            if self.renorm:
+                return self._renormalise(z, mean, var)
         else:
             mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
         std = self._std(var)
         return (z - mean) / std, mean, std
+
+    def _renormalise(self, z: Tensor, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Batch renormalisation: ``(z - m) / s`` with ``s = std_B / r``, ``m = mean_B - d s``, which equal the running
+        statistics in value (unless clipped) and carry the batch statistics' gradient."""
+        std = self._std(var)
+        run_std = self._std(self.running_var.to(z.dtype))
+        r_max, d_max = self.renorm_clip
+        r = (std.detach() / run_std).clamp(1.0 / r_max, r_max)
+        d = ((mean.detach() - self.running_mean.to(z.dtype)) / run_std).clamp(-d_max, d_max)
+        scale = std / r
+        shift = mean - d * scale
+        return (z - shift) / scale, shift, scale
 
     @torch.no_grad()
     def _track(self, mean: Tensor, var: Tensor, count: Tensor) -> None:
@@ -115,4 +144,5 @@ class TokenStandardizer(nn.Module):
         return self._std(self.running_var)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, momentum={self.momentum:g}, eps={self.eps:g}"
+        return f"dim={self.dim}, momentum={self.momentum:g}, eps={self.eps:g}" + (
+            f", renorm={self.renorm_clip}" if self.renorm else "")

@@ -211,3 +211,45 @@ def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
 def test_invalid_recipe_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DDCLQuantizer(8, 4, **kwargs)
+
+
+def test_batch_renormalisation_is_the_running_statistics_in_value_and_the_batchs_gradient_by_hand():
+    from softvq.norm import TokenStandardizer
+
+    torch.manual_seed(0)
+    sd = TokenStandardizer(3, renorm=True, renorm_clip=(1.5, 0.5)).double().train()
+    mean, var = None, None
+    for step in range(4):
+        scale = torch.tensor([0.01, 2.0, 5.0], dtype=torch.float64) * (1 + step)  # a drifting encoder
+        z = (torch.randn(50, 3, dtype=torch.float64) * scale + step).requires_grad_(True)
+        upstream = torch.randn(50, 3, dtype=torch.float64)
+        y, shift, s = sd(z)
+        (y * upstream).sum().backward()
+        # by hand: the running statistics after this batch (the first sets them whole), then r and d clipped
+        m = 1.0 if step == 0 else 0.1
+        bm, bv = z.detach().mean(0), z.detach().var(0, unbiased=False)
+        mean = bm if mean is None else (1 - m) * mean + m * bm
+        var = z.detach().var(0, unbiased=True) if var is None else (1 - m) * var + m * z.detach().var(0, unbiased=True)
+        run_std = (var + 1e-5 * var.mean()).sqrt()
+        zz = z.detach().clone().requires_grad_(True)
+        mu, v = zz.mean(0), zz.var(0, unbiased=False)
+        std = (v + 1e-5 * v.detach().mean()).sqrt()
+        r = (std.detach() / run_std).clamp(1 / 1.5, 1.5)
+        d = ((bm - mean) / run_std).clamp(-0.5, 0.5)
+        expected = (zz - mu) / std * r + d
+        (expected * upstream).sum().backward()
+        torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(z.grad, zz.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(y * s + shift, z, rtol=1e-12, atol=1e-12)  # the map back inverts it
+        if step == 0:  # the first batch set the running statistics: its own moments (the unbiased variance), d = 0
+            uv = bv * 50 / 49
+            torch.testing.assert_close(y, ((z - bm) / (uv + 1e-5 * uv.mean()).sqrt()).detach(), rtol=1e-12,
+                                       atol=1e-12)
+    unclipped = TokenStandardizer(3, renorm=True).double().train()
+    for step in range(3):
+        z = torch.randn(50, 3, dtype=torch.float64) * (1 + 0.1 * step) + 0.1 * step
+        y, _, _ = unclipped(z)
+        run = (unclipped.running_var + 1e-5 * unclipped.running_var.mean()).sqrt()
+        torch.testing.assert_close(y, (z - unclipped.running_mean) / run, rtol=1e-12, atol=1e-12)  # = evaluation
+    with pytest.raises(ValueError, match="r_max"):
+        TokenStandardizer(3, renorm=True, renorm_clip=(0.5, 1.0))
