@@ -49,6 +49,7 @@ LABELS = {
     "rddcl_per_level": "softvq ResidualDDCL, scale='per_level'",
     "rddcl_dropout": "softvq ResidualDDCL, quantize_dropout=True",
     "rddcl_renorm": "softvq ResidualDDCL, standardiser with batch renormalisation",
+    "rddcl_no_renorm": "softvq ResidualDDCL(renorm=False)",
     "rhard": "softvq ResidualHardVQ (EMA 0.99 + restart 1 per level)",
     "vqp_rvq": "vqp ResidualVQ (kmeans init, dead < 2, rotation trick)",
     "vqp_rfsq": "vqp ResidualFSQ [8,6,5] (240 codes a level)",
@@ -118,9 +119,9 @@ def build(method: str, num_quantizers: int, num_codes: int, dim: int) -> nn.Modu
     if method == "rddcl_dropout":
         return softvq.ResidualDDCL(num_quantizers, num_codes, dim, quantize_dropout=True)
     if method == "rddcl_renorm":  # a probe: the shared standardiser with batch renormalisation
-        quantizer = softvq.ResidualDDCL(num_quantizers, num_codes, dim)
-        quantizer.standardizer.renorm = True
-        return quantizer
+        return softvq.ResidualDDCL(num_quantizers, num_codes, dim, renorm=True)
+    if method == "rddcl_no_renorm":  # the default before batch renormalisation
+        return softvq.ResidualDDCL(num_quantizers, num_codes, dim, renorm=False)
     if method == "rhard":
         return softvq.ResidualHardVQ(num_quantizers, num_codes, dim)
     if method == "ddcl512":
