@@ -71,13 +71,20 @@ def precise_statistics(model: VQVAE, loader: Any, standardiser: TokenStandardize
 def val_psnr(model: VQVAE, loader: Any, mode: str) -> float:
     """Validation PSNR (per image, averaged) of the hard-index reconstruction, the standardisers in ``mode``."""
     model.eval()
+    found = standardisers(model)
+    renorm = [s.renorm for s in found]
     if mode == "batch":  # training-mode statistics; the quantizer is in eval mode, so nothing is updated
-        for s in standardisers(model):
+        for s in found:  # batch renormalisation would standardise with the running statistics in value: off here
             s.train()
+            s.renorm = False
     metric = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))
-    for x, _ in loader:
-        metric.update(model(x).reconstruction.clamp(0, 1), x)
-    model.eval()
+    try:
+        for x, _ in loader:
+            metric.update(model(x).reconstruction.clamp(0, 1), x)
+    finally:
+        for s, flag in zip(found, renorm, strict=True):
+            s.renorm = flag
+        model.eval()
     return float(metric.compute())
 
 
