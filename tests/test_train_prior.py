@@ -88,7 +88,15 @@ def test_cached_codes_equal_the_vqvae_encoding_of_the_same_images(trained, vqvae
     images = [to_tensor(Image.open(tiny_cifar["folder"] / "test" / c / f"{j:04d}.jpg").convert("RGB"))
               for c in CLASSES for j in range(5)]
     expected = torch.cat([model.encode(x[None]) for x in images])
-    assert torch.equal(saved["test"]["codes"].long(), expected)
+    codes = saved["test"]["codes"].long()
+    # Batched and one-image convolutions differ in the last float bits, which can flip a near-tie between two codes:
+    # a differing code must be one the image's own assignments rate as highly as the expected one (to 1e-4).
+    differ = (codes != expected).nonzero().tolist()
+    assert len(differ) <= 2, f"{len(differ)} cached codes differ from the image-by-image encoding"
+    for b, i, j in differ:
+        with torch.no_grad():
+            probs = model.quantizer(model.latents(images[b][None]).movedim(1, -1)).probs[0, i, j]
+        assert probs[codes[b, i, j]] >= probs[expected[b, i, j]] - 1e-4
     assert saved["test"]["labels"].long().tolist() == [c for c in range(10) for _ in range(5)]
     assert saved["train"]["codes"].shape == (250, 8, 8) and saved["val"]["codes"].shape == (50, 8, 8)
     # A second run over the same checkpoint and selection reads the cache instead of encoding.
