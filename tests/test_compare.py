@@ -102,7 +102,8 @@ def test_the_head_to_head_alone_without_studies(quick, tiny_cifar):
     assert "eps ablation" not in (tmp / "alone" / "report.md").read_text()
 
 
-def test_a_failing_run_names_its_log(tiny_cifar, tmp_path):
+def test_a_failing_run_names_its_log(tiny_cifar, tmp_path, monkeypatch):
+    monkeypatch.setattr(compare, "METHODS", compare.METHODS[:1])  # one run shows it; each costs an interpreter start
     with pytest.raises(RuntimeError, match=r"training .*seed0 failed.*train\.log"):
         compare.main(tiny_args(tiny_cifar, tmp_path, "--seeds", "0", "--studies", "--train-args",
                                TINY_MODEL + " --data.data_root " + str(tmp_path / "no-data")))
