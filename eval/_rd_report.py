@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from eval._spread import beyond_spread
 from softvq.models.files import write_atomic
 

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from eval._spread import beyond_spread
 from softvq.models.files import write_atomic
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,15 +116,3 @@ def build(config: str, num_codes: int, dim: int) -> tuple[nn.Module, int, str]:
 
 def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return eval(OPTIMIZERS[name], {"__builtins__": {}}, {"torch": torch, "model": model})
-
-
-def code_commit() -> str:
-    """The repository's commit, ``+`` when ``softvq/`` or ``eval/`` differ from it; ``"unknown"`` outside a clone."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "softvq", "eval"], cwd=root).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+" if dirty else "")

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import softvq
 from eval import peers
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from softvq.cli.common import run_command
 from softvq.models.codes import extract_codes
 from softvq.models.files import write_atomic

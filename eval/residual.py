@@ -39,7 +39,7 @@ from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
 from eval import peers
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from softvq.cli.common import run_command
 from softvq.models.files import write_atomic
 from softvq.types import QuantizerOutput

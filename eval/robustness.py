@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
+from eval._provenance import code_commit
 from eval._robustness_grid import (
     ALPHA,
     BASE,
@@ -48,7 +49,6 @@ from eval._robustness_grid import (
     VAL_SIZE,
     Setting,
     build,
-    code_commit,
     constructor,
     make_optimizer,
 )

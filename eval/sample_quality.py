@@ -30,7 +30,7 @@ import torch
 
 from eval import _classifier as clf
 from eval import rate_distortion as rd
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from eval.peers import study_run
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule

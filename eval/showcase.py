@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from softvq.cli import prior as train_prior
 from softvq.cli import train as train_vqvae
 from softvq.cli.common import run_command

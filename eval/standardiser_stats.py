@@ -30,7 +30,7 @@ import torch
 from torchmetrics.image import PeakSignalNoiseRatio
 
 from eval import peers, residual
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval._robustness_grid import code_commit
+from eval._provenance import code_commit
 from eval.sample_quality import load_point
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule

@@ -1,0 +1,23 @@
+"""Where a report's numbers come from: the code commit a study ran at (a leaf module: git only, no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git(*args: str, cwd: Path = ROOT) -> str:
+    """``git args`` in the repository; raises ``OSError`` / ``CalledProcessError`` outside a clone."""
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def code_commit() -> str:
+    """The repository's commit, ``+`` when ``softvq/`` or ``eval/`` differ from it; ``"unknown"`` outside a clone."""
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "softvq", "eval"], cwd=ROOT).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")

@@ -1,0 +1,143 @@
+"""Every committed report, the code commit it was measured at, and whether that code has changed since.
+
+    python -m eval.reports            # list: report, recorded commit, command, status
+    python -m eval.reports --check    # exit 1 if a report lacks its header or its code changed after it ran
+    python -m eval.reports --headers  # exit 1 only if a report lacks its header (what CI runs: no history needed)
+
+A report (any ``reports/**/*.md``) starts with a header of two lines:
+
+    Regenerate: `python -m eval.<study> ...`     (or ``Regenerate:`` followed by the command, indented)
+    Code: <commit> ...                          (every commit the numbers came from: the runs', the report's)
+
+A report is **stale** when ``softvq/`` or its study's own modules (``eval/<study>.py``, ``eval/_<study>_report.py``)
+changed in a commit that is not an ancestor of (or equal to) every commit its ``Code:`` line names: its numbers may
+not be what today's code gives. A commit this clone does not have (a shallow clone, another repository) is reported
+as unknown, not stale. ``+`` after a commit (uncommitted changes when the study ran) is read as that commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from eval._provenance import ROOT, git
+
+REGENERATE = re.compile(r"^Regenerate:\s*(.*)$")
+CODE = re.compile(r"^Code:\s*(.*)$")
+COMMIT = re.compile(r"(?<![0-9a-zA-Z])[0-9a-f]{7,40}(?![0-9a-zA-Z])")
+STUDY = re.compile(r"python -m (eval\.[A-Za-z_0-9]+)")
+HEADER_LINES = 40  # the header sits at the top; a "Code:" line further down is a table's, not the report's
+
+
+@dataclass
+class Header:
+    path: Path
+    command: str | None
+    commits: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.command) and bool(self.commits)
+
+    def modules(self, root: Path) -> list[str]:
+        """The study's own modules, repository-relative: ``eval/<study>.py`` and its report writer if there is one."""
+        match = STUDY.search(self.command or "")
+        if not match:
+            return []
+        name = match.group(1).split(".", 1)[1]
+        return [m for m in (f"eval/{name}.py", f"eval/_{name}_report.py") if (root / m).is_file()]
+
+
+def read_header(path: Path) -> Header:
+    """The ``Regenerate:`` command and the commits of the ``Code:`` line in the first lines of ``path``."""
+    lines = path.read_text(encoding="utf-8").splitlines()[:HEADER_LINES]
+    command, commits = None, []
+    for i, line in enumerate(lines):
+        if command is None and (m := REGENERATE.match(line)):
+            text = m.group(1).strip()
+            if not text:  # the command on the next indented line
+                text = next((nxt.strip() for nxt in lines[i + 1:] if nxt.startswith("    ")), "")
+            command = text.split("`")[1] if text.count("`") >= 2 else text
+        elif not commits and (m := CODE.match(line)):
+            commits = COMMIT.findall(m.group(1))
+    return Header(path, command or None, commits)
+
+
+def find_reports(root: Path) -> list[Path]:
+    return sorted((root / "reports").rglob("*.md"))
+
+
+def last_change(paths: list[str], root: Path) -> str | None:
+    """The newest commit that touched any of ``paths`` (``None``: none did)."""
+    return git("log", "-1", "--format=%H", "--", *paths, cwd=root) or None
+
+
+def known(commit: str, root: Path) -> bool:
+    try:
+        git("cat-file", "-e", f"{commit}^{{commit}}", cwd=root)
+    except subprocess.CalledProcessError:
+        return False
+    return True
+
+
+def is_ancestor(older: str, newer: str, root: Path) -> bool:
+    """``older`` is ``newer`` or one of its ancestors."""
+    return subprocess.run(["git", "merge-base", "--is-ancestor", older, newer], cwd=root).returncode == 0
+
+
+def status(header: Header, root: Path = ROOT) -> str:
+    """``"fresh"``, ``"no header: ..."``, ``"unknown commit ..."`` or ``"stale: ..."``."""
+    if not header.command:
+        return "no header: no 'Regenerate:' line"
+    if not header.commits:
+        return "no header: no commit on a 'Code:' line"
+    missing = [c for c in header.commits if not known(c, root)]
+    if missing:
+        return f"unknown commit {', '.join(missing)} (not in this clone)"
+    watched = ["softvq", *header.modules(root)]
+    change = last_change(watched, root)
+    if change is None:
+        return "fresh"
+    behind = [c for c in header.commits if not is_ancestor(change, c, root)]
+    if behind:
+        return f"stale: {' / '.join(watched)} changed in {change[:7]}, after {', '.join(behind)}"
+    return "fresh"
+
+
+def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 on a missing header or a stale report")
+    mode.add_argument("--headers", action="store_true", help="exit 1 on a missing header only (no git history read)")
+    args = p.parse_args(argv)
+    reports = find_reports(root)
+    if not reports:
+        print(f"error: no reports under {root / 'reports'}", file=sys.stderr)
+        return 1
+    bad = []
+    print("| report | commit(s) | command | status |\n|---|---|---|---|")
+    for path in reports:
+        header = read_header(path)
+        if args.headers:
+            state = "header present" if header.complete else status(header, root)
+        else:
+            state = status(header, root)
+        failing = not header.complete if args.headers else not state.startswith(("fresh", "unknown commit"))
+        bad += [path] if failing else []
+        command = (header.command or "-").replace("|", "\\|")
+        print(f"| {path.relative_to(root)} | {', '.join(header.commits) or '-'} | `{command}` | {state} |")
+    if (args.check or args.headers) and bad:
+        what = "lack a header" if args.headers else "lack a header or are stale"
+        print(f"\n{len(bad)} of {len(reports)} reports {what}: "
+              f"{', '.join(str(p.relative_to(root)) for p in bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""eval.reports: every committed report has its header; staleness is judged from a real git history."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from eval import reports
+
+
+def test_every_committed_report_has_its_header(capsys):
+    assert reports.main(["--headers"]) == 0, capsys.readouterr().err
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| reports/")]
+    assert len(listed) == len(reports.find_reports(reports.ROOT)) > 10
+
+
+def test_header_parsing_of_both_layouts(tmp_path):
+    inline = tmp_path / "a.md"
+    inline.write_text("# T\n\nRegenerate: `python -m eval.peers --seeds 0` (runs kept)\n\n"
+                      "Code: report written at abc1234; runs trained at 0123456789abcdef0123456789abcdef01234567+.\n")
+    h = reports.read_header(inline)
+    assert h.command == "python -m eval.peers --seeds 0"
+    assert h.commits == ["abc1234", "0123456789abcdef0123456789abcdef01234567"]  # "+" (dirty) read as the commit
+    block = tmp_path / "b.md"
+    block.write_text("# T\n\nRegenerate:\n\n    python -m eval.paradigm1 --x 1\n\nCode: unknown\n")
+    h = reports.read_header(block)
+    assert h.command == "python -m eval.paradigm1 --x 1" and h.commits == [] and not h.complete
+    assert reports.status(h, tmp_path) == "no header: no commit on a 'Code:' line"
+    assert reports.status(reports.Header(block, None, ["abc1234"]), tmp_path).startswith("no header: no 'Regenerate:'")
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path):
+    for d in ("softvq", "eval", "reports/peers", "reports/other"):
+        (tmp_path / d).mkdir(parents=True)
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "config", "user.email", "t@t")
+    git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "softvq" / "layer.py").write_text("x = 1\n")
+    (tmp_path / "eval" / "peers.py").write_text("y = 1\n")
+    (tmp_path / "eval" / "other.py").write_text("z = 1\n")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "code")
+    return tmp_path
+
+
+def write_report(repo: Path, name: str, commit: str) -> None:
+    (repo / "reports" / name / "report.md").write_text(
+        f"# R\n\nRegenerate: `python -m eval.{name} --seeds 0`\n\nCode: {commit}\n")
+
+
+def test_a_report_goes_stale_when_its_study_or_the_library_changes(repo, capsys):
+    measured = git(repo, "rev-parse", "--short", "HEAD")
+    write_report(repo, "peers", measured)
+    write_report(repo, "other", measured)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "reports")  # a later commit that only adds reports leaves them fresh
+    assert reports.main(["--check"], root=repo) == 0
+    (repo / "eval" / "peers.py").write_text("y = 2\n")  # the study of one report changes
+    git(repo, "commit", "-qam", "peers changed")
+    assert reports.main(["--check"], root=repo) == 1
+    out, err = capsys.readouterr()
+    assert "stale: softvq / eval/peers.py changed in" in out and "reports/other/report.md" not in err
+    assert "1 of 2 reports lack a header or are stale: reports/peers/report.md" in err
+    (repo / "softvq" / "layer.py").write_text("x = 2\n")  # the library changes: every report is stale
+    git(repo, "commit", "-qam", "library changed")
+    assert reports.main(["--check"], root=repo) == 1
+    assert "2 of 2 reports" in capsys.readouterr().err
+    assert reports.main(["--headers"], root=repo) == 0  # headers are there all along
+    write_report(repo, "other", git(repo, "rev-parse", "HEAD"))  # re-measured at today's code
+    assert reports.main(["--check"], root=repo) == 1
+    assert "1 of 2 reports lack a header or are stale: reports/peers/report.md" in capsys.readouterr().err
+    write_report(repo, "peers", "deadbee")
+    reports.main(["--check"], root=repo)
+    assert "unknown commit deadbee (not in this clone)" in capsys.readouterr().out
