@@ -14,6 +14,7 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from eval._provenance import code_commit
 from softvq.models.files import write_atomic  # noqa: E402
 
 PLOTS = ("health.png", "ddcl_terms.png", "usage.png", "eps.png", "temperature.png")  # the last two with their runs
@@ -263,7 +264,7 @@ def _intro(runs: list[dict[str, Any]], settings: dict[str, Any], seconds: dict[s
     test_images = "all 10,000" if limit is None else f"the first {limit:,}"
     return [
         "# Head-to-head: DDCL vs hard VQ-VAE on CIFAR-10", "",
-        f"Regenerate: `{settings['command']}`", "",
+        f"Regenerate: `{settings['command']}`", "", f"Code: {code_commit()}", "",
         f"Every run: {int(settings['epochs'])} epochs on {subset:,} training images, {settings['val_size']:,} held-out "
         f"validation images, test metrics on {test_images} "
         f"test images from the last epoch's checkpoint. Method seeds {settings['seeds']}, ablation seeds "

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
+from eval._provenance import code_commit
 from eval.debris_data import FEATURES, REGIMES, DebrisConfig
 
 MAIN = ("k-means", "DDCL (direct)", "DDCL (encoder)")
@@ -90,7 +91,7 @@ def _intro(summary: dict, argv: list[str] | None) -> list[str]:
         "",
         f"Regenerate: `python -m eval.debris{' ' + flags if flags else ''}` ({summary['seconds']:.0f} s on "
         f"{args['threads']} CPU thread, torch {summary['torch']}). Every number below is measured by that command.",
-        "",
+        "", f"Code: {code_commit()}", "",
         f"Data: `eval.debris_data.make_orbital_debris({args['n_samples']}, seed=s)` for seeds "
         f"s = 0..{args['seeds'] - 1}; features {', '.join(FEATURES)}, standardised per column; regimes "
         f"{', '.join(REGIMES)} in shares {', '.join(f'{p:.0%}' for p in DebrisConfig().proportions)}. "

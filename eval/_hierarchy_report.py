@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from eval import _compare_report as rep
+from eval._provenance import code_commit
 from softvq.models.files import write_atomic
 
 PLOTS = ("health.png", "levels.png")
@@ -129,7 +130,7 @@ def _intro(runs: list[dict[str, Any]], settings: dict[str, Any], seconds: dict[s
     ref_seeds = settings.get("reference_seeds") or settings["seeds"]
     lines = [
         "# Hierarchical DDCL: 1 level vs 2 levels vs hard VQ on CIFAR-10", "",
-        f"Regenerate: `{settings['command']}`", "",
+        f"Regenerate: `{settings['command']}`", "", f"Code: {code_commit()}", "",
         f"Every run: {int(settings['epochs'])} epochs on {subset:,} training images, {settings['val_size']:,} "
         f"validation images, test metrics on {'all 10,000' if limit is None else f'the first {limit:,}'} test images "
         f"from the last epoch's checkpoint; 2-level seeds {settings['seeds']}, reference seeds {ref_seeds}; extra "

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eval._provenance import code_commit
 from eval._spread import judge
 from softvq.models.files import write_atomic
 
@@ -204,7 +205,7 @@ def _measured_as(results: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any]) -> str:
     lines = ["# Paradigm 1: DDCL readout on frozen encoders vs k-means vs a logistic-regression bound", "",
-             "Regenerate:", "", f"    {results['command']}", "",
+             "Regenerate:", "", f"    {results['command']}", "", f"Code: {code_commit()}", "",
              f"Total {results['seconds'] / 60:.1f} min on {results['threads']} CPU threads (encoders and tokens "
              f"come from the cache on a second run).", "", *_measured_as(results),
              "Test accuracy (clustering ACC at K = number of classes, Hungarian), mean ± sample std over seeds:", "",

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval._compare_report import _finish, _fmt, draw_panels, mean_std, series  # noqa: E402
+from eval._provenance import code_commit
 from softvq.models.files import write_atomic  # noqa: E402
 
 TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM", "{:.3f}", 1.0),
@@ -157,7 +158,7 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
         "# DDCL against its peers in the project's VQ-VAE",
         "",
         f"Regenerate: `{settings['command']}` (runs are kept in `runs/peers/`; finished ones are read).",
-        "",
+        "", f"Code: {code_commit()}", "",
         f"Same encoder/decoder (width {settings['width']}, {settings['res_blocks']} residual blocks), K = "
         f"{settings['num_codes']} codes of D = {settings['code_dim']}, Adam {settings['lr']:g}, batch "
         f"{settings['batch_size']}, {settings['train_subset']} training images, {settings['val_size']} validation "

@@ -49,6 +49,7 @@ from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
 from eval._peers_report import test_table, values
+from eval._provenance import code_commit
 from eval._spread import beyond_spread
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
@@ -284,7 +285,8 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         verdict.append(f"- {name} test utilization, lowest seed" + (" and level" if ours == "rddcl" else "")
                        + f": {util:.1f}% (target ≥ 99%).")
     lines = ["# Drop-in check: each quantizer in a foreign autoencoder, with its library's defaults", "",
-             f"Regenerate: `{args.command}`", "",
+             f"Regenerate: `{args.command}`", "", f"Code: {code_commit()} (the report; runs read back from --runs "
+             "keep no commit of their own)", "",
              f"vector-quantize-pytorch's example shape on CIFAR-10 (D = {DIM}, 8x8 grid), {args.steps} steps of "
              f"{args.batch_size} images, L1 + {args.alpha:g}·quantizer loss, Adam({args.lr:g}) on "
              f"`model.parameters()`, seeds {args.seeds}; test split ({args.test_limit or 10000} images), "

@@ -30,6 +30,7 @@ import copy
 import json
 import logging
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from eval._provenance import code_commit
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
 from softvq import DDCLQuantizer, assignment_entropy
 from softvq.cli.common import run_command
@@ -156,6 +158,8 @@ def report(results: dict[str, Any]) -> str:
     c = results["config"]
     lines = [
         "# Readouts on frozen VQ-VAE latents (CIFAR-10)", "",
+        f"Regenerate: `{results.get('command', 'python -m eval.readout')}`", "",
+        f"Code: {results.get('commit', 'unknown')}", "",
         f"Checkpoint `{c['checkpoint']}` (sha256 {c['checkpoint_sha256'][:16]}...): {c['quantizer']} with "
         f"K = {c['num_codes']}, D = {c['dim']}; the {c['grid']} latent grid read as T = {c['tokens']} tokens. "
         f"Encoder and codebook frozen.", "",
@@ -282,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     results = run(args)
+    results["command"] = shlex.join(["python", "-m", "eval.readout", *(sys.argv[1:] if argv is None else argv)])
+    results["commit"] = code_commit()
     args.out.mkdir(parents=True, exist_ok=True)
     text = report(results)
     (args.out / "report.md").write_text(text)
