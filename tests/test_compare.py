@@ -22,6 +22,15 @@ def tiny_args(tiny_cifar, tmp_path, *extra: str) -> list[str]:
             "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "report"), "--num-workers", "0", *extra]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_row_per_study():
+    """In this module each study has one row beside its reference (eps 1.0, fixed T): every run costs a process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compare, "EPS", tuple(r for r in compare.EPS if r[0] != "ddcl_eps0.1"))
+        mp.setattr(compare, "TEMPERATURE", compare.TEMPERATURE[:1])
+        yield
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, tiny_cifar):
     tmp = tmp_path_factory.mktemp("compare")
@@ -43,11 +52,11 @@ def test_quick_comparison_writes_the_report_and_every_plot(quick):
     for heading in ("Against the paper's claims", "Test split, last epoch", "eps ablation", "Temperature"):
         assert heading in text
     assert "python -m eval.compare --quick" in text
-    # 3 methods x 2 seeds + eps 0.1 / 1.0 and fixed / annealed T on seed 0.
+    # 3 methods x 2 seeds + the plain layer, eps 1.0 and fixed T on seed 0.
     runs = results["runs"]
     assert sorted((r["key"], r["seed"]) for r in runs) == sorted(
         [(k, s) for k in ("ddcl", "hard", "hard_ema") for s in (0, 1)]
-        + [(k, 0) for k in ("ddcl_plain", "ddcl_eps0.1", "ddcl_eps1.0", "ddcl_fixedT", "ddcl_annealT")])
+        + [(k, 0) for k in ("ddcl_plain", "ddcl_eps1.0", "ddcl_fixedT")])
     for run in runs:
         assert [row["epoch"] for row in run["history"]] == [1, 2]
         assert run["test"]["images"] == 20 and run["test"]["epochs"] == 2 and run["test"]["num_codes"] == 8
