@@ -42,3 +42,12 @@ class SyncRecorder(TorchDispatchMode):
         if packet in _SYNCING or masked:
             self.calls.append(str(func))
         return func(*args, **kwargs)
+
+
+# A run long enough to be interrupted in the middle of epoch 2, with a DataLoader worker and dead-code restarts (of
+# both quantizers): the interrupt-and-resume tests of tests/test_kill_resume.py and tests/test_run_directory.py.
+INTERRUPTIBLE = ["--epochs", "2", "--data.train_subset", "240", "--data.val_size", "20", "--data.batch_size", "8",
+                 "--model.num_codes", "16", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
+                 "--model.res_blocks", "1", "--data.num_workers", "1", "--trainer.accelerator", "cpu",
+                 "--trainer.progress_bar", "false", "--seed", "5", "--ddcl.dead_code_threshold", "20",
+                 "--hard.dead_code_threshold", "20"]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import INTERRUPTIBLE
 
 from softvq.cli import train as train_vqvae
 from softvq.cli.common import GracefulStop, Interrupted, run_command
@@ -33,12 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--data.train_subset", "96", "--data.val_size", "16", "--data.batch_size", "16", "--model.num_codes", "16",
          "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4", "--model.res_blocks", "1",
          "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.progress_bar", "false", "--seed", "2"]
-# As tests/test_kill_resume.py, 2 epochs: long enough to be interrupted in the middle, a loader worker, restarts (of
-# both quantizers).
-KILL = ["--epochs", "2", "--data.train_subset", "240", "--data.val_size", "20", "--data.batch_size", "8",
-        "--model.num_codes", "16", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
-        "--model.res_blocks", "1", "--data.num_workers", "1", "--trainer.accelerator", "cpu", "--trainer.progress_bar",
-        "false", "--seed", "5", "--ddcl.dead_code_threshold", "20", "--hard.dead_code_threshold", "20"]
+KILL = INTERRUPTIBLE  # the session's uninterrupted_run (with DDCL) is these flags, never interrupted
 
 
 def command(data: Path, out: Path, *extra: str) -> list[str]:
@@ -172,11 +168,9 @@ def test_two_runs_started_together_into_one_out(tmp_path, tiny_cifar):
 
 
 # ---- item 3: SIGTERM / SIGINT ------------------------------------------------------------------------------------
-def test_sigterm_mid_epoch_exits_143_names_unfinished_runs_and_resumes_bit_identical(tmp_path, tiny_cifar):
+def test_sigterm_mid_epoch_exits_143_names_unfinished_runs_and_resumes_bit_identical(tmp_path, tiny_cifar,
+                                                                                      uninterrupted_run):
     data = tiny_cifar["folder"]
-    straight = subprocess.run(command(data, tmp_path / "straight", *KILL, "--quantizer", "ddcl"), env=env(),
-                              capture_output=True, text=True, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-3000:]
 
     out = tmp_path / "both"
     argv = [*KILL, "--quantizer", "ddcl", "hard"]
@@ -203,7 +197,7 @@ def test_sigterm_mid_epoch_exits_143_names_unfinished_runs_and_resumes_bit_ident
     resumed = subprocess.run(command(data, out, *argv, "--resume"), env=env(), capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_training(out / "ddcl", tmp_path / "straight")
+    assert_same_training(out / "ddcl", uninterrupted_run)
     assert [r["epoch"] for r in rows(out / "hard")] == [1, 2] and (out / "comparison.md").is_file()
 
 
