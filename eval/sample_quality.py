@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     conditional = conditional_study(loaded, classifier, (val_f, val_y), (test_f, test_x, test_y), data, args) \
         if args.conditional else None
     summary = {"command": args.command, "commit": code_commit(), "classifier": {
-        "path": str(path), "sha256": record["sha256"], "test_accuracy": record["test_accuracy"],
+        "file": path.name, "sha256": record["sha256"], "test_accuracy": record["test_accuracy"],
         "settings": settings}, "real_test_accuracy": float((clf.predict(classifier, test_x) == test_y).double().mean()),
         "protocol": {"temperature": temperature, "top_k": None, "samples": args.samples, "seed": args.seed,
                      "validation_fd": {str(t): v for t, v in val_fd.items()}}, "rows": rows,
