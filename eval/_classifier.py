@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 from torchmetrics.image.fid import FrechetInceptionDistance
 
 from softvq.data.archive import sha256_file
@@ -152,15 +152,17 @@ def predict(classifier: SmallResNet, images: Tensor, batch_size: int = 500) -> T
 
 
 def images_of(dataset: Dataset, limit: int | None = None) -> tuple[Tensor, Tensor]:
-    """``(images (N, 3, 32, 32) float in [0, 1], labels (N,))`` of a dataset of ``(image, label)`` items."""
+    """``(images (N, 3, 32, 32) float in [0, 1], labels (N,))`` of a dataset of ``(image, label)`` items; with
+    ``limit``, a fixed random subset of that many (seed 0, in dataset order). Not the first ``limit``: the official
+    test split is sorted by class, so its first 5,000 images hold only the first five classes."""
+    if limit is not None and limit < len(dataset):
+        keep = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))[:limit].sort().values
+        dataset = Subset(dataset, keep.tolist())
     xs, ys = [], []
     for x, y in DataLoader(dataset, batch_size=500, shuffle=False):
         xs.append(x)
         ys.append(torch.as_tensor(y))
-        if limit is not None and sum(len(v) for v in ys) >= limit:
-            break
-    x, y = torch.cat(xs), torch.cat(ys)
-    return (x, y) if limit is None else (x[:limit], y[:limit])
+    return torch.cat(xs), torch.cat(ys)
 
 
 def settings_key(settings: dict[str, Any]) -> str:
