@@ -62,19 +62,14 @@ def _private_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def uninterrupted_run(tmp_path_factory, tiny_cifar) -> Path:
-    """``train_vqvae.py`` with ``tests.helpers.INTERRUPTIBLE`` and DDCL, never interrupted: the reference that the
+    """``train_vqvae.py`` with ``helpers.INTERRUPTIBLE`` and DDCL, never interrupted: the reference that the
     interrupt-and-resume tests (SIGKILL, SIGTERM) must end bit-identical to. Trained once per session."""
-    import os
     import subprocess
-    import sys
 
-    from helpers import INTERRUPTIBLE
+    from helpers import INTERRUPTIBLE, train_command, train_env
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    done = subprocess.run([sys.executable, str(root / "train_vqvae.py"), "--data.data_root", str(tiny_cifar["folder"]),
-                           "--out", str(out), *INTERRUPTIBLE, "--quantizer", "ddcl"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(train_command(tiny_cifar["folder"], out, *INTERRUPTIBLE, "--quantizer", "ddcl"),
+                          env=train_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

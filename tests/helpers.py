@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -51,3 +54,16 @@ INTERRUPTIBLE = ["--epochs", "2", "--data.train_subset", "240", "--data.val_size
                  "--model.res_blocks", "1", "--data.num_workers", "1", "--trainer.accelerator", "cpu",
                  "--trainer.progress_bar", "false", "--seed", "5", "--ddcl.dead_code_threshold", "20",
                  "--hard.dead_code_threshold", "20"]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_command(data: Path, out: Path, *extra: str) -> list[str]:
+    """``train_vqvae.py`` as a process: the data, the run directory, then ``extra`` flags."""
+    return [sys.executable, str(ROOT / "train_vqvae.py"), "--data.data_root", str(data), "--out", str(out), *extra]
+
+
+def train_env() -> dict[str, str]:
+    """The environment of a training process: one thread, the clone importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -9,29 +9,24 @@ Only ``time_s`` (wall clock) differs between the history rows.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-from helpers import INTERRUPTIBLE
+from helpers import INTERRUPTIBLE, train_command, train_env
 
 from softvq.models.files import TMP_PREFIX
 
-ROOT = Path(__file__).resolve().parents[1]
 ARGS = [*INTERRUPTIBLE, "--quantizer", "ddcl"]  # the session's uninterrupted_run, interrupted here
 
 
 def command(data: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train_vqvae.py"), "--data.data_root", str(data), "--out", str(out), *ARGS,
-            *extra]
+    return train_command(data, out, *ARGS, *extra)
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+env = train_env
 
 
 def rows(out: Path) -> list[dict]:

@@ -24,25 +24,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import INTERRUPTIBLE
+from helpers import INTERRUPTIBLE, train_command, train_env
 
 from softvq.cli import train as train_vqvae
 from softvq.cli.common import GracefulStop, Interrupted, run_command
 from softvq.models.files import RunLock, RunLockedError
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--data.train_subset", "96", "--data.val_size", "16", "--data.batch_size", "16", "--model.num_codes", "16",
          "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4", "--model.res_blocks", "1",
          "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.progress_bar", "false", "--seed", "2"]
 KILL = INTERRUPTIBLE  # the session's uninterrupted_run (with DDCL) is these flags, never interrupted
 
 
-def command(data: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train_vqvae.py"), "--data.data_root", str(data), "--out", str(out), *extra]
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+command, env = train_command, train_env
 
 
 def rows(out: Path) -> list[dict]:
