@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,3 +23,8 @@ def code_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+" if dirty else "")
+
+
+def study_command(module: str, argv: list[str] | None) -> str:
+    """The command line that reruns ``python -m <module>`` with ``argv`` (this process's own when ``None``)."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])

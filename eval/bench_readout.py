@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from eval._bench import markdown_table, sweep, sync
-from eval._provenance import code_commit
+from eval._provenance import code_commit, study_command
 from softvq import DDCLReadout
 
 METHODS = ("ddcl", "attn", "query")
@@ -177,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = shlex.join(["python", "-m", "eval.bench_readout", *(sys.argv[1:] if argv is None else argv)])
-        args.out.write_text(f"Regenerate: `{command}`\n\nCode: {code_commit()}\n\n{report}\n")
+        args.out.write_text(f"Regenerate: `{study_command('eval.bench_readout', argv)}`\n\nCode: {code_commit()}\n\n"
+                            f"{report}\n")
     if args.json:
         args.json.write_text(json.dumps({"device": str(device), "args": {k: str(v) for k, v in vars(args).items()},
                                          "rows": rows, "passed": passed}, indent=2))

@@ -30,7 +30,6 @@ import copy
 import json
 import logging
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from eval._provenance import code_commit
+from eval._provenance import code_commit, study_command
 from eval._readout_heads import LABELS, READOUTS, build_readout, fit
 from softvq import DDCLQuantizer, assignment_entropy
 from softvq.cli.common import run_command
@@ -286,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     results = run(args)
-    results["command"] = shlex.join(["python", "-m", "eval.readout", *(sys.argv[1:] if argv is None else argv)])
+    results["command"] = study_command("eval.readout", argv)
     results["commit"] = code_commit()
     args.out.mkdir(parents=True, exist_ok=True)
     text = report(results)
