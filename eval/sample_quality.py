@@ -14,7 +14,8 @@ Usage:
 
 The protocol (temperature; guidance weight for conditional samples) is chosen on the **validation** split: the
 value whose samples have the lowest Fréchet distance to the 5,000 validation images, averaged over every bottleneck,
-so no bottleneck gets its own. The test split (its first ``--samples`` images) is read once, for the final table.
+so no bottleneck gets its own. The test split (a fixed random ``--samples`` of its images, every class in
+it; ``eval._classifier.images_of``) is read once, for the final table.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ VQ-VAE exactly as ``eval.peers`` / ``eval.residual`` do (``eval.peers.fit_run``)
 **validation** split's hard-index PSNR with the standardiser's statistics taken three ways:
 
     running    the running averages (what ``model.eval()`` uses)
-    batch      each validation batch's own moments (what training used), updating nothing
+    batch      each validation batch's own moments (what plain batch standardisation trains with; batch
+               renormalisation is off for this pass), updating nothing
     precise    the moments of every training image's tokens under the final encoder (one pass, no gradient)
 
 Usage:
