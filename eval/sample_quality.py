@@ -32,6 +32,7 @@ import torch
 from eval import _classifier as clf
 from eval import rate_distortion as rd
 from eval._provenance import code_commit
+from eval._spread import MIN_SEEDS
 from eval.peers import study_run
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
@@ -188,6 +189,9 @@ def report(summary: dict[str, Any]) -> str:
                           f"upper end {worst:.2f} against the others' lowest lower end "
                           f"{min(r['samples_fd']['low'] for r in others):.2f} (best other {best_other['point']}) → "
                           f"**{'met' if met else 'not met'}**."]
+            if len(ours) < MIN_SEEDS:  # the intervals are over the draws of one model, not over training seeds
+                lines[-1] += (f" The intervals cover the draws, not the seeds: {len(ours)} DDCL seed(s), fewer than "
+                              f"the {MIN_SEEDS} a margin needs (`eval._spread.beyond_spread`).")
     cond = summary.get("conditional")
     if cond:
         lines += ["", f"## Guided class-conditional samples (guidance {cond['guidance']:g}, chosen on validation)",
