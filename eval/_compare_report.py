@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval._provenance import code_commit
+from eval._spread import by_seed, describe
 from softvq.models.files import write_atomic  # noqa: E402
 
 PLOTS = ("health.png", "ddcl_terms.png", "usage.png", "eps.png", "temperature.png")  # the last two with their runs
@@ -225,7 +226,8 @@ def claims(groups: dict[str, list], labels: dict[str, str], eps: dict[str, list]
 
 
 def winners(groups: dict[str, list], labels: dict[str, str]) -> list[str]:
-    """Which method is best on each test metric, and whether the margin exceeds the seeds' spread."""
+    """Which method is best on each test metric, and whether its margin over the second counts beyond the seed
+    spread (:func:`eval._spread.beyond_spread`, paired by seed)."""
     lines = []
     higher = {"mse": False, "mse_hard": False, "dead_codes": False}
     for metric, title, fmt in TEST_COLUMNS:
@@ -234,13 +236,11 @@ def winners(groups: dict[str, list], labels: dict[str, str]) -> list[str]:
         if len(order) < 2:
             continue
         best, second = order[0], order[1]
-        margin = abs(float(stats[best][0]) - float(stats[second][0]))
-        spread = float(stats[best][1]) + float(stats[second][1])
+        judged = by_seed(*({r["seed"]: float(r["test"][metric]) for r in groups[k]} for k in (best, second)))
         scale = 100.0 if metric == "utilization" else 1.0
-        note = "more than" if margin > spread else "within"
         lines.append(f"- {title}: {labels[best]} ({fmt.format(scale * float(stats[best][0]))}) ahead of "
-                     f"{labels[second]} ({fmt.format(scale * float(stats[second][0]))}), a margin {note} the sum "
-                     f"of their seed standard deviations.")
+                     f"{labels[second]} ({fmt.format(scale * float(stats[second][0]))}), "
+                     f"{describe(judged)}.")
     return lines
 
 

@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 
 from eval._compare_report import _finish, _fmt, draw_panels, mean_std, series  # noqa: E402
 from eval._provenance import code_commit
+from eval._spread import by_seed, describe
 from softvq.models.files import write_atomic  # noqa: E402
 
 TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM", "{:.3f}", 1.0),
@@ -51,23 +52,21 @@ def test_table(groups: dict[str, list], labels: dict[str, str], columns: tuple =
 
 def margins(groups: dict[str, list], labels: dict[str, str], metric: str = "psnr_hard",
             ours: str = "ddcl") -> list[str]:
-    """DDCL's lead over every other method on ``metric``: the difference of means against the sum of the two
-    sample standard deviations (the margin 'exceeds the seed spread' when it is larger)."""
+    """DDCL's lead over every other method on ``metric``, judged by the reports' one rule
+    (:func:`eval._spread.beyond_spread`, paired by seed)."""
     if ours not in groups:
         return []
-    m0, s0 = (float(x) for x in mean_std(values(groups[ours], metric)))
+    m0 = float(mean_std(values(groups[ours], metric))[0])
+    mine = {r["seed"]: float(r["test"][metric]) for r in groups[ours]}
     lines = []
     for key, runs in groups.items():
         if key == ours:
             continue
-        m, s = (float(x) for x in mean_std(values(runs, metric)))
+        m = float(mean_std(values(runs, metric))[0])
+        judged = by_seed(mine, {r["seed"]: float(r["test"][metric]) for r in runs})
         diff = m0 - m
-        verdict = "exceeds" if abs(diff) > s0 + s else "is within"
-        spread = f"({s0:.2f} + {s:.2f})" if len(runs) > 1 else f"({s0:.2f}; one seed of the other, its own unknown)"
-        judged = (f"the margin {verdict} the seed spread {spread}" if len(groups[ours]) > 1 or len(runs) > 1
-                  else "one seed each: no spread to judge it by")
         lines.append(f"- {labels[ours]} {'+' if diff >= 0 else '−'}{abs(diff):.2f} dB against {labels[key]} "
-                     f"({m0:.2f} vs {m:.2f}); {judged}.")
+                     f"({m0:.2f} vs {m:.2f}); {describe(judged)}.")
     return lines
 
 
@@ -121,17 +120,19 @@ def targets(groups: dict[str, list], settings: dict[str, Any]) -> list[str]:
         return []
     k = settings["num_codes"]
     ddcl = groups["ddcl"]
-    m0, s0 = (float(x) for x in mean_std(values(ddcl, "psnr_hard")))
+    m0 = float(mean_std(values(ddcl, "psnr_hard"))[0])
     peers = {key: [float(x) for x in mean_std(values(runs, "psnr_hard"))] for key, runs in groups.items()
              if key != "ddcl"}
     lines = []
     if peers:
         best = max(peers, key=lambda key: peers[key][0])
-        m, s = peers[best]
-        ok = m0 >= m + 0.5 and m0 - m > s0 + s
+        m = peers[best][0]
+        judged = by_seed({r["seed"]: float(r["test"]["psnr_hard"]) for r in ddcl},
+                         {r["seed"]: float(r["test"]["psnr_hard"]) for r in groups[best]})
+        ok = m0 >= m + 0.5 and judged["counts"] and judged["margin"] > 0
         lines.append(f"- DDCL hard-index PSNR ≥ best peer + 0.5 dB, beyond the seed spread: {m0:.2f} vs {best} "
                      f"{m:.2f} + 0.5 → **{'met' if ok else 'not met'}** (margin {m0 - m:+.2f} dB, spread "
-                     f"{s0 + s:.2f}).")
+                     f"{judged['spread']:.2f}; {describe(judged)}).")
     util = values(ddcl, "utilization") * 100
     ppl = values(ddcl, "perplexity")
     lines.append(f"- Test utilization ≥ 99%: lowest seed {np.nanmin(util):.1f}% → "

@@ -1,43 +1,43 @@
-"""Seed statistics: a mean and sample std, and whether one method's margin over another counts beyond the seed
-spread (:func:`beyond_spread`, the rule of the reports; :func:`judge`, the paradigm-1 study's older rule)."""
+"""Seed statistics and the one rule every report uses to say that two methods differ (a leaf module).
+
+:func:`beyond_spread` is the rule: the difference of means counts when both methods have at least :data:`MIN_SEEDS`
+seeds, it exceeds the sum of the two sample standard deviations, and every seed's paired difference has its sign;
+otherwise it is "within the spread". :func:`by_seed` pairs two methods' per-seed values before applying it, and
+:func:`verdict` / :func:`describe` put its result into the words the reports print.
+"""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-
-def summarize(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "values": values}
-
-
-def judge(a: list[float], b: list[float]) -> dict[str, Any]:
-    """``a`` vs ``b`` over the same seeds (a single value = a deterministic method, repeated): the margin
-    ``mean(a) - mean(b)`` counts when it exceeds twice the larger sample std and every paired difference has its
-    sign. Verdict: ``"higher"``, ``"lower"`` or ``"within spread"``."""
-    if len(a) == 1:
-        a = a * len(b)
-    if len(b) == 1:
-        b = b * len(a)
-    margin = statistics.fmean(a) - statistics.fmean(b)
-    spread = max(statistics.stdev(a) if len(a) > 1 else 0.0, statistics.stdev(b) if len(b) > 1 else 0.0)
-    diffs = [x - y for x, y in zip(a, b, strict=True)]
-    same_sign = all(d > 0 for d in diffs) or all(d < 0 for d in diffs)
-    counts = abs(margin) > 2 * spread and same_sign
-    return {"margin": margin, "spread": spread, "verdict": ("higher" if margin > 0 else "lower") if counts
-            else "within spread"}
-
 
 MIN_SEEDS = 3
 
 
-def beyond_spread(a: list[float], b: list[float]) -> dict[str, Any]:
-    """The rule a report uses to say that one method's figure differs from another's: ``a`` and ``b`` are the two
-    methods' values on the same seeds, in seed order. The difference of means counts when both have at least
-    :data:`MIN_SEEDS` seeds, it exceeds the sum of the two sample standard deviations, and every seed's paired
-    difference has its sign. Returns the difference, the spread (the sum of the stds), ``counts`` and a
-    ``reason`` in words when it does not count."""
+def summarize(values: list[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation (0 for one value) and the values themselves."""
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def beyond_spread(a: Sequence[float], b: Sequence[float], *, exact_b: bool = False) -> dict[str, Any]:
+    """Whether ``mean(a) - mean(b)`` counts beyond the seed spread: ``a`` and ``b`` are the two methods' values on
+    the same seeds, in seed order.
+
+    ``exact_b``: ``b`` is one value of a deterministic reference (e.g. a convex bound fitted once), which has no
+    spread; it is compared with every seed of ``a``.
+
+    Returns ``margin`` (the difference of means), ``spread`` (the sum of the two sample stds), ``counts`` and
+    ``reason``: the words for why it does not count, ``""`` when it does.
+    """
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if not a or not b:
+        raise ValueError(f"beyond_spread needs values of both methods, got {len(a)} and {len(b)}")
+    if exact_b:
+        if len(b) != 1:
+            raise ValueError(f"exact_b: one reference value expected, got {len(b)}")
+        b = b * len(a)
     margin = statistics.fmean(a) - statistics.fmean(b)
     spread = (statistics.stdev(a) if len(a) > 1 else 0.0) + (statistics.stdev(b) if len(b) > 1 else 0.0)
     if min(len(a), len(b)) < MIN_SEEDS:
@@ -54,3 +54,24 @@ def beyond_spread(a: list[float], b: list[float]) -> dict[str, Any]:
     else:
         reason = ""
     return {"margin": margin, "spread": spread, "counts": not reason, "reason": reason}
+
+
+def by_seed(a: Mapping[int, float], b: Mapping[int, float]) -> dict[str, Any]:
+    """:func:`beyond_spread` on the seeds both methods have (``{seed: value}`` each), paired by seed; adds
+    ``seeds`` (those used). The means in ``margin`` are over those common seeds only."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ValueError(f"no seed in common: {sorted(a)} and {sorted(b)}")
+    return {**beyond_spread([a[s] for s in seeds], [b[s] for s in seeds]), "seeds": seeds}
+
+
+def verdict(result: Mapping[str, Any]) -> str:
+    """``"higher"`` / ``"lower"`` (``a`` against ``b``) when the margin counts, else ``"within spread"``."""
+    if not result["counts"]:
+        return "within spread"
+    return "higher" if result["margin"] > 0 else "lower"
+
+
+def describe(result: Mapping[str, Any]) -> str:
+    """The report's words: "beyond the seed spread" or "within the seed spread (<reason>)"."""
+    return "beyond the seed spread" if result["counts"] else f"within the seed spread ({result['reason']})"

@@ -50,7 +50,7 @@ from torchmetrics.image import PeakSignalNoiseRatio
 import softvq
 from eval._peers_report import test_table, values
 from eval._provenance import code_commit
-from eval._spread import beyond_spread
+from eval._spread import by_seed, describe
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
@@ -272,15 +272,12 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         for key, group_runs in groups.items():
             if key == ours or key not in kind:
                 continue
-            theirs = sorted(group_runs, key=lambda r: r["seed"])
-            a, b = ([r["test"]["psnr_hard"] for r in runs_] for runs_ in (mine, theirs))
-            if [r["seed"] for r in mine] != [r["seed"] for r in theirs]:
-                continue  # the rule pairs seeds
-            rule = beyond_spread(a, b)
+            rule = by_seed(*({r["seed"]: r["test"]["psnr_hard"] for r in runs_} for runs_ in (mine, group_runs)))
             side = "ahead of" if rule["margin"] >= 0 else "behind"
-            spread = "beyond the seed spread" if rule["counts"] else f"not beyond the seed spread ({rule['reason']})"
+            a, b = ([r["test"]["psnr_hard"] for r in runs_ if r["seed"] in rule["seeds"]]
+                    for runs_ in (mine, group_runs))
             verdict.append(f"- {name} {side} {LABELS[key]} by {abs(rule['margin']):.2f} dB "
-                           f"({statistics.fmean(a):.2f} vs {statistics.fmean(b):.2f}), {spread}.")
+                           f"({statistics.fmean(a):.2f} vs {statistics.fmean(b):.2f}), {describe(rule)}.")
         util = float(values(groups[ours], "utilization").min()) * 100
         verdict.append(f"- {name} test utilization, lowest seed" + (" and level" if ours == "rddcl" else "")
                        + f": {util:.1f}% (target ≥ 99%).")

@@ -35,8 +35,9 @@ tokens, :func:`standardize`; test split scored once, after training):
 - **Hierarchical**: two stacked readout levels (level 2 reads level 1's soft centroids) with the head on both; V and
   the identity residual per level per epoch, ``min V >= 0`` asserted.
 
-Margins: a difference of means counts only if it exceeds twice the larger seed standard deviation and has the same
-sign on every seed (:func:`judge`). Writes ``report.md`` and ``results.json`` to ``--out``.
+Margins: a difference of means counts only if it exceeds the sum of the two seed standard deviations and has the
+same sign on every seed (:func:`eval._spread.beyond_spread`, the rule of every report). Writes ``report.md`` and
+``results.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ from eval._paradigm1_config import Paradigm1Config
 from eval._paradigm1_encoders import TokenSet, load_token_file
 from eval._paradigm1_heads import FeatureProbe, ReadoutHead
 from eval._readout_heads import fit
-from eval._spread import judge, summarize
+from eval._spread import summarize
 
 log = logging.getLogger("eval.paradigm1")
 # re-exported: the study's unsupervised half lives in eval/_paradigm1_clustering.py
-__all__ = ["Paradigm1Config", "TokenSet", "check_inputs", "clustering", "ddcl_clusters", "fit_ddcl_clusters", "judge",
+__all__ = ["Paradigm1Config", "TokenSet", "check_inputs", "clustering", "ddcl_clusters", "fit_ddcl_clusters",
            "load_token_file", "main", "pair_distance", "run_paradigm1", "scores", "standardize", "supervised",
            "vote"]
 

@@ -15,7 +15,6 @@ from eval import _classifier as clf
 from eval import _rd_report as report
 from eval import rate_distortion as rd
 from eval import sample_quality
-from eval._spread import beyond_spread
 
 
 def point(method: str, k: int, seed: int, psnr: float, bits: float) -> dict:
@@ -47,19 +46,6 @@ def test_matched_psnr_reads_the_peers_bits_off_its_log_linear_line():
     lines = report.target_lines(rows, 512)
     assert "K = 512" in lines[0] and "**met**" in lines[0]
     assert "K = 4096: no peer's line reaches DDCL's PSNR" in lines[1]
-
-
-def test_beyond_spread_is_the_one_rule():
-    counts = beyond_spread([10.0, 11.0, 12.0], [5.0, 6.0, 7.0])  # margin 5 > 1 + 1, every seed higher
-    assert counts["counts"] and counts["margin"] == pytest.approx(5.0) and counts["spread"] == pytest.approx(2.0)
-    within = beyond_spread([10.0, 11.0, 12.0], [9.0, 10.5, 11.0])  # margin 0.83 < 1 + 1
-    assert not within["counts"] and "within the spread" in within["reason"]
-    # margin 1.3 beyond the spread 0 + 1.21, but the third seed's pair points the other way
-    flips = beyond_spread([10.0, 10.0, 10.0], [8.0, 8.0, 10.1])
-    assert flips["margin"] > flips["spread"] and not flips["counts"]
-    assert flips["reason"] == "the seeds' paired differences change sign"
-    two = beyond_spread([10.0, 11.0], [1.0, 2.0])
-    assert not two["counts"] and "fewer than 3 seeds" in two["reason"]
 
 
 def test_neighbour_similarity_against_a_hand_count():

@@ -1,0 +1,97 @@
+"""One rule says "beyond the seed spread" in every report: eval._spread, checked on hand-made seeds, and no report
+module keeps a rule of its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from eval import _spread
+from eval._compare_report import winners
+from eval._paradigm1_report import _judge
+from eval._peers_report import margins
+from eval._spread import beyond_spread, by_seed, describe, verdict
+
+EVAL = Path(__file__).resolve().parent.parent / "eval"
+
+
+def test_beyond_spread_is_the_one_rule():
+    counts = beyond_spread([10.0, 11.0, 12.0], [5.0, 6.0, 7.0])  # margin 5 > 1 + 1, every seed higher
+    assert counts["counts"] and counts["margin"] == pytest.approx(5.0) and counts["spread"] == pytest.approx(2.0)
+    assert verdict(counts) == "higher" and describe(counts) == "beyond the seed spread"
+    within = beyond_spread([10.0, 11.0, 12.0], [9.0, 10.5, 11.0])  # margin 0.83 < 1 + 1
+    assert not within["counts"] and "within the spread" in within["reason"] and verdict(within) == "within spread"
+    # margin 1.3 beyond the spread 0 + 1.21, but the third seed's pair points the other way
+    flips = beyond_spread([10.0, 10.0, 10.0], [8.0, 8.0, 10.1])
+    assert flips["margin"] > flips["spread"] and not flips["counts"]
+    assert flips["reason"] == "the seeds' paired differences change sign"
+    two = beyond_spread([10.0, 11.0], [1.0, 2.0])
+    assert not two["counts"] and "fewer than 3 seeds" in two["reason"]
+    assert describe(two).startswith("within the seed spread (fewer than 3 seeds")
+    lower = beyond_spread([1.0, 2.0, 3.0], [10.0, 11.0, 12.0])
+    assert lower["counts"] and verdict(lower) == "lower"
+
+
+def test_a_deterministic_reference_is_compared_with_every_seed():
+    below = beyond_spread([0.40, 0.41, 0.42], [0.5], exact_b=True)  # spread 0.01 + 0, every seed below
+    assert below["counts"] and below["spread"] == pytest.approx(0.01) and below["margin"] == pytest.approx(-0.09)
+    straddles = beyond_spread([0.40, 0.45, 0.60], [0.5], exact_b=True)
+    assert not straddles["counts"]
+    with pytest.raises(ValueError, match="one reference value"):
+        beyond_spread([1.0, 2.0, 3.0], [1.0, 2.0], exact_b=True)
+    with pytest.raises(ValueError, match="got 3 and 0"):
+        beyond_spread([1.0, 2.0, 3.0], [])
+
+
+def test_by_seed_pairs_values_by_seed_not_by_position():
+    a = {2: 12.0, 0: 10.0, 1: 11.0}
+    b = {0: 9.9, 1: 5.0, 2: 5.0, 3: 100.0}  # seed 3 has no partner and is left out
+    judged = by_seed(a, b)
+    assert judged["seeds"] == [0, 1, 2]
+    assert judged["margin"] == pytest.approx((10 + 11 + 12) / 3 - (9.9 + 5 + 5) / 3)
+    # in seed order every pair is positive; position order (12, 10, 11) against (9.9, 5, 5) would be too, so check
+    # the pairing itself: reversing b's seeds 0 and 2 makes seed 2's pair 12 - 9.9 and seed 0's 10 - 5
+    assert by_seed(a, {0: 5.0, 1: 5.0, 2: 9.9})["margin"] == pytest.approx(judged["margin"])
+    with pytest.raises(ValueError, match="no seed in common"):
+        by_seed({0: 1.0}, {1: 1.0})
+
+
+def test_paradigm1_compare_and_peers_reports_use_the_rule():
+    # a case where the rules this replaced disagree: margin 0.03 with stds 0.02 and 0.001 is within paradigm 1's old
+    # "twice the larger std" (0.04) but beyond the sum of the stds (0.021), with one sign on every seed
+    a, b = [0.51, 0.53, 0.55], [0.499, 0.5, 0.501]
+    assert beyond_spread(a, b)["counts"]
+    assert _judge(a, b)["verdict"] == "higher"
+    assert _judge([0.40, 0.41, 0.42], [0.5])["verdict"] == "lower"  # the logistic-regression bound: one value
+    runs = {"x": [{"seed": s, "test": {"psnr_hard": v}} for s, v in zip((0, 1, 2), a, strict=True)],
+            "y": [{"seed": s, "test": {"psnr_hard": v}} for s, v in zip((0, 1, 2), b, strict=True)]}
+    (line,) = margins(runs, {"x": "X", "y": "Y"}, ours="x")
+    assert line.endswith("beyond the seed spread.")
+    runs["y"] = [{"seed": s, "test": {"psnr_hard": v}} for s, v in zip((0, 1, 2), (0.515, 0.5, 0.501), strict=True)]
+    (line,) = margins(runs, {"x": "X", "y": "Y"}, ours="x")  # margin 0.025 within the spread 0.028
+    assert line.endswith(f"within the seed spread ({beyond_spread(a, [0.515, 0.5, 0.501])['reason']}).")
+    metrics = ("mse", "mse_hard", "psnr", "psnr_hard", "ssim", "ssim_hard", "utilization", "dead_codes", "perplexity")
+    groups = {k: [{"seed": r["seed"], "test": dict.fromkeys(metrics, r["test"]["psnr_hard"])} for r in rs]
+              for k, rs in runs.items()}
+    lines = winners(groups, {"x": "X", "y": "Y"})
+    psnr = next(line for line in lines if line.startswith("- PSNR hard"))
+    assert psnr.startswith("- PSNR hard: X (0.53) ahead of Y (0.51), within the seed spread (")
+
+
+def test_no_report_module_keeps_a_rule_of_its_own():
+    """A module that computes a standard deviation to judge a margin must take the rule from eval._spread: no
+    function outside it compares a margin with a spread by hand (the four rules this replaced did)."""
+    offenders = []
+    for path in sorted(EVAL.rglob("*.py")):
+        if path.name == "_spread.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                if any("spread" in n for n in names) and any(n.startswith(("margin", "diff")) for n in names):
+                    offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, f"margin-against-spread comparisons outside eval._spread: {offenders}"
+    assert _spread.MIN_SEEDS == 3
