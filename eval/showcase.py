@@ -5,7 +5,7 @@ labelled grid of samples per class beside real test images of that class.
 
 Three steps, each kept in ``--runs`` and skipped when finished (an interrupted step resumes from its last
 checkpoint): ``softvq-train --quantizer ddcl`` for ``--vqvae-epochs`` epochs on all 45,000 training images,
-``train_prior.py --class-conditional`` (label dropout 0.1, for classifier-free guidance) on their codes, then
+``softvq-prior --model.class_conditional true`` (label dropout 0.1, for classifier-free guidance) on their codes, then
 ``--per-class`` samples of every class with ``--guidance`` beside the first ``--per-class`` test images of the class.
 The commands are the library's own, with their defaults except the flags named here (``--vqvae-args`` and
 ``--prior-args`` pass more). Writes ``samples.png`` and ``showcase.json`` (commands, commit, timings, the VQ-VAE's
@@ -50,8 +50,9 @@ def vqvae_step(args: argparse.Namespace) -> tuple[Path, list[str], float]:
 
 def prior_step(args: argparse.Namespace, vqvae: Path) -> tuple[Path, list[str], float]:
     out = args.runs / "prior"
-    argv = ["--vqvae", str(vqvae), "--class-conditional", "--epochs", str(args.prior_epochs), "--dim",
-            str(args.prior_dim), "--data-root", str(args.data_root), "--out", str(out), *shlex.split(args.prior_args)]
+    argv = ["--vqvae", str(vqvae), "--model.class_conditional", "true", "--epochs", str(args.prior_epochs),
+            "--model.dim", str(args.prior_dim), "--data.data_root", str(args.data_root), "--out", str(out),
+            *shlex.split(args.prior_args)]
     begin = time.perf_counter()
     if not (out / "test.json").is_file():
         last = out / "checkpoints" / "last.ckpt"
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prior-epochs", type=int, default=8)
     p.add_argument("--prior-dim", type=int, default=192)
     p.add_argument("--vqvae-args", default="", help="more softvq-train flags, one string")
-    p.add_argument("--prior-args", default="", help="more train_prior.py flags, one string")
+    p.add_argument("--prior-args", default="", help="more softvq-prior flags, one string, e.g. '--model.layers 6'")
     p.add_argument("--per-class", type=int, default=8)
     p.add_argument("--guidance", type=float, default=2.0)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     last = read_history(vqvae.parent.parent / "history.jsonl")[-1]
     test = json.loads((prior_dir / "test.json").read_text())
     summary = {"command": command, "commit": code_commit(), "vqvae_command": "softvq-train " + " ".join(vqvae_argv),
-               "prior_command": "python train_prior.py " + " ".join(prior_argv), "vqvae_seconds": vqvae_s,
+               "prior_command": "softvq-prior " + " ".join(prior_argv), "vqvae_seconds": vqvae_s,
                "prior_seconds": prior_s, "vqvae_val_psnr_hard": last.get("val_psnr_hard"),
                "prior_test_bits_per_image": test["test_bits_per_image"], "prior_fit_seconds": test["fit_seconds"],
                **figure}

@@ -16,6 +16,7 @@ import yaml
 from softvq.cli import config as train_config
 from softvq.cli import evaluate, prior, sample
 from softvq.cli import train as train_vqvae
+from softvq.cli.parsing import Legacy, parse
 
 TINY = ["--data.batch_size", "16", "--data.train_subset", "48", "--data.val_size", "32", "--data.num_workers", "0",
         "--model.num_codes", "8", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
@@ -107,10 +108,76 @@ def test_run_failing_before_its_first_checkpoint_leaves_no_directory(tiny_cifar,
     assert list(old.iterdir()) == []
 
 
-@pytest.mark.parametrize("module", [prior, evaluate, sample])
-def test_help_shows_no_placeholder_defaults(module, capsys):
+COMMANDS = {"softvq-train": train_config, "softvq-prior": prior, "softvq-evaluate": evaluate,
+            "softvq-sample": sample}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_reads_and_prints_config_files_alike(name, tmp_path, capsys):
+    """One convention: --print_config writes a YAML that --config reads back to the same settings, and the sections
+    that several commands have hold the same things under the same names."""
+    parser = COMMANDS[name].build_parser()
+    assert parser.prog == name
+    positional = ["ckpt.ckpt"] if name == "softvq-evaluate" else []
+    changed = {"softvq-train": ["--data.batch_size", "7"], "softvq-evaluate": ["--data.batch_size", "7"],
+               "softvq-prior": ["--data.batch_size", "7", "--model.dim", "64"], "softvq-sample": ["--n", "7"]}[name]
     with pytest.raises(SystemExit):
-        module.build_parser().parse_args(["--help"])
+        parser.parse_args([*positional, *changed, "--print_config"])
     text = capsys.readouterr().out
-    assert "(default: None)" not in text and "(default: False)" not in text
-    assert "(default: " in text  # real defaults are still shown
+    config = yaml.safe_load(text)
+    (tmp_path / "c.yaml").write_text(text)
+    again = parser.parse_args(["--config", str(tmp_path / "c.yaml")])
+    direct = parser.parse_args([*positional, *changed])
+    assert {k: v for k, v in again.as_dict().items() if k not in ("config", "__path__")} == \
+        {k: v for k, v in direct.as_dict().items() if k not in ("config", "__path__")}
+    if "data" in config:  # the same data section: where the images are and how they are loaded
+        assert {"data_root", "download", "num_workers", "batch_size", "cache_dir"} <= set(config["data"])
+        assert config["data"]["batch_size"] == 7
+    if "trainer" in config:
+        assert {"accelerator", "precision", "progress_bar"} <= set(config["trainer"])
+
+
+@pytest.mark.parametrize(("module", "old", "new"), [
+    (evaluate, ["c.ckpt", "--data-root", "d", "--batch-size", "9", "--num-workers", "0", "--download",
+                "--accelerator", "cpu", "--no-progress-bar"],
+     ["c.ckpt", "--data.data_root", "d", "--data.batch_size", "9", "--data.num_workers", "0", "--data.download",
+      "true", "--trainer.accelerator", "cpu", "--trainer.progress_bar", "false"]),
+    (prior, ["--vqvae", "v.ckpt", "--data-root=d", "--train-subset", "100", "--val-size", "0", "--encode-batch-size",
+             "9", "--cache-dir", "c", "--class-conditional", "--label-dropout", "0.2", "--layers", "2", "--heads", "2",
+             "--dim", "32", "--mlp-ratio", "2", "--dropout", "0", "--lr", "1e-4", "--weight-decay", "0",
+             "--warmup-steps", "5", "--min-lr-ratio", "0.5", "--batch-size", "16", "--devices", "2", "--num-nodes",
+             "1", "--strategy", "ddp", "--precision", "bf16-mixed", "--accelerator", "cpu", "--no-progress-bar"],
+     ["--vqvae", "v.ckpt", "--data.data_root=d", "--data.train_subset", "100", "--data.val_size", "0",
+      "--data.batch_size", "9", "--codes_cache", "c", "--model.class_conditional", "true", "--model.label_dropout",
+      "0.2", "--model.layers", "2", "--model.heads", "2", "--model.dim", "32", "--model.mlp_ratio", "2",
+      "--model.dropout", "0", "--model.lr", "1e-4", "--model.weight_decay", "0", "--model.warmup_steps", "5",
+      "--model.min_lr_ratio", "0.5", "--batch_size", "16", "--trainer.devices", "2", "--trainer.num_nodes", "1",
+      "--trainer.strategy", "ddp", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu",
+      "--trainer.progress_bar", "false"]),
+    (sample, ["--prior", "p.ckpt", "--top-k", "3", "--class", "cat", "--allow-other-vqvae"],
+     ["--prior", "p.ckpt", "--top_k", "3", "--label", "cat", "--allow_other_vqvae"]),
+])
+def test_old_spellings_work_for_one_release_with_a_warning_naming_the_new_one(module, old, new):
+    with pytest.warns(FutureWarning) as caught:
+        translated = module.LEGACY.translate(old)
+    assert translated == new
+    messages = [str(w.message) for w in caught]
+    assert all("deprecated" in m and "; use --" in m for m in messages)
+    assert any("--data-root is deprecated" in m and "use --data.data_root" in m for m in messages) \
+        or module is sample
+    parser = module.build_parser()
+    with pytest.warns(FutureWarning):
+        from_old = parse(parser, module.LEGACY, old)
+    assert from_old == parser.parse_args(new)
+
+
+def test_legacy_translation_leaves_values_and_the_rest_alone():
+    legacy = Legacy("x", renames={"--old": "--new"}, switches={"--flag": ("--on", "true")})
+    with pytest.warns(FutureWarning, match="x: --old is deprecated .* use --new$"):
+        assert legacy.translate(["--old", "--flag", "--other", "1", "--", "--old"]) == \
+            ["--new", "--flag", "--other", "1", "--", "--old"]  # "--flag" was --old's value, kept as it is
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing old: no warning
+        assert legacy.translate(["--new", "-1", "--on", "true"]) == ["--new", "-1", "--on", "true"]

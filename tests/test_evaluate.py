@@ -74,10 +74,14 @@ def test_every_key_and_the_values_of_a_by_hand_evaluation(checkpoints, tiny_cifa
 
 def test_limit_and_the_command_line(checkpoints, tiny_cifar, tmp_path, capsys):
     out = tmp_path / "metrics.json"
-    printed = evaluate.main([str(checkpoints["ddcl"]), "--data-root", str(tiny_cifar["archive"]), "--limit", "20",
-                             "--num-workers", "0", "--no-progress-bar", "--out", str(out), "--accelerator", "cpu"])
+    printed = evaluate.main([str(checkpoints["ddcl"]), "--data.data_root", str(tiny_cifar["archive"]), "--limit",
+                             "20", "--data.num_workers", "0", "--trainer.progress_bar", "false", "--out", str(out),
+                             "--trainer.accelerator", "cpu"])
     assert printed["images"] == 20 and sum(printed["code_counts"]) == 20 * 64
-    assert json.loads(out.read_text()) == printed
+    saved = json.loads(out.read_text())
+    config = saved.pop("config")  # the resolved settings, beside the metrics
+    assert saved == printed and config["limit"] == 20 and config["data"]["num_workers"] == 0
+    assert config["checkpoint"] == str(checkpoints["ddcl"]) and config["trainer"]["accelerator"] == "cpu"
     shown = json.loads(capsys.readouterr().out)
     assert "code_counts" not in shown and shown["psnr_hard"] == printed["psnr_hard"]
 
@@ -96,7 +100,7 @@ def test_missing_or_truncated_checkpoint_is_a_clear_error_naming_the_file(checkp
     with pytest.raises(FileNotFoundError, match="no-such-data"):
         evaluate.evaluate(copy, tmp_path / "no-such-data", num_workers=0)
     # As a script: a one-line error and exit status 2, no traceback.
-    proc = subprocess.run([sys.executable, "-m", "eval.evaluate", str(truncated), "--data-root",
+    proc = subprocess.run([sys.executable, "-m", "eval.evaluate", str(truncated), "--data.data_root",
                            str(tiny_cifar["folder"])], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: VQ-VAE checkpoint")
     assert "truncated.ckpt" in proc.stderr
@@ -124,7 +128,7 @@ def test_out_that_cannot_be_a_file_is_refused_before_evaluating(checkpoints, tin
         raise AssertionError("the evaluation ran before --out was checked")
 
     monkeypatch.setattr(evaluate, "evaluate", never)
-    base = [str(checkpoints["hard"]), "--data-root", str(tiny_cifar["folder"]), "--no-progress-bar"]
+    base = [str(checkpoints["hard"]), "--data.data_root", str(tiny_cifar["folder"]), "--trainer.progress_bar", "false"]
     with pytest.raises(IsADirectoryError, match=f"--out {tmp_path} is a directory; give a file name"):
         evaluate.main([*base, "--out", str(tmp_path)])
     (tmp_path / "a_file").write_text("keep")

@@ -122,8 +122,9 @@ def test_installed_wheel_trains_and_evaluates_through_its_commands(installed, ti
     assert json.loads((out / "config.json").read_text())["model"]["num_codes"] == 8
     metrics = tmp_path / "metrics.json"
     evaluate = subprocess.run([str(installed / "softvq-evaluate"), str(out / "checkpoints" / "last.ckpt"),
-                               "--data-root", str(tiny_cifar["folder"]), "--out", str(metrics), "--num-workers", "0",
-                               "--no-progress-bar"], cwd=cwd, capture_output=True, text=True)
+                               "--data.data_root", str(tiny_cifar["folder"]), "--out", str(metrics),
+                               "--data.num_workers", "0", "--trainer.progress_bar", "false"], cwd=cwd,
+                              capture_output=True, text=True)
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     saved = json.loads(metrics.read_text())
     assert json.loads(evaluate.stdout)["psnr"] == saved["psnr"]  # stdout is the JSON, progress goes elsewhere

@@ -122,8 +122,8 @@ def test_evaluation_refuses_a_payload(capsys, tmp_path, tiny_cifar, marker):
     evil = write_payload(tmp_path / "evil.ckpt", marker)
     with pytest.raises(UnsafeCheckpointError, match=f"checkpoint {evil} is unsafe to load"):
         evaluate.checkpoint_epochs(evil)
-    assert evaluate.run_command(evaluate.main, [str(evil), "--data-root", str(tiny_cifar["folder"]),
-                                                "--no-progress-bar"]) == 2
+    assert evaluate.run_command(evaluate.main, [str(evil), "--data.data_root", str(tiny_cifar["folder"]),
+                                                "--trainer.progress_bar", "false"]) == 2
     assert f"VQ-VAE checkpoint {evil} is unsafe to load" in capsys.readouterr().err
     assert not marker.exists()
 

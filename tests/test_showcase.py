@@ -11,7 +11,8 @@ from eval import showcase
 VQVAE = ("--data.train_subset 96 --data.val_size 20 --data.batch_size 32 --model.width 16 --model.res_hidden 8 "
          "--model.res_blocks 1 --model.code_dim 8 --model.num_codes 16 --data.num_workers 0 "
          "--trainer.progress_bar false")
-PRIOR = "--layers 1 --heads 2 --batch-size 64 --val-size 20 --warmup-steps 2 --no-progress-bar --train-subset 96"
+PRIOR = ("--model.layers 1 --model.heads 2 --batch_size 64 --data.val_size 20 --model.warmup_steps 2 "
+         "--trainer.progress_bar false --data.train_subset 96")
 
 
 def test_showcase_trains_both_models_once_and_draws_a_row_per_class(tmp_path, tiny_cifar):
@@ -20,7 +21,7 @@ def test_showcase_trains_both_models_once_and_draws_a_row_per_class(tmp_path, ti
             "--prior-args", PRIOR, "--per-class", "2", "--guidance", "3"]
     summary = showcase.main(argv)
     assert summary["vqvae_command"].startswith("softvq-train --quantizer ddcl --epochs 1")
-    assert "--class-conditional" in summary["prior_command"] and summary["guidance"] == 3.0
+    assert "--model.class_conditional true" in summary["prior_command"] and summary["guidance"] == 3.0
     assert len(summary["classes"]) == 10 and summary["prior_test_bits_per_image"] > 0
     with Image.open(tmp_path / "out" / "samples.png") as png:
         assert png.size[1] > png.size[0]  # ten rows of 2 + 1 + 2 tiles

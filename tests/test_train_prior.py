@@ -23,8 +23,8 @@ from softvq.models.codes import extract_codes
 VQVAE_TINY = ["--data.train_subset", "96", "--data.val_size", "0", "--data.batch_size", "32", "--model.width", "16",
               "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.code_dim", "8", "--data.num_workers", "0",
               "--trainer.progress_bar", "false", "--epochs", "1"]
-PRIOR_TINY = ["--layers", "1", "--heads", "2", "--dim", "32", "--batch-size", "64", "--val-size", "50",
-              "--warmup-steps", "2", "--no-progress-bar"]
+PRIOR_TINY = ["--model.layers", "1", "--model.heads", "2", "--model.dim", "32", "--batch_size", "64",
+              "--data.val_size", "50", "--model.warmup_steps", "2", "--trainer.progress_bar", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +44,9 @@ def trained(vqvaes, tiny_cifar, tmp_path_factory):
     """A class-conditional prior over the DDCL VQ-VAE's codes, 2 epochs (codes cached in the run's cache)."""
     out = tmp_path_factory.mktemp("prior")
     cache = out / "cache"
-    results = train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),
-                                "--out", str(out / "run"), "--epochs", "2", "--class-conditional",
-                                "--cache-dir", str(cache)])
+    results = train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root",
+                                str(tiny_cifar["folder"]), "--out", str(out / "run"), "--epochs", "2",
+                                "--model.class_conditional", "true", "--codes_cache", str(cache)])
     return {"out": out / "run", "cache": cache, "results": results}
 
 
@@ -78,8 +78,8 @@ def test_cached_codes_equal_the_vqvae_encoding_of_the_same_images(trained, vqvae
                                                                   monkeypatch):
     cache = trained["cache"] if name == "ddcl" else tmp_path / "cache"
     if name == "hard":  # extraction from a hard-VQ checkpoint, into its own cache
-        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes[name]), "--data-root", str(tiny_cifar["folder"]),
-                          "--out", str(tmp_path / "run"), "--epochs", "1", "--cache-dir", str(cache)])
+        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes[name]), "--data.data_root", str(tiny_cifar["folder"]),
+                          "--out", str(tmp_path / "run"), "--epochs", "1", "--codes_cache", str(cache)])
     files = list(cache.glob("codes-*.pt"))
     assert len(files) == 1
     saved = torch.load(files[0], weights_only=True)
@@ -101,8 +101,8 @@ def test_cached_codes_equal_the_vqvae_encoding_of_the_same_images(trained, vqvae
     assert saved["train"]["codes"].shape == (250, 8, 8) and saved["val"]["codes"].shape == (50, 8, 8)
     # A second run over the same checkpoint and selection reads the cache instead of encoding.
     monkeypatch.setattr("softvq.models.codes.extract_codes", None)  # would raise if called
-    train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes[name]), "--data-root", str(tiny_cifar["folder"]),
-                      "--out", str(tmp_path / "again"), "--epochs", "1", "--cache-dir", str(cache)])
+    train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes[name]), "--data.data_root", str(tiny_cifar["folder"]),
+                      "--out", str(tmp_path / "again"), "--epochs", "1", "--codes_cache", str(cache)])
 
 
 def test_extract_codes_refuses_a_model_in_training_mode(vqvaes):
@@ -113,14 +113,14 @@ def test_extract_codes_refuses_a_model_in_training_mode(vqvaes):
 
 def test_resume_continues_the_history_and_refuses_another_configuration(trained, vqvaes, tiny_cifar, tmp_path):
     out = tmp_path / "run"
-    base = [*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]), "--out", str(out),
-            "--cache-dir", str(trained["cache"])]
+    base = [*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root", str(tiny_cifar["folder"]),
+            "--out", str(out), "--codes_cache", str(trained["cache"])]
     train_prior.main([*base, "--epochs", "1"])
     train_prior.main([*base, "--epochs", "2", "--resume"])
     rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["step"] == 8
     with pytest.raises(ValueError, match="dim: checkpoint 32 vs now 64"):
-        train_prior.main([*base, "--epochs", "3", "--resume", "--dim", "64"])
+        train_prior.main([*base, "--epochs", "3", "--resume", "--model.dim", "64"])
     with pytest.raises(ValueError, match="models the codes of another VQ-VAE"):
         train_prior.main([*base, "--epochs", "3", "--resume", "--vqvae", str(vqvaes["hard"])])
     with pytest.raises(FileExistsError, match="--resume .* --overwrite"):
@@ -128,32 +128,40 @@ def test_resume_continues_the_history_and_refuses_another_configuration(trained,
 
 
 def test_train_prior_errors_are_clear(vqvaes, tiny_cifar, tmp_path, capsys):
-    base = ["--data-root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "run")]
+    base = ["--data.data_root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "run")]
     with pytest.raises(FileNotFoundError, match="checkpoint not found: .*missing.ckpt"):
         train_prior.main(["--vqvae", str(tmp_path / "missing.ckpt"), *base])
     broken = tmp_path / "broken.ckpt"
     broken.write_bytes(vqvaes["ddcl"].read_bytes()[:2000])
     with pytest.raises(ValueError, match="broken.ckpt is truncated, corrupt"):
         train_prior.main(["--vqvae", str(broken), *base])
-    for flags, message in ((["--epochs", "-1"], "--epochs: expected a positive integer, got '-1'"),
-                           (["--epochs", "0"], "--epochs: expected a positive integer, got '0'"),
-                           (["--dropout", "1"], r"--dropout: expected a number in \[0, 1\), got '1'"),
-                           (["--heads", "3"], "--heads: must divide --dim 256, got 3")):
-        with pytest.raises(SystemExit):
-            train_prior.main(["--vqvae", str(vqvaes["ddcl"]), *base, *flags])
+    for flags, message in ((["--epochs", "-1"], "epochs must be a positive integer, got -1"),
+                           (["--epochs", "0"], "epochs must be a positive integer, got 0"),
+                           (["--model.dropout", "1"], r"model.dropout must be a number in \[0, 1\), got 1"),
+                           (["--model.heads", "3"], "model.heads must divide model.dim 256, got 3"),
+                           ([], "--vqvae is required")):
+        vqvae = [] if not flags else ["--vqvae", str(vqvaes["ddcl"])]
+        assert train_prior.cli([*vqvae, *base, *flags]) == 2
         assert re.search(message, capsys.readouterr().err), message
+    with pytest.raises(SystemExit):  # a value of the wrong type is the parser's: a usage message, exit 2
+        train_prior.main(["--vqvae", str(vqvaes["ddcl"]), *base, "--model.layers", "two"])
+    assert "--model.layers" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
 def test_sample_writes_a_png_grid_of_decoded_samples(trained, tmp_path):
     ckpt = trained["out"] / "checkpoints" / "last.ckpt"
     out = tmp_path / "grid.png"
-    result = sample.main(["--prior", str(ckpt), "--n", "6", "--class", "horse", "--top-k", "4", "--temperature",
+    result = sample.main(["--prior", str(ckpt), "--n", "6", "--label", "horse", "--top_k", "4", "--temperature",
                           "0.8", "--out", str(out), "--nrow", "3"])
     assert result["codes"].shape == (6, 8, 8) and 0 <= int(result["codes"].min()) and int(result["codes"].max()) < 16
     assert result["images"].shape == (6, 3, 32, 32) and result["labels"].tolist() == [7] * 6
     with Image.open(out) as png:  # 3 x 2 tiles of 32 px with 2 px padding
         assert png.size == (3 * 34 + 2, 2 * 34 + 2)
+    saved = json.loads(out.with_suffix(".json").read_text())  # the resolved settings, beside the grid
+    assert saved["label"] == "horse" and saved["top_k"] == 4 and saved["n"] == 6 and "config" not in saved
+    replay = sample.main(["--config", str(out.with_suffix(".json")), "--out", str(tmp_path / "replay.png")])
+    assert torch.equal(replay["codes"], result["codes"])
     every = sample.main(["--prior", str(ckpt), "--n", "20", "--out", str(tmp_path / "all.png"), "--seed", "1"])
     assert every["labels"].tolist() == [c for c in range(10) for _ in range(2)]  # every class, in blocks
     again = sample.main(["--prior", str(ckpt), "--n", "20", "--out", str(tmp_path / "all.png"), "--seed", "1"])
@@ -174,30 +182,33 @@ def test_sample_refuses_a_vqvae_of_another_k_and_bad_options(trained, vqvaes, tm
         sample.main(["--prior", ckpt, "--vqvae", str(vqvaes["hard32"]), *out])
     with pytest.raises(ValueError, match="is not the VQ-VAE it was trained on"):
         sample.main(["--prior", ckpt, "--vqvae", str(vqvaes["hard"]), *out])
-    assert sample.main(["--prior", ckpt, "--vqvae", str(vqvaes["hard"]), "--allow-other-vqvae", "--n", "1",
-                        "--class", "0", *out])["images"].shape == (1, 3, 32, 32)
+    assert sample.main(["--prior", ckpt, "--vqvae", str(vqvaes["hard"]), "--allow_other_vqvae", "--n", "1",
+                        "--label", "0", *out])["images"].shape == (1, 3, 32, 32)
     with pytest.raises(ValueError, match="class must be one of .*got 'zebra'"):
-        sample.main(["--prior", ckpt, "--class", "zebra", *out])
-    with pytest.raises(ValueError, match="--top-k must be at most K = 16"):
-        sample.main(["--prior", ckpt, "--top-k", "17", *out])
+        sample.main(["--prior", ckpt, "--label", "zebra", *out])
+    with pytest.raises(ValueError, match="--top_k must be at most K = 16"):
+        sample.main(["--prior", ckpt, "--top_k", "17", *out])
     with pytest.raises(SystemExit):
         sample.main(["--prior", ckpt, "--temperature", "0", *out])
-    assert "--temperature: expected a positive finite number, got '0'" in capsys.readouterr().err
+    assert "--temperature" in (err := capsys.readouterr().err) and "0" in err
     with pytest.raises(SystemExit):
-        sample.main(["--prior", ckpt, "--top-k", "0", *out])
-    assert "--top-k: expected a positive integer, got '0'" in capsys.readouterr().err
+        sample.main(["--prior", ckpt, "--top_k", "0", *out])
+    assert "--top_k" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--prior is required"):
+        sample.main(out)
     with pytest.raises(FileNotFoundError, match="prior checkpoint not found"):
         sample.main(["--prior", str(tmp_path / "none.ckpt"), *out])
 
 
 def test_sample_refuses_a_class_for_an_unconditional_prior(vqvaes, tiny_cifar, trained, tmp_path):
     out = tmp_path / "uncond"
-    train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),
-                      "--out", str(out), "--epochs", "1", "--val-size", "0", "--cache-dir", str(trained["cache"])])
+    train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root", str(tiny_cifar["folder"]),
+                      "--out", str(out), "--epochs", "1", "--data.val_size", "0", "--codes_cache",
+                      str(trained["cache"])])
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["last.ckpt"]  # no validation: no best checkpoint
     ckpt = str(out / "checkpoints" / "last.ckpt")
-    with pytest.raises(ValueError, match="--class 'cat' given, but this prior is unconditional"):
-        sample.main(["--prior", ckpt, "--class", "cat", "--out", str(tmp_path / "g.png")])
+    with pytest.raises(ValueError, match="--label 'cat' given, but this prior is unconditional"):
+        sample.main(["--prior", ckpt, "--label", "cat", "--out", str(tmp_path / "g.png")])
     result = sample.main(["--prior", ckpt, "--n", "2", "--out", str(tmp_path / "g.png")])
     assert result["labels"] is None and result["images"].shape == (2, 3, 32, 32)
     with pytest.raises(ValueError, match="--guidance 2.0 needs a class-conditional prior trained with label dropout"):
@@ -232,8 +243,8 @@ def test_prior_refuses_data_with_other_classes_than_its_vqvae_and_records_them(t
     for split in ("train", "test"):
         (other / split / "dog").rename(other / split / "wolf")
     with pytest.raises(ValueError, match=r"only in --vqvae .*: \['dog'\]; only in the data at .*: \['wolf'\]"):
-        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(other),
-                          "--out", str(tmp_path / "run"), "--epochs", "1", "--cache-dir", str(tmp_path / "cache")])
+        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root", str(other),
+                          "--out", str(tmp_path / "run"), "--epochs", "1", "--codes_cache", str(tmp_path / "cache")])
     assert not (tmp_path / "run").exists()
 
 
@@ -241,5 +252,5 @@ def test_train_prior_refuses_an_out_in_use(vqvaes, tiny_cifar, tmp_path):
     from softvq.models.files import RunLock, RunLockedError
 
     with RunLock(tmp_path / "run"), pytest.raises(RunLockedError, match=r"is in use by another run \(pid \d+"):
-        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data-root", str(tiny_cifar["folder"]),
+        train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root", str(tiny_cifar["folder"]),
                           "--out", str(tmp_path / "run"), "--epochs", "1"])

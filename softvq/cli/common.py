@@ -3,10 +3,8 @@ SIGINT stop it gracefully with status 143 and 130, as a shell reports a process 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
-import math
 import os
 import shutil
 import signal
@@ -113,39 +111,6 @@ def run_command(main: Callable[..., Any], argv: Sequence[str] | None = None,
     return 0
 
 
-# Argument types and the hardware flags every command shares.
-
-def _int_check(minimum: int):
-    kind = "positive" if minimum == 1 else "non-negative"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}")
-        return value
-    return parse
-
-
-def _float_check(allow_zero: bool):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            raise argparse.ArgumentTypeError(f"expected a {'non-negative' if allow_zero else 'positive'} "
-                                             f"finite number, got {text!r}")
-        return value
-    return parse
-
-
-positive_int, non_negative_int = _int_check(1), _int_check(0)
-positive_float, non_negative_float = _float_check(False), _float_check(True)
-
-
 @dataclass
 class Hardware:
     """How Lightning runs a command (docs/scaling.md, "Scaling out"); ``--trainer.*`` on every training command.
@@ -212,36 +177,6 @@ class Hardware:
                 "strategy": self.strategy, "precision": self.precision, "enable_progress_bar": self.progress_bar,
                 "accumulate_grad_batches": self.accumulate_grad_batches, "gradient_clip_val": self.gradient_clip_val,
                 "gradient_clip_algorithm": self.gradient_clip_algorithm, "plugins": [AtomicCheckpointIO()]}
-
-
-def add_hardware_args(p: argparse.ArgumentParser) -> None:
-    """:class:`Hardware`'s settings as flags of an argparse command (``softvq-prior``; ``softvq-train`` derives
-    ``--trainer.*`` from the dataclass itself); :func:`hardware_kwargs` turns them into ``L.Trainer`` arguments."""
-    g = p.add_argument_group("hardware (docs/scaling.md, 'Scaling out')")
-    g.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu, ...")
-    g.add_argument("--devices", default="1", help="devices per node: a count, a comma-separated list of indices, or "
-                                                  "'auto'; more than one trains data-parallel (DDP)")
-    g.add_argument("--num-nodes", type=positive_int, default=1, help="machines (Lightning num_nodes)")
-    g.add_argument("--strategy", default="auto", help="Lightning strategy: auto (DDP for several devices), ddp, ...")
-    g.add_argument("--precision", default="32-true", help="Lightning precision: 32-true, bf16-mixed, 16-mixed, 64-true")
-    g.add_argument("--no-progress-bar", action="store_true", help="disable the progress bar (e.g. in CI logs)")
-
-
-def hardware_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``L.Trainer`` arguments from :func:`add_hardware_args`' flags, through :class:`Hardware` (its checks)."""
-    return Hardware(args.accelerator, args.devices, args.num_nodes, args.strategy, args.precision,
-                    not args.no_progress_bar).trainer_kwargs()
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's defaults in ``--help``, except where there is nothing to show: no "(default: None)" after a help
-    text that says what happens without the flag, and none after one that states its default itself."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
-            return text
-        return super()._get_help_string(action)
 
 
 def claim_run_directory(out: Path, resume: str | None, overwrite: bool, stale: Sequence[str]) -> None:

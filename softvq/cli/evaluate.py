@@ -1,19 +1,20 @@
 """Evaluate a trained VQ-VAE checkpoint on the CIFAR-10 test split: reconstruction quality and codebook health.
 
 Usage:
-    python -m eval.evaluate runs/cifar10/ddcl/checkpoints/last.ckpt --data-root ../shared/data/cifar10-jpeg.tar.gz
-    python -m eval.evaluate CKPT --data-root data --download --out test_metrics.json
+    softvq-evaluate runs/cifar10/ddcl/checkpoints/last.ckpt --data.data_root ../shared/data/cifar10-jpeg.tar.gz
+    softvq-evaluate CKPT --data.data_root data --data.download true --out test_metrics.json
+    softvq-evaluate --config eval.yaml          # the settings from a file (write one with --print_config)
 
 Prints one JSON object: ``mse``, ``psnr``, ``ssim`` of the soft reconstruction, the same of the reconstruction
 decoded from hard indices (``*_hard``; equal to the soft ones for a hard quantizer), and ``utilization``,
 ``dead_codes``, ``perplexity`` of the hard codes over the split, plus what was evaluated (checkpoint, its sha256,
 epochs trained, images). PSNR is per image, then averaged; reconstructions are clamped to ``[0, 1]`` before PSNR and
-SSIM, as in training's validation. ``--out`` also saves ``code_counts`` (tokens per code, for usage histograms).
+SSIM, as in training's validation. ``--out`` also saves ``code_counts`` (tokens per code, for usage histograms) and
+``config``, the settings as resolved (a file for ``--config``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -27,9 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from jsonargparse import ArgumentParser
+from jsonargparse.typing import PositiveInt
 from torch.utils.data import Subset
 
-from softvq.cli.common import HelpFormatter, quiet_lightning, run_command
+from softvq.cli.common import Hardware, quiet_lightning, run_command
+from softvq.cli.parsing import Legacy, command_parser, parse, resolved
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.files import write_atomic
@@ -55,6 +59,8 @@ def evaluate(
     download: bool = False,
     accelerator: str = "auto",
     progress: bool = True,
+    precision: str = "32-true",
+    cache_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Test-split metrics of a ``train_vqvae.py`` checkpoint.
 
@@ -67,6 +73,8 @@ def evaluate(
         download: allow torchvision to download the official release when nothing is found locally.
         accelerator: Lightning accelerator (``"auto"``, ``"cpu"``, ``"gpu"``, ...).
         progress: show Lightning's progress bar and its informational lines.
+        precision: Lightning precision (``"32-true"``, ``"bf16-mixed"``, ...).
+        cache_dir: where an archive ``data_root`` is extracted (default :func:`softvq.data.default_cache_dir`).
 
     Returns:
         ``METRICS`` plus ``checkpoint``, ``checkpoint_sha256``, ``quantizer``, ``num_codes``, ``epochs``,
@@ -84,12 +92,12 @@ def evaluate(
         raise ValueError(f"limit must be a positive number of images, got {limit}")
     start = time.perf_counter()
     model = load_vqvae(checkpoint)  # clear errors for a missing or truncated file
-    data = test_data(model, checkpoint, data_root, batch_size, limit, num_workers, download)
+    data = test_data(model, checkpoint, data_root, batch_size, limit, num_workers, download, cache_dir)
     with warnings.catch_warnings(), contextlib.nullcontext() if progress else quiet_lightning():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
-        trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-                            enable_model_summary=False, enable_progress_bar=progress)
+        trainer = L.Trainer(accelerator=accelerator, devices=1, precision=precision, logger=False,
+                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=progress)
         with contextlib.redirect_stdout(sys.stderr):  # Lightning's bar writes to stdout, which is the JSON
             trainer.test(model, datamodule=data, verbose=False)
     result = test_result(model, checkpoint, images=len(data.test_set))
@@ -99,10 +107,10 @@ def evaluate(
 
 
 def test_data(model: VQVAE, checkpoint: Path, data_root: str | Path, batch_size: int, limit: int | None,
-              num_workers: int, download: bool) -> CIFAR10DataModule:
+              num_workers: int, download: bool, cache_dir: str | Path | None = None) -> CIFAR10DataModule:
     """The test split (its first ``limit`` images), checked to hold the classes the model was trained on."""
     data = CIFAR10DataModule(data_root, batch_size=batch_size, val_size=0, num_workers=num_workers,
-                             download=download)
+                             download=download, cache_dir=cache_dir)
     data.prepare_data()
     data.setup("test")
     if model.class_names is not None:  # labels and codes must mean the classes the model was trained on
@@ -141,37 +149,46 @@ def check_output_file(path: Path) -> None:
         raise PermissionError(f"--out {path} cannot be written: no write permission in {parent}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("checkpoint", type=Path, help="a train_vqvae.py checkpoint (e.g. <run>/checkpoints/last.ckpt)")
-    p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
-    p.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
-    p.add_argument("--batch-size", type=int, default=256, help="test images per batch")
-    p.add_argument("--limit", type=int, default=None, help="only the first N test images (default: all 10,000)")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
-    p.add_argument("--accelerator", default="auto", help="Lightning accelerator")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON (with code_counts) to this file")
-    p.add_argument("--no-progress-bar", action="store_true", help="disable the progress bar")
+PROG = "softvq-evaluate"
+# The spellings before the shared convention (docs/training.md, "Commands and config files"), for one release.
+LEGACY = Legacy(PROG, renames={"--data-root": "--data.data_root", "--batch-size": "--data.batch_size",
+                               "--num-workers": "--data.num_workers", "--accelerator": "--trainer.accelerator"},
+                switches={"--download": ("--data.download", "true"),
+                          "--no-progress-bar": ("--trainer.progress_bar", "false")})
+# What of the shared sections a test-split evaluation uses: the data's location and loader, and one device.
+DATA_SKIP = {"val_size", "train_subset", "seed"}
+TRAINER_KEEP = {"accelerator", "precision", "progress_bar"}
+
+
+def build_parser() -> ArgumentParser:
+    """The ``softvq-evaluate`` parser: ``--data.*`` from :class:`~softvq.data.CIFAR10DataModule`, ``--trainer.*``
+    from :class:`~softvq.cli.common.Hardware`, as in ``softvq-train``."""
+    p = command_parser(PROG, __doc__.split("\n\n")[0],
+                       epilog="Write a config file with --print_config > eval.yaml and run from it with --config "
+                              "eval.yaml (the checkpoint may be given there too).")
+    p.add_argument("checkpoint", type=Path, help="a softvq-train checkpoint (e.g. <run>/checkpoints/last.ckpt)")
+    p.add_argument("--limit", type=PositiveInt | None, default=None,
+                   help="only the first N test images (default: all 10,000)")
+    p.add_argument("--out", type=Path | None, default=None,
+                   help="also write the JSON (with code_counts and the resolved config) to this file")
+    p.add_class_arguments(CIFAR10DataModule, "data", skip=DATA_SKIP)
+    p.set_defaults({"data.batch_size": 256})
+    p.add_class_arguments(Hardware, "trainer", skip=set(Hardware.__dataclass_fields__) - TRAINER_KEEP)
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
-    for name in ("batch_size", "limit"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
-    if args.out is not None:
-        check_output_file(args.out)
-    result = evaluate(args.checkpoint, args.data_root, batch_size=args.batch_size, limit=args.limit,
-                      num_workers=args.num_workers, download=args.download, accelerator=args.accelerator,
-                      progress=not args.no_progress_bar)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out, json.dumps(result, indent=2) + "\n")
+    cfg = parse(build_parser(), LEGACY, argv)
+    data = CIFAR10DataModule(**cfg.data.as_dict())  # the data module's own checks, before anything runs
+    hardware = Hardware(**cfg.trainer.as_dict())
+    if cfg.out is not None:
+        check_output_file(cfg.out)
+    result = evaluate(cfg.checkpoint, data.data_root, batch_size=data.batch_size, limit=cfg.limit,
+                      num_workers=data.num_workers, download=data.download, accelerator=hardware.accelerator,
+                      progress=hardware.progress_bar, precision=hardware.precision, cache_dir=cfg.data.cache_dir)
+    if cfg.out is not None:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(cfg.out, json.dumps({**result, "config": resolved(cfg)}, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "code_counts"}, indent=2))
     return result
 

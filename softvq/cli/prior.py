@@ -2,22 +2,24 @@
 
 Examples:
     # codes of 10,000 training images under a DDCL VQ-VAE, a 4-layer 256-wide prior, 10 epochs:
-    python train_prior.py --vqvae runs/ddcl/checkpoints/last.ckpt --train-subset 10000 \
-        --data-root ../shared/data/cifar10-jpeg.tar.gz --out runs/prior-ddcl
+    softvq-prior --vqvae runs/ddcl/checkpoints/last.ckpt --data.train_subset 10000 \
+        --data.data_root ../shared/data/cifar10-jpeg.tar.gz --out runs/prior-ddcl
     # class-conditional, and continue a run to more epochs:
-    python train_prior.py --vqvae CKPT --class-conditional --out runs/prior-cond --epochs 20 --resume
+    softvq-prior --vqvae CKPT --model.class_conditional true --out runs/prior-cond --epochs 20 --resume
+    # the same settings from a file (write one with --print_config > prior.yaml):
+    softvq-prior --config prior.yaml
 
-The VQ-VAE encodes the training images (``--train-subset`` of the 45,000 left after the fixed validation hold-out),
-the ``--val-size`` validation images and the official 10,000 test images once; their hard code indices are cached
-under ``$SOFTVQ_CACHE/codes`` keyed by the checkpoint's SHA-256 and the data selection. The prior models each
-``h x w`` grid (8 x 8 for the default VQ-VAE) in raster order.
+The VQ-VAE encodes the training images (``--data.train_subset`` of the 45,000 left after the fixed validation
+hold-out), the ``--data.val_size`` validation images and the official 10,000 test images once; their hard code
+indices are cached under ``--codes_cache`` (default ``$SOFTVQ_CACHE/codes``) keyed by the checkpoint's SHA-256 and
+the data selection. The prior models each ``h x w`` grid (8 x 8 for the default VQ-VAE) in raster order.
 
 ``--out`` holds ``history.jsonl`` (per epoch: ``train_bits`` and ``val_bits``, the NLL in bits per code position),
 ``checkpoints/last.ckpt`` (every epoch) and ``checkpoints/best-epochNN.ckpt`` (lowest validation NLL; Lightning
-numbers NN from 0),
-``config.json``, TensorBoard logs in ``tb/``, and ``test.json``: the final prior's NLL on the official test split's
-codes (bits per position, overall and per grid position) beside the context-free baselines (the entropy of the test
-codes, ``log2`` of their perplexity, and the cross-entropy of the training codes' frequencies on them).
+numbers NN from 0), ``config.json`` (the resolved settings, a file for ``--config``), TensorBoard logs in ``tb/``,
+and ``test.json``: the final prior's NLL on the official test split's codes (bits per position, overall and per
+grid position) beside the context-free baselines (the entropy of the test codes, ``log2`` of their perplexity, and
+the cross-entropy of the training codes' frequencies on them).
 """
 
 from __future__ import annotations
@@ -31,29 +33,19 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from softvq.cli.common import (
-    GracefulStop,
-    HelpFormatter,
-    Interrupted,
-    add_hardware_args,
-    claim_run_directory,
-    hardware_kwargs,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
-    run_command,
-)
+from softvq.cli.common import GracefulStop, Hardware, Interrupted, claim_run_directory, run_command
+from softvq.cli.parsing import Legacy, command_parser, parse, resolved
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
 from softvq.models.callbacks import EpochCheckpoint, HistoryWriter, read_history
 from softvq.models.checkpoint_io import load_torch_file
@@ -70,69 +62,147 @@ from softvq.models.prior import (
 )
 from softvq.models.transformer import PriorConfig
 from softvq.models.vqvae import load_vqvae
+from softvq.utils import check_float, check_non_negative_int, check_positive_int
 
 log = logging.getLogger("softvq")
 
 
-def _dropout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
+PROG = "softvq-prior"
+# The spellings before the shared convention (docs/training.md, "Commands and config files"), for one release.
+LEGACY = Legacy(
+    PROG,
+    renames={"--batch-size": "--batch_size", "--cache-dir": "--codes_cache", "--data-root": "--data.data_root",
+             "--train-subset": "--data.train_subset", "--val-size": "--data.val_size",
+             "--num-workers": "--data.num_workers", "--encode-batch-size": "--data.batch_size",
+             "--label-dropout": "--model.label_dropout", "--layers": "--model.layers", "--heads": "--model.heads",
+             "--dim": "--model.dim", "--mlp-ratio": "--model.mlp_ratio", "--dropout": "--model.dropout",
+             "--lr": "--model.lr", "--weight-decay": "--model.weight_decay", "--warmup-steps": "--model.warmup_steps",
+             "--min-lr-ratio": "--model.min_lr_ratio", "--accelerator": "--trainer.accelerator",
+             "--devices": "--trainer.devices", "--num-nodes": "--trainer.num_nodes", "--strategy": "--trainer.strategy",
+             "--precision": "--trainer.precision"},
+    switches={"--download": ("--data.download", "true"), "--class-conditional": ("--model.class_conditional", "true"),
+              "--no-progress-bar": ("--trainer.progress_bar", "false")})
+TRAINER_SKIP = {"compile"}  # the prior is not compiled
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    g = p.add_argument_group("run")
-    g.add_argument("--vqvae", type=Path, required=True, help="the trained VQ-VAE checkpoint (train_vqvae.py)")
-    g.add_argument("--epochs", type=positive_int, default=10, help="training epochs (total, also when resuming)")
-    g.add_argument("--batch-size", type=positive_int, default=128, help="code grids per optimizer step")
-    g.add_argument("--out", type=Path, default=Path("runs/prior"), help="output directory")
-    g.add_argument("--seed", type=int, default=0, help="seed for weights, data order and dropout")
-    g.add_argument("--resume", nargs="?", const="last", default=None, metavar="CKPT",
+@dataclass
+class PriorRun:
+    """One prior-training command: what it models, where it writes, how long it trains.
+
+    Args:
+        vqvae: the trained VQ-VAE checkpoint (``softvq-train``'s ``<run>/checkpoints/last.ckpt``) whose code grids
+            the prior models; required.
+        out: output directory.
+        epochs: training epochs, in total (also when resuming: pass a larger number to train on).
+        batch_size: code grids per optimizer step.
+        seed: seed for the weights, the data order and dropout.
+        codes_cache: where the code grids are cached (default ``$SOFTVQ_CACHE/codes``, ``~/.cache/softvq/codes``).
+    """
+
+    vqvae: Path | None = None
+    out: Path = Path("runs/prior")
+    epochs: int = 10
+    batch_size: int = 128
+    seed: int = 0
+    codes_cache: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.vqvae is None:
+            raise ValueError("--vqvae is required: the trained VQ-VAE checkpoint whose codes the prior models")
+        self.vqvae, self.out = Path(self.vqvae), Path(self.out)
+        self.codes_cache = None if self.codes_cache is None else Path(self.codes_cache)
+        self.epochs = check_positive_int("epochs", self.epochs)
+        self.batch_size = check_positive_int("batch_size", self.batch_size)
+        self.seed = int(self.seed)
+
+
+@dataclass
+class PriorModel:
+    """The prior's transformer (:class:`~softvq.models.transformer.PriorConfig`) and its optimizer
+    (:class:`~softvq.models.prior.CodePrior`).
+
+    Args:
+        class_conditional: condition on the CIFAR-10 label (one start token per class, and a null class for
+            classifier-free guidance).
+        label_dropout: with ``class_conditional``: share of sequences trained with the null class instead of their
+            label, the unconditional model that ``softvq-sample --guidance`` mixes in; in [0, 1).
+        layers: transformer blocks.
+        heads: attention heads (must divide ``dim``).
+        dim: model width.
+        mlp_ratio: MLP hidden width, in multiples of ``dim``.
+        dropout: dropout rate in [0, 1).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay (of the matrices).
+        warmup_steps: linear warmup steps.
+        min_lr_ratio: the cosine decay ends at this share of ``lr`` at the last step; in [0, 1].
+    """
+
+    class_conditional: bool = False
+    label_dropout: float = 0.1
+    layers: int = 4
+    heads: int = 4
+    dim: int = 256
+    mlp_ratio: int = 4
+    dropout: float = 0.1
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "heads", "dim", "mlp_ratio"):
+            check_positive_int(f"model.{name}", getattr(self, name))
+        if self.dim % self.heads:
+            raise ValueError(f"model.heads must divide model.dim {self.dim}, got {self.heads}")
+        for name in ("dropout", "label_dropout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+                raise ValueError(f"model.{name} must be a number in [0, 1), got {value!r}")
+        self.lr = check_float("model.lr", self.lr)
+        self.weight_decay = check_float("model.weight_decay", self.weight_decay, allow_zero=True)
+        self.warmup_steps = check_non_negative_int("model.warmup_steps", self.warmup_steps)
+        if not 0.0 <= float(self.min_lr_ratio) <= 1.0:
+            raise ValueError(f"model.min_lr_ratio must be a number in [0, 1], got {self.min_lr_ratio!r}")
+
+
+def build_parser() -> ArgumentParser:
+    """The ``softvq-prior`` parser: top-level :class:`PriorRun` and ``--resume`` / ``--overwrite`` (as in
+    ``softvq-train``), ``--data.*`` from :class:`~softvq.data.CIFAR10DataModule` (the images the VQ-VAE encodes),
+    ``--model.*`` from :class:`PriorModel`, ``--trainer.*`` from :class:`~softvq.cli.common.Hardware`."""
+    p = command_parser(PROG, __doc__.split("\n\n")[0],
+                       epilog="Write a config file with --print_config > prior.yaml and train from it with --config "
+                              "prior.yaml.")
+    p.add_class_arguments(PriorRun, None)
+    p.add_argument("--resume", nargs="?", const="last", default=None, metavar="CKPT",
                    help="continue from a checkpoint: a path, or without a value <out>/checkpoints/last.ckpt")
-    g.add_argument("--overwrite", action="store_true", help="start afresh in an --out that already holds a run")
-    g = p.add_argument_group("data")
-    g.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
-    g.add_argument("--download", action="store_true", help="download the official CIFAR-10 if none is found")
-    g.add_argument("--train-subset", type=positive_int, default=None,
-                   help="train on the codes of this many images (a fixed subset) instead of all 45,000")
-    g.add_argument("--val-size", type=non_negative_int, default=5000,
-                   help="training images held out for validation (the VQ-VAE trainer's fixed split); 0 = none")
-    g.add_argument("--num-workers", type=non_negative_int, default=0, help="DataLoader workers while encoding")
-    g.add_argument("--encode-batch-size", type=positive_int, default=256, help="images per batch while encoding")
-    g.add_argument("--cache-dir", type=Path, default=None,
-                   help="where extracted codes are cached (default $SOFTVQ_CACHE/codes, ~/.cache/softvq/codes)")
-    g = p.add_argument_group("model")
-    g.add_argument("--class-conditional", action="store_true",
-                   help="condition on the CIFAR-10 label (one start token per class, and a null class for guidance)")
-    g.add_argument("--label-dropout", type=_dropout, default=0.1,
-                   help="with --class-conditional: share of sequences trained with the null class instead of their "
-                        "label, the unconditional model that sample.py --guidance mixes in")
-    g.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
-    g.add_argument("--heads", type=positive_int, default=4, help="attention heads (must divide --dim)")
-    g.add_argument("--dim", type=positive_int, default=256, help="model width")
-    g.add_argument("--mlp-ratio", type=positive_int, default=4, help="MLP hidden width / --dim")
-    g.add_argument("--dropout", type=_dropout, default=0.1, help="dropout rate in [0, 1)")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=positive_float, default=1e-3, help="peak AdamW learning rate")
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.01, help="AdamW weight decay (matrices)")
-    g.add_argument("--warmup-steps", type=non_negative_int, default=100, help="linear warmup steps")
-    g.add_argument("--min-lr-ratio", type=non_negative_float, default=0.1,
-                   help="cosine decay to this share of --lr at the last step")
-    add_hardware_args(p)
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that already holds a run (its files are removed)")
+    p.add_class_arguments(CIFAR10DataModule, "data", skip={"seed"})
+    p.set_defaults({"data.batch_size": 256, "data.num_workers": 0})
+    p.add_class_arguments(PriorModel, "model")
+    p.add_class_arguments(Hardware, "trainer", skip=TRAINER_SKIP)
     return p
 
 
-def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.dim % args.heads:
-        parser.error(f"argument --heads: must divide --dim {args.dim}, got {args.heads}")
-    if args.min_lr_ratio > 1:
-        parser.error(f"argument --min-lr-ratio: expected a number in [0, 1], got {args.min_lr_ratio}")
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command's settings, checked by their constructors, as one flat namespace (``args.data_root``,
+    ``args.lr``, ...; ``args.hardware`` the :class:`Hardware`, ``args.config`` the resolved configuration that
+    ``config.json`` records)."""
+    cfg = parse(build_parser(), LEGACY, argv)
+    run, model, hardware = PriorRun(**cfg_section(cfg, PriorRun)), PriorModel(**cfg.model.as_dict()), \
+        Hardware(**cfg.trainer.as_dict())
+    data = CIFAR10DataModule(**cfg.data.as_dict())  # its checks, before anything is read
+    return argparse.Namespace(
+        **asdict(run), resume=cfg.resume, overwrite=cfg.overwrite, **asdict(model), hardware=hardware,
+        data_root=cfg.data.data_root, download=data.download, train_subset=data.train_subset,
+        val_size=data.val_size, num_workers=data.num_workers, encode_batch_size=data.batch_size,
+        data_cache_dir=cfg.data.cache_dir, progress=hardware.progress_bar,
+        config=resolved(cfg, exclude=("resume", "overwrite")))
+
+
+def cfg_section(cfg: Any, cls: type) -> dict[str, Any]:
+    """The top-level keys of ``cfg`` that are fields of the dataclass ``cls``."""
+    return {name: cfg[name] for name in cls.__dataclass_fields__}
 
 
 def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None:
@@ -169,7 +239,7 @@ def prepare_out(args: argparse.Namespace) -> None:
     claim_run_directory(args.out, args.resume, args.overwrite, ("history.jsonl", "test.json", "checkpoints", "tb"))
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out / "config.json", json.dumps(vars(args), default=str, indent=2))
+        write_atomic(args.out / "config.json", json.dumps(args.config, indent=2))
     except OSError as err:
         raise OSError(f"cannot write to the output directory {args.out}: {err}") from err
 
@@ -198,9 +268,7 @@ def test_report(prior: CodePrior, splits: dict[str, CodeSet]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(args, parser)
+    args = parse_args(argv)
     # One run per --out (a second is refused naming the holder's pid); SIGTERM/SIGINT stop at the next batch and
     # exit 143/130 with the last checkpoint kept (docs/training.md, "Run directories, resuming, exit codes").
     with GracefulStop() as stop, RunLock(args.out):
@@ -212,9 +280,10 @@ def encode(args: argparse.Namespace) -> tuple[VQVAERecord, dict[str, CodeSet], t
     vqvae = load_vqvae(args.vqvae)  # FileNotFoundError / ValueError naming the file
     sha256 = sha256_file(args.vqvae)
     data = CIFAR10DataModule(args.data_root, batch_size=args.encode_batch_size, val_size=args.val_size,
-                             train_subset=args.train_subset, num_workers=args.num_workers, download=args.download)
+                             train_subset=args.train_subset, num_workers=args.num_workers, download=args.download,
+                             cache_dir=args.data_cache_dir)
     begin = time.perf_counter()
-    splits = code_splits(vqvae, sha256, data, args.cache_dir, args.encode_batch_size, not args.no_progress_bar)
+    splits = code_splits(vqvae, sha256, data, args.codes_cache, args.encode_batch_size, args.progress)
     seconds = time.perf_counter() - begin
     if vqvae.class_names is not None:  # the labels of the codes must mean the classes the VQ-VAE was trained on
         check_same_classes(vqvae.class_names, data.classes, f"--vqvae {args.vqvae}", f"the data at {args.data_root}")
@@ -236,7 +305,7 @@ def build_trainer(args: argparse.Namespace, has_val: bool, steps_per_epoch: int)
                                            mode="min", save_top_k=1, save_on_train_epoch_end=True))
     # Each epoch's line goes to the "softvq" logger (the script logs at INFO), not print: it would show twice.
     return L.Trainer(
-        max_epochs=args.epochs, default_root_dir=args.out, **hardware_kwargs(args),
+        max_epochs=args.epochs, default_root_dir=args.out, **args.hardware.trainer_kwargs(),
         logger=TensorBoardLogger(save_dir=str(args.out), name="tb", version=""),
         callbacks=[HistoryWriter(args.out / "history.jsonl", echo=False, formatter=format_prior_record),
                    *checkpoints],

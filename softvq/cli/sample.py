@@ -1,19 +1,19 @@
 """Sample new CIFAR-10 images: draw code grids from a trained prior, decode them with its VQ-VAE, save a PNG grid.
 
 Examples:
-    python sample.py --prior runs/prior-ddcl/checkpoints/last.ckpt --n 64 --out samples.png
-    python sample.py --prior runs/prior-cond/checkpoints/last.ckpt --class horse --temperature 0.9 --top-k 100
-    python sample.py --prior runs/prior-cond/checkpoints/last.ckpt --guidance 3    # classifier-free guidance
+    softvq-sample --prior runs/prior-ddcl/checkpoints/last.ckpt --n 64 --out samples.png
+    softvq-sample --prior runs/prior-cond/checkpoints/last.ckpt --label horse --temperature 0.9 --top_k 100
+    softvq-sample --prior runs/prior-cond/checkpoints/last.ckpt --guidance 3    # classifier-free guidance
 
 ``--vqvae`` defaults to the checkpoint recorded in the prior; a VQ-VAE of another codebook size or latent grid is
 refused, and so is another checkpoint of the same shape (its codes mean something else) unless
-``--allow-other-vqvae``. A class-conditional prior without ``--class`` draws every class in turn, in contiguous
+``--allow_other_vqvae``. A class-conditional prior without ``--label`` draws every class in turn, in contiguous
 blocks of ``n / 10`` images (row by row in the grid).
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import logging
 import math
 import sys
@@ -22,38 +22,53 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import ArgumentParser
+from jsonargparse.typing import NonNegativeFloat, PositiveFloat, PositiveInt
 from torchvision.utils import make_grid, save_image
 
-from softvq.cli.common import HelpFormatter, non_negative_float, positive_float, positive_int, run_command
+from softvq.cli.common import run_command
+from softvq.cli.parsing import Legacy, command_parser, parse, resolved
 from softvq.data.cifar10 import CLASSES, sha256_file
+from softvq.models.files import write_atomic
 from softvq.models.prior import check_pairing, class_index, load_prior
 from softvq.models.vqvae import load_vqvae
 
 log = logging.getLogger("softvq")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--prior", type=Path, required=True, help="a prior checkpoint of train_prior.py")
-    p.add_argument("--vqvae", type=Path, default=None,
+PROG = "softvq-sample"
+# The spellings before the shared convention (docs/training.md, "Commands and config files"), for one release.
+LEGACY = Legacy(PROG, renames={"--top-k": "--top_k", "--class": "--label"},
+                switches={"--allow-other-vqvae": ("--allow_other_vqvae", None)})
+
+
+def build_parser() -> ArgumentParser:
+    """The ``softvq-sample`` parser: ``--config``, ``--print_config`` and the flags below; nothing here trains, so it
+    has no ``--data.*``, ``--model.*`` or ``--trainer.*`` section."""
+    p = command_parser(PROG, __doc__.split("\n\n")[0],
+                       epilog="Write a config file with --print_config > sample.yaml and draw from it with --config "
+                              "sample.yaml.")
+    p.add_argument("--prior", type=Path | None, default=None, help="a prior checkpoint of softvq-prior (required)")
+    p.add_argument("--vqvae", type=Path | None, default=None,
                    help="the VQ-VAE checkpoint that decodes the codes (default: the one recorded in the prior)")
-    p.add_argument("--n", type=positive_int, default=64, help="images to draw")
-    p.add_argument("--temperature", type=positive_float, default=1.0,
+    p.add_argument("--n", type=PositiveInt, default=64, help="images to draw")
+    p.add_argument("--temperature", type=PositiveFloat, default=1.0,
                    help="divide the logits by this (< 1: sharper, more typical images; > 1: more varied)")
-    p.add_argument("--top-k", type=positive_int, default=None,
+    p.add_argument("--top_k", type=PositiveInt | None, default=None,
                    help="sample each code among the K most likely only (1 = greedy); default: all codes")
-    p.add_argument("--guidance", type=non_negative_float, default=1.0,
+    p.add_argument("--guidance", type=NonNegativeFloat, default=1.0,
                    help="classifier-free guidance weight w of a class-conditional prior: logits l_null + w (l_class - "
                         "l_null); 1 = plain conditional sampling, > 1 = more typical of the class")
-    p.add_argument("--class", dest="label", default=None, metavar="NAME|INDEX",
+    p.add_argument("--label", type=str | None, default=None, metavar="NAME|INDEX",
                    help=f"class of a class-conditional prior: one of {', '.join(CLASSES)} or 0-{len(CLASSES) - 1}")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws")
-    p.add_argument("--out", type=Path, default=Path("samples.png"), help="the PNG grid to write")
-    p.add_argument("--nrow", type=positive_int, default=None, help="images per grid row (default: about sqrt(n))")
-    p.add_argument("--allow-other-vqvae", action="store_true",
+    p.add_argument("--out", type=Path, default=Path("samples.png"),
+                   help="the PNG grid to write; the resolved settings go beside it (<out> with .json)")
+    p.add_argument("--nrow", type=PositiveInt | None, default=None,
+                   help="images per grid row (default: about sqrt(n))")
+    p.add_argument("--allow_other_vqvae", action="store_true",
                    help="decode with a VQ-VAE of the same K and grid that is not the prior's own (a warning only)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--device", type=str, default="cpu", help="torch device, e.g. cpu or cuda")
     return p
 
 
@@ -63,8 +78,8 @@ def sample_labels(n: int, label: str | None, num_classes: int,
     class in contiguous blocks; ``None`` for an unconditional prior (``num_classes == 0``)."""
     if num_classes == 0:
         if label is not None:
-            raise ValueError(f"--class {label!r} given, but this prior is unconditional (trained without "
-                             f"--class-conditional)")
+            raise ValueError(f"--label {label!r} given, but this prior is unconditional (trained without "
+                             f"--model.class_conditional true)")
         return None
     if label is not None:
         return torch.full((n,), class_index(label, classes[:num_classes]), dtype=torch.long)
@@ -72,17 +87,19 @@ def sample_labels(n: int, label: str | None, num_classes: int,
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), LEGACY, argv)
+    if args.prior is None:
+        raise ValueError("--prior is required: a prior checkpoint of softvq-prior")
     device = torch.device(args.device)
     prior = load_prior(args.prior, map_location=device)
     if args.top_k is not None and args.top_k > prior.num_codes:
-        raise ValueError(f"--top-k must be at most K = {prior.num_codes} (the prior's codebook size), got {args.top_k}")
+        raise ValueError(f"--top_k must be at most K = {prior.num_codes} (the prior's codebook size), got {args.top_k}")
     # the class names the prior's training data had (when it recorded them), else CIFAR-10's
     classes = tuple(prior.vqvae.classes) if prior.vqvae is not None and prior.vqvae.classes else CLASSES
     labels = sample_labels(args.n, args.label, prior.config.num_classes, classes)
     if args.guidance != 1.0 and not prior.config.has_null_class:
         raise ValueError(f"--guidance {args.guidance} needs a class-conditional prior trained with label dropout "
-                         f"(train_prior.py --class-conditional); {args.prior} has no null class")
+                         f"(softvq-prior --model.class_conditional true); {args.prior} has no null class")
     vqvae_path = args.vqvae if args.vqvae is not None else Path(prior.vqvae.path) if prior.vqvae else None
     if vqvae_path is None:
         raise ValueError("this prior records no VQ-VAE; pass --vqvae")
@@ -95,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     nrow = args.nrow or math.ceil(math.sqrt(args.n))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_image(make_grid(images, nrow=nrow, padding=2, pad_value=1.0), args.out)
+    write_atomic(args.out.with_suffix(".json"), json.dumps(resolved(args), indent=2) + "\n")
     used = int(torch.unique(codes).numel())
     print(f"wrote {args.n} samples to {args.out} ({used} distinct codes of {prior.num_codes} in the draws"
           + ("" if labels is None else f"; classes {sorted({classes[i] for i in labels.tolist()})}") + ")")

@@ -96,11 +96,12 @@ def _not_found_message(root: Path) -> str:
     return (
         f"no CIFAR-10 data found at {root}. Provide one of:\n"
         f"  - {root}/cifar-10-batches-py/  (the official python release; with internet access pass download=True:\n"
-        f"    --data.download true to softvq-train, --download to the other commands; or\n"
+        f"    --data.download true to the softvq-* commands, --download to the eval studies; or\n"
         f"    fetch https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz and extract it into {root})\n"
         f"  - {root}/train/<class>/*.jpg and {root}/test/<class>/*.jpg  (an ImageFolder tree)\n"
         f"  - an ImageFolder archive (.tar.gz), passed as the data root itself, e.g. "
-        f"../shared/data/cifar10-jpeg.tar.gz (--data.data_root to softvq-train, --data-root to the other commands)"
+        f"../shared/data/cifar10-jpeg.tar.gz (--data.data_root to the softvq-* commands, --data-root to the eval "
+        f"studies)"
     )
 
 
