@@ -27,6 +27,10 @@ EPOCH_COLUMNS = (("val_utilization", "val util %", "{:.1f}", 100.0), ("val_dead_
                  ("train_images_per_s", "img/s", "{:.0f}", 1.0))
 
 
+# A soft-hard PSNR difference below this is float rounding of one tensor decoded twice, not a measurement.
+BY_CONSTRUCTION_DB = 1e-6
+
+
 def group(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
@@ -140,8 +144,11 @@ def targets(groups: dict[str, list], settings: dict[str, Any]) -> list[str]:
     lines.append(f"- Perplexity ≥ 0.9·K = {0.9 * k:.0f}: lowest seed {np.nanmin(ppl):.0f} → "
                  f"**{'met' if np.nanmin(ppl) >= 0.9 * k else 'not met'}**.")
     gap = float(np.nanmax(np.abs(values(ddcl, "psnr") - values(ddcl, "psnr_hard"))))
-    lines.append(f"- Soft→hard gap ≤ 0.2 dB: largest seed {gap:.3f} dB (with the layer's hard output the soft and the "
-                 f"hard decode are one tensor) → **{'met' if gap <= 0.2 else 'not met'}**.")
+    if gap < BY_CONSTRUCTION_DB:  # the layer's hard output: the model decodes the argmax code, soft or hard alike
+        lines.append(f"- Soft→hard gap ≤ 0.2 dB: **holds by construction**, not a measured result: with the layer's "
+                     f"hard output the soft and the hard decode are one tensor (largest seed {gap:.1e} dB).")
+    else:
+        lines.append(f"- Soft→hard gap ≤ 0.2 dB: largest seed {gap:.3f} dB → **{'met' if gap <= 0.2 else 'not met'}**.")
     residual = max((row.get("identity_residual") or 0.0) for r in ddcl for row in r["history"])
     lines.append(f"- Identity residual |L_q − L_OLS − V| / L_q, largest over every epoch and seed: {residual:.2e}.")
     return lines

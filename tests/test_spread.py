@@ -95,3 +95,16 @@ def test_no_report_module_keeps_a_rule_of_its_own():
                     offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders, f"margin-against-spread comparisons outside eval._spread: {offenders}"
     assert _spread.MIN_SEEDS == 3
+
+
+def test_a_target_that_holds_by_construction_is_not_reported_as_met():
+    from eval._peers_report import targets
+
+    def runs(gap: float) -> dict[str, list]:
+        test = {"psnr_hard": 23.0, "psnr": 23.0 + gap, "utilization": 1.0, "perplexity": 500.0}
+        return {"ddcl": [{"seed": s, "test": test, "history": []} for s in (0, 1, 2)]}
+
+    (gap_line,) = [line for line in targets(runs(0.0), {"num_codes": 512}) if "Soft→hard" in line]
+    assert "**holds by construction**, not a measured result" in gap_line and "met**" not in gap_line
+    (gap_line,) = [line for line in targets(runs(0.1), {"num_codes": 512}) if "Soft→hard" in line]
+    assert gap_line.endswith("0.100 dB → **met**.")
