@@ -208,7 +208,7 @@ def _measured_as(results: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any]) -> str:
     lines = ["# Paradigm 1: DDCL readout on frozen encoders vs k-means vs a logistic-regression bound", "",
-             "Regenerate:", "", f"    {results['command']}", "", f"Code: {code_commit()}", "",
+             "Regenerate:", "", f"    {results['command']}", "", f"Code: {results.get('code') or code_commit()}", "",
              f"Total {results['seconds'] / 60:.1f} min on {results['threads']} CPU threads (encoders and tokens "
              f"come from the cache on a second run).", "", *_measured_as(results),
              "Test accuracy (clustering ACC at K = number of classes, Hungarian), mean ± sample std over seeds:", "",

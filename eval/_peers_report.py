@@ -166,7 +166,7 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
         "# DDCL against its peers in the project's VQ-VAE",
         "",
         f"Regenerate: `{settings['command']}` (runs are kept in `runs/peers/`; finished ones are read).",
-        "", f"Code: {code_commit()}", "",
+        "", f"Code: {settings.get('code') or code_commit()}", "",
         f"Same encoder/decoder (width {settings['width']}, {settings['res_blocks']} residual blocks), K = "
         f"{settings['num_codes']} codes of D = {settings['code_dim']}, Adam {settings['lr']:g}, batch "
         f"{settings['batch_size']}, {settings['train_subset']} training images, {settings['val_size']} validation "
