@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import shutil
 
 import pytest
@@ -217,6 +218,8 @@ def test_sample_refuses_a_class_for_an_unconditional_prior(vqvaes, tiny_cifar, t
 
 def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tmp_path):
     out = tmp_path / "report"
+    ckpt = str(trained["out"] / "checkpoints" / "last.ckpt")
+    drawn = sample.main(["--prior", ckpt, "--n", "3", "--seed", "4", "--out", str(out / "samples_tiny.png")])
     result = prior_report.main(["--run", f"tiny={trained['out']}", "--run", f"again={trained['out']}",
                                 "--out", str(out)])
     saved = json.loads((out / "results.json").read_text())
@@ -229,6 +232,20 @@ def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tm
     gain = run["test_unigram_entropy_bits"] - run["test_bits_per_position"]
     assert cells[1] == "16" and cells[6] == f"{run['test_bits_per_position']:.3f}" and cells[7] == f"{gain:.3f}"
     assert (out / "position_bits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["table"].count("\n") == 4
+    report = (out / "report.md").read_text()
+    # the commands in the header repeat the run and the samples: parsed, they give the settings the run saved
+    prior_cmd = next(line.strip() for line in report.splitlines() if line.strip().startswith("softvq-prior "))
+    args = train_prior.parse_args(shlex.split(prior_cmd)[1:])
+    assert args.config == json.loads((trained["out"] / "config.json").read_text())
+    sample_cmd = next(line.strip() for line in report.splitlines() if line.strip().startswith("softvq-sample "))
+    assert torch.equal(sample.main(shlex.split(sample_cmd)[1:])["codes"], drawn["codes"])
+    assert re.search(r"^Code: \S+", report, re.M) and "python -m eval.prior_report --run tiny=" in report
+    bits = run["test_position_bits"]  # the border/interior split, by hand on the 8 x 8 grid
+    border = [bits[i][j] for i in range(8) for j in range(8) if (i in (0, 7) or j in (0, 7)) and (i, j) != (0, 0)]
+    interior = [bits[i][j] for i in range(1, 7) for j in range(1, 7)]
+    assert len(border) == 27 and len(interior) == 36
+    assert f"| tiny | {bits[0][0]:.2f} | {sum(border) / 27:.2f} (27) | {sum(interior) / 36:.2f} (36) |" in report
+    assert "The class label" not in report  # both runs are conditional: no unconditional twin to compare with
     with pytest.raises(FileNotFoundError, match="test.json not found"):
         prior_report.main(["--run", f"x={tmp_path}", "--out", str(out)])
     with pytest.raises(SystemExit):
