@@ -1,7 +1,7 @@
 """Rate against distortion: what a prior pays, in bits per image, for each bottleneck's codes at its reconstruction.
 
 A VQ-VAE is half of a generative model; the prior over its codes is the other half. This study trains the project's
-VQ-VAE with each bottleneck (the peers' setting: ``eval/peers.py``, 5 epochs on 10,000 images) at K = 512 and
+VQ-VAE with each bottleneck (the peers' setting: ``eval/peers/``, 5 epochs on 10,000 images) at K = 512 and
 K = 4096, then the *same* prior (architecture, epochs, optimizer, seed) on those 10,000 images' codes, and reports on
 the official test split the hard-index PSNR and SSIM (distortion) and the prior's NLL in bits per image (rate).
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import softvq
-from eval._peers_report import write_report
+from eval.peers.report import write_report
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
@@ -276,7 +276,7 @@ def add_vqvae_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="bottlenecks to compare")
@@ -340,8 +340,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     return run_command(main, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())
-
