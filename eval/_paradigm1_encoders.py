@@ -10,7 +10,7 @@ Every source ends in a :class:`TokenSet` per split (tokens ``(N, T, D)``, labels
 - ``--tokens FILE``: a ``torch.save``'d dict of tensors, e.g. BERT features (:func:`load_token_file`).
 
 Images: the readout's training images are the first ``train_subset`` of the data module's fixed permutation of the
-official training split (``val_size=0``; the same images ``eval/readout.py`` uses); the ViT is trained on the *last*
+official training split (``val_size=0``; the same images ``eval/readout/`` uses); the ViT is trained on the *last*
 ``vit_train`` images of that permutation, so it never saw a readout training image (like BERT, pretrained on other
 text). Test images: the official test split or a fixed seeded subset of it.
 """

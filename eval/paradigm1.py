@@ -59,8 +59,8 @@ from eval._paradigm1_clustering import clustering, ddcl_clusters, fit_ddcl_clust
 from eval._paradigm1_config import Paradigm1Config
 from eval._paradigm1_encoders import TokenSet, load_token_file
 from eval._paradigm1_heads import FeatureProbe, ReadoutHead
-from eval._readout_heads import fit
 from eval._spread import summarize
+from eval.readout.heads import fit
 
 log = logging.getLogger("eval.paradigm1")
 # re-exported: the study's unsupervised half lives in eval/_paradigm1_clustering.py

@@ -1,4 +1,4 @@
-"""The readouts that ``eval/readout.py`` trains on frozen VQ-VAE latents, and their training loop.
+"""The readouts that ``eval/readout/`` trains on frozen VQ-VAE latents, and their training loop.
 
 Every readout maps a batch of frozen tokens ``(B, T, D)`` and their hard code indices ``(B, T)`` to class logits
 ``(B, C)`` and an auxiliary loss (0 where there is none). Linear probes standardise their features with a
