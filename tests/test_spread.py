@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from eval import _spread
-from eval._paradigm1_report import _judge
 from eval._spread import beyond_spread, by_seed, describe, verdict
 from eval.compare.report import winners
+from eval.paradigm1.report import _judge
 from eval.peers.report import margins
 
 EVAL = Path(__file__).resolve().parent.parent / "eval"

@@ -163,7 +163,7 @@ def fit(model: nn.Module, train: tuple[Tensor, Tensor, Tensor], test: tuple[Tens
     ``params`` and, for readouts over a reused codebook, ``codebook_shift`` (relative change of the prototypes).
 
     ``side`` is a per-example tensor sliced with the tokens and handed to ``model(tokens, side)``: the hard code
-    indices ``(N, T)`` here, the padding mask ``(N, T)`` in ``eval/paradigm1.py``. ``on_epoch_end(epoch)`` (0-based)
+    indices ``(N, T)`` here, the padding mask ``(N, T)`` in ``eval/paradigm1/``. ``on_epoch_end(epoch)`` (0-based)
     is called after every training epoch, before any evaluation."""
     model.to(device)
     readout = getattr(model, "readout", None)

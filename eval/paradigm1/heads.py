@@ -1,4 +1,4 @@
-"""The supervised heads of ``eval/paradigm1.py`` on frozen tokens, for :func:`eval.readout.heads.fit`.
+"""The supervised heads of ``eval/paradigm1/`` on frozen tokens, for :func:`eval.readout.heads.fit`.
 
 Every head maps tokens ``(B, T, D)`` and a padding mask ``(B, T)`` (True = real token) to class logits ``(B, C)`` and an
 auxiliary loss. Linear heads are :func:`eval.readout.heads.linear_probe` (a non-affine BatchNorm, then a linear map).
