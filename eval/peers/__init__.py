@@ -204,7 +204,7 @@ def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
             quantizer: nn.Module | None = None) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
     """Train one VQ-VAE (bottleneck ``quantizer``, by default ``build(method, ...)``) in ``out`` and test it: the
     trained model, its data module and the run's record (settings, per-epoch history, test figures, wall time).
-    The study of rate against distortion (``eval/rate_distortion.py``) trains through this too, so both train
+    The study of rate against distortion (``eval/rate_distortion/``) trains through this too, so both train
     exactly the same model."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "history.jsonl").unlink(missing_ok=True)
