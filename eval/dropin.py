@@ -48,9 +48,9 @@ from torch import Tensor, nn
 from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
-from eval._peers_report import test_table, values
 from eval._provenance import code_commit
 from eval._spread import by_seed, describe
+from eval.peers.report import test_table, values
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic

@@ -9,10 +9,11 @@ A report (any ``reports/**/*.md``) starts with a header of two lines:
     Regenerate: `python -m eval.<study> ...`     (or ``Regenerate:`` followed by the command, indented)
     Code: <commit> ...                          (every commit the numbers came from: the runs', the report's)
 
-A report is **stale** when ``softvq/`` or its study's own modules (``eval/<study>.py``, ``eval/_<study>_report.py``)
-changed in a commit that is not an ancestor of (or equal to) every commit its ``Code:`` line names: its numbers may
-not be what today's code gives. A commit this clone does not have (a shallow clone, another repository) is reported
-as unknown, not stale. ``+`` after a commit (uncommitted changes when the study ran) is read as that commit.
+A report is **stale** when ``softvq/`` or its study's own modules (every file of the package ``eval/<study>/`` when the
+study is one, else ``eval/<study>.py``) changed in a commit that is not an ancestor of (or equal to) every commit its
+``Code:`` line names: its numbers may not be what today's code gives. A commit this clone does not have (a shallow
+clone, another repository) is reported as unknown, not stale. ``+`` after a commit (uncommitted changes when the
+study ran) is read as that commit.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ class Header:
         return bool(self.command) and bool(self.commits)
 
     def modules(self, root: Path) -> list[str]:
-        """The study's own modules, repository-relative: ``eval/<study>.py`` and its report writer if there is one."""
+        """The study's own modules, repository-relative: its package ``eval/<study>/`` (all of its files: the study,
+        its command, its report writer and other parts) when it is one, else the single file ``eval/<study>.py``."""
         match = STUDY.search(self.command or "")
         if not match:
             return []
         name = match.group(1).split(".", 1)[1]
-        return [m for m in (f"eval/{name}.py", f"eval/_{name}_report.py") if (root / m).is_file()]
+        if (root / "eval" / name / "__init__.py").is_file():
+            return [f"eval/{name}/"]
+        return [f"eval/{name}.py"] if (root / "eval" / f"{name}.py").is_file() else []
 
 
 def read_header(path: Path) -> Header:

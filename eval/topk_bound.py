@@ -3,7 +3,7 @@ gradient it gives, against the exact layer in float64, on a trained VQ-VAE's own
 
     python -m eval.topk_bound --rd-runs runs/rate_distortion --out reports/topk
 
-For each DDCL VQ-VAE of the rate-distortion study (``eval/rate_distortion.py``: K = 512 and 4096, the layer's
+For each DDCL VQ-VAE of the rate-distortion study (``eval/rate_distortion/``: K = 512 and 4096, the layer's
 defaults), the **validation** images' latents are standardised as the layer sees them, and at the layer's trained
 temperature T (and at T / 2 and 2 T) this computes, per token, in float64:
 

@@ -9,8 +9,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from eval import _compare_report as report
 from eval import compare
+from eval.compare import report
 
 TINY_MODEL = ("--model.width 8 --model.res_hidden 4 --model.res_blocks 1 --model.num_codes 8 --model.code_dim 4 "
               "--data.batch_size 16")

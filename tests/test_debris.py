@@ -3,36 +3,28 @@ independent formulas, the DDCL identity on the catalogue, and the eval command e
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import itertools
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from eval.clustering import cluster_owners, clustering_accuracy, contingency_matrix
-from eval.debris_data import FEATURES, REGIMES, DebrisConfig, classify_regime, make_orbital_debris
+from eval.debris.data import FEATURES, REGIMES, DebrisConfig, classify_regime, make_orbital_debris
 from softvq import DDCLQuantizer
 
 R_EARTH, MU = 6378.137, 398600.4418  # km, km^3/s^2, written out again here on purpose
 SIDEREAL_DAY = 86164.1  # s
 J2 = 1.08262668e-3  # Earth's oblateness coefficient (not used by the generator)
 COL = {name: i for i, name in enumerate(FEATURES)}
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def eval_debris():
-    """eval/debris.py as a module (registered in sys.modules so that its dataclasses resolve)."""
-    if "eval_debris" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("eval_debris", ROOT / "eval" / "debris.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["eval_debris"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["eval_debris"]
+    """The study, eval/debris/, imported when a test needs it (an ordinary import: its dataclasses resolve)."""
+    return importlib.import_module("eval.debris")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""eval/readout.py end to end on a tiny VQ-VAE, its readouts against references, and its readout benchmark twin."""
+"""eval/readout/ end to end on a tiny VQ-VAE, its readouts against references, and its readout benchmark twin."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from PIL import Image
 from torchvision.transforms.functional import to_tensor
 
 from eval import bench_readout, readout
-from eval._readout_heads import HistogramProbe, fit
+from eval.readout.heads import HistogramProbe, fit
 from softvq import DDCLQuantizer, assignment_entropy
 from softvq.cli import train as train_vqvae
 from softvq.models import VQVAE

@@ -9,8 +9,8 @@ import shutil
 import matplotlib.image
 import pytest
 
-from eval import _hierarchy_report as report
 from eval import compare, hierarchy
+from eval.hierarchy import report
 from softvq.cli import train as train_vqvae
 
 TINY_MODEL = ("--model.width 8 --model.res_hidden 4 --model.res_blocks 1 --model.num_codes 8 --model.code_dim 4 "

@@ -1,4 +1,4 @@
-"""eval/paradigm1.py against independent references: known clusters, brute-force masses and decompositions, bad
+"""eval/paradigm1/ against independent references: known clusters, brute-force masses and decompositions, bad
 input."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers import exact_cdist
 
-from eval import _paradigm1_encoders as encoders
 from eval import paradigm1
-from eval._paradigm1_encoders import TokenSet, load_token_file
-from eval._paradigm1_heads import ReadoutHead, masked_mean
-from eval._vit import ViTConfig
+from eval.paradigm1 import encoders
+from eval.paradigm1.encoders import TokenSet, load_token_file
+from eval.paradigm1.heads import ReadoutHead, masked_mean
+from eval.paradigm1.vit import ViTConfig
 from softvq.models.checkpoint_io import UnsafeCheckpointError
 
 TINY = paradigm1.Paradigm1Config(seeds=(0, 1, 2), cluster_tokens=1024, cluster_steps=40, cluster_batch=128,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eval import dropin, peers
-from eval._compare_report import mean_std
+from eval.compare.report import mean_std
 
 vqp = pytest.importorskip("vector_quantize_pytorch")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval import _classifier as clf
-from eval import _rd_report as report
 from eval import rate_distortion as rd
 from eval import sample_quality
+from eval.rate_distortion import report
+from eval.sample_quality import classifier as clf
 
 
 def point(method: str, k: int, seed: int, psnr: float, bits: float) -> dict:

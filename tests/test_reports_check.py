@@ -43,8 +43,11 @@ def repo(tmp_path):
     git(tmp_path, "config", "user.email", "t@t")
     git(tmp_path, "config", "user.name", "t")
     (tmp_path / "softvq" / "layer.py").write_text("x = 1\n")
-    (tmp_path / "eval" / "peers.py").write_text("y = 1\n")
-    (tmp_path / "eval" / "other.py").write_text("z = 1\n")
+    (tmp_path / "eval" / "peers").mkdir()  # a study with parts: a package
+    (tmp_path / "eval" / "peers" / "__init__.py").write_text("y = 1\n")
+    (tmp_path / "eval" / "peers" / "report.py").write_text("r = 1\n")
+    (tmp_path / "eval" / "other.py").write_text("z = 1\n")  # a study in one file
+    (tmp_path / "eval" / "_spread.py").write_text("s = 1\n")  # a helper of several studies
     git(tmp_path, "add", "-A")
     git(tmp_path, "commit", "-qm", "code")
     return tmp_path
@@ -55,6 +58,15 @@ def write_report(repo: Path, name: str, commit: str) -> None:
         f"# R\n\nRegenerate: `python -m eval.{name} --seeds 0`\n\nCode: {commit}\n")
 
 
+def test_a_study_is_its_package_or_its_one_file(repo):
+    def modules(command: str) -> list[str]:
+        return reports.Header(repo / "r.md", command, ["abc1234"]).modules(repo)
+
+    assert modules("python -m eval.peers --seeds 0") == ["eval/peers/"]  # every file of the package
+    assert modules("OMP_NUM_THREADS=1 python -m eval.other --x") == ["eval/other.py"]
+    assert modules("python -m eval.missing") == [] and modules("python train_vqvae.py --epochs 3") == []
+
+
 def test_a_report_goes_stale_when_its_study_or_the_library_changes(repo, capsys):
     measured = git(repo, "rev-parse", "--short", "HEAD")
     write_report(repo, "peers", measured)
@@ -62,12 +74,22 @@ def test_a_report_goes_stale_when_its_study_or_the_library_changes(repo, capsys)
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "reports")  # a later commit that only adds reports leaves them fresh
     assert reports.main(["--check"], root=repo) == 0
-    (repo / "eval" / "peers.py").write_text("y = 2\n")  # the study of one report changes
-    git(repo, "commit", "-qam", "peers changed")
+    (repo / "eval" / "_spread.py").write_text("s = 2\n")  # a shared helper is no study's own module
+    git(repo, "commit", "-qam", "helper changed")
+    assert reports.main(["--check"], root=repo) == 0
+    (repo / "eval" / "peers" / "report.py").write_text("r = 2\n")  # a part of one report's study changes
+    git(repo, "commit", "-qam", "peers' report writer changed")
     assert reports.main(["--check"], root=repo) == 1
     out, err = capsys.readouterr()
-    assert "stale: softvq / eval/peers.py changed in" in out and "reports/other/report.md" not in err
+    assert "stale: softvq / eval/peers/ changed in" in out and "reports/other/report.md" not in err
     assert "1 of 2 reports lack a header or are stale: reports/peers/report.md" in err
+    write_report(repo, "peers", git(repo, "rev-parse", "HEAD"))
+    (repo / "eval" / "other.py").write_text("z = 2\n")  # a one-file study changes
+    git(repo, "commit", "-qam", "other changed")
+    assert reports.main(["--check"], root=repo) == 1
+    out, err = capsys.readouterr()
+    assert "stale: softvq / eval/other.py changed in" in out
+    assert "1 of 2 reports lack a header or are stale: reports/other/report.md" in err
     (repo / "softvq" / "layer.py").write_text("x = 2\n")  # the library changes: every report is stale
     git(repo, "commit", "-qam", "library changed")
     assert reports.main(["--check"], root=repo) == 1

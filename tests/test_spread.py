@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from eval import _spread
-from eval._compare_report import winners
-from eval._paradigm1_report import _judge
-from eval._peers_report import margins
 from eval._spread import beyond_spread, by_seed, describe, verdict
+from eval.compare.report import winners
+from eval.paradigm1.report import _judge
+from eval.peers.report import margins
 
 EVAL = Path(__file__).resolve().parent.parent / "eval"
 

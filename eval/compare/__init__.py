@@ -38,17 +38,16 @@ from typing import Any
 
 import torch
 
-from eval._compare_report import write_report
+from eval._provenance import ROOT
+from eval.compare.report import write_report
 from softvq.cli import config as train_config
 from softvq.cli import evaluate
-from softvq.cli.common import EXPECTED_ERRORS, run_command
 from softvq.data.cifar10 import sha256_file
 from softvq.models import QUANTIZERS
 from softvq.models.callbacks import read_history
 from softvq.models.files import write_atomic
 
 log = logging.getLogger("eval.compare")
-ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = ROOT / "train_vqvae.py"
 
 
@@ -305,7 +304,7 @@ def finish_run_args(args: argparse.Namespace, p: argparse.ArgumentParser, argv: 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_run_args(p, " (flags given explicitly still win)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the method runs")
@@ -338,7 +337,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log.info("report: %s", args.out / "report.md")
     return results
 
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    sys.exit(run_command(main, errors=(*EXPECTED_ERRORS, RuntimeError)))

@@ -1,4 +1,4 @@
-"""A small vision transformer for ``eval/paradigm1.py``: trained on CIFAR-10 labels, then frozen as a token encoder.
+"""A small vision transformer for ``eval/paradigm1/``: trained on CIFAR-10 labels, then frozen as a token encoder.
 
 The paper's first paradigm reads out a pretrained, frozen text encoder (BERT). No pretrained encoder can be downloaded
 here, so this module trains one: images ``(B, 3, 32, 32)`` -> ``patch x patch`` patches -> a linear patch embedding

@@ -40,7 +40,8 @@ from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
 from eval._provenance import code_commit
-from eval._robustness_grid import (
+from eval.dropin import SmallAutoencoder
+from eval.robustness.grid import (
     ALPHA,
     BASE,
     CONFIGS,
@@ -52,13 +53,12 @@ from eval._robustness_grid import (
     constructor,
     make_optimizer,
 )
-from eval._robustness_report import regrets, worst_case, write_report
-from eval.dropin import SmallAutoencoder
+from eval.robustness.report import regrets, worst_case, write_report
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
 
-# The grid (eval/_robustness_grid.py) and the report (eval/_robustness_report.py) are importable from here.
+# The grid (eval/robustness/grid.py) and the report (eval/robustness/report.py) are importable from here.
 __all__ = ["BASE", "CONFIGS", "OPTIMIZERS", "SETTINGS", "Setting", "build", "constructor", "gain_at", "gradient_gain",
            "load_images", "main", "regrets", "to_input", "train_and_score", "worst_case", "write_report"]
 
@@ -236,7 +236,7 @@ def gradient_gain_table(dims: tuple[int, ...] = (8, 32, 128), num_codes: int = 5
 
 # ------------------------------------------------------------------------------------------------------------- cli
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.robustness", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
@@ -323,7 +323,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     return run_command(main, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())

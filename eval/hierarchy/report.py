@@ -1,5 +1,5 @@
 """The report of :mod:`eval.hierarchy`: 1-level vs 2-level DDCL vs hard VQ per epoch and on the test split, per-level
-decomposition tables, and the verdict on the paper's hierarchical claim. Reuses :mod:`eval._compare_report`."""
+decomposition tables, and the verdict on the paper's hierarchical claim. Reuses :mod:`eval.compare.report`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
-from eval import _compare_report as rep
 from eval._provenance import code_commit
+from eval.compare import report as rep
 from softvq.models.files import write_atomic
 
 PLOTS = ("health.png", "levels.png")

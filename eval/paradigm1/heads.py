@@ -1,7 +1,7 @@
-"""The supervised heads of ``eval/paradigm1.py`` on frozen tokens, for :func:`eval._readout_heads.fit`.
+"""The supervised heads of ``eval/paradigm1/`` on frozen tokens, for :func:`eval.readout.heads.fit`.
 
 Every head maps tokens ``(B, T, D)`` and a padding mask ``(B, T)`` (True = real token) to class logits ``(B, C)`` and an
-auxiliary loss. Linear heads are :func:`eval._readout_heads.linear_probe` (a non-affine BatchNorm, then a linear map).
+auxiliary loss. Linear heads are :func:`eval.readout.heads.linear_probe` (a non-affine BatchNorm, then a linear map).
 
 - :class:`FeatureProbe`: a linear probe on one vector per example: the mean of the real tokens, or the encoder's CLS
   feature (passed in as a one-token "sequence").
@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from eval._readout_heads import linear_probe
+from eval.readout.heads import linear_probe
 from softvq import DDCLReadout
 
 

@@ -1,4 +1,4 @@
-"""The readouts that ``eval/readout.py`` trains on frozen VQ-VAE latents, and their training loop.
+"""The readouts that ``eval/readout/`` trains on frozen VQ-VAE latents, and their training loop.
 
 Every readout maps a batch of frozen tokens ``(B, T, D)`` and their hard code indices ``(B, T)`` to class logits
 ``(B, C)`` and an auxiliary loss (0 where there is none). Linear probes standardise their features with a
@@ -163,7 +163,7 @@ def fit(model: nn.Module, train: tuple[Tensor, Tensor, Tensor], test: tuple[Tens
     ``params`` and, for readouts over a reused codebook, ``codebook_shift`` (relative change of the prototypes).
 
     ``side`` is a per-example tensor sliced with the tokens and handed to ``model(tokens, side)``: the hard code
-    indices ``(N, T)`` here, the padding mask ``(N, T)`` in ``eval/paradigm1.py``. ``on_epoch_end(epoch)`` (0-based)
+    indices ``(N, T)`` here, the padding mask ``(N, T)`` in ``eval/paradigm1/``. ``on_epoch_end(epoch)`` (0-based)
     is called after every training epoch, before any evaluation."""
     model.to(device)
     readout = getattr(model, "readout", None)

@@ -1,4 +1,4 @@
-"""The unsupervised half of ``eval/paradigm1.py``: DDCL readout prototypes as clusters against k-means, on the pooled
+"""The unsupervised half of ``eval/paradigm1/``: DDCL readout prototypes as clusters against k-means, on the pooled
 features and on the tokens, scored by ACC (Hungarian, or the majority map for more clusters than classes), NMI and
 ARI on the test split. See that module's docstring for the study."""
 
@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eval._paradigm1_config import Paradigm1Config
-from eval._paradigm1_encoders import TokenSet
-from eval._paradigm1_heads import masked_mean
 from eval.clustering import cluster_owners, clustering_accuracy
+from eval.paradigm1.config import Paradigm1Config
+from eval.paradigm1.encoders import TokenSet
+from eval.paradigm1.heads import masked_mean
 from softvq import DDCLReadout
 
 

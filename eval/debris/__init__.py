@@ -5,7 +5,7 @@
 
 The paper (arXiv 2604.03850) reports ACC 0.772 for DDCL vs 0.756 for k-means on synthetic orbital debris, with
 prototypes that align with the regimes instead of crowding into LEO. This script measures that comparison on
-:func:`eval.debris_data.make_orbital_debris` (features standardised per column, every method on the same data):
+:func:`eval.debris.data.make_orbital_debris` (features standardised per column, every method on the same data):
 
 - **k-means**: ``sklearn.cluster.KMeans(K, random_state=seed)`` with scikit-learn's default ``n_init``.
 - **DDCL (direct)**: ``K`` :class:`~softvq.DDCLQuantizer` prototypes on the standardised features, initialised
@@ -19,7 +19,7 @@ Scores: ACC with Hungarian matching, purity, NMI, ARI and the k-means objective 
 std over seeds, plus the paired per-seed ACC difference. Each prototype belongs to the regime that holds most of
 the points it wins. The DDCL hyperparameters below were chosen on development seeds 100-104, which the
 evaluation seeds (0, 1, ...) never include; the ablations (other settings tried) run on the evaluation seeds.
-Writes ``report.md``, ``prototypes.png`` (both drawn by :mod:`eval._debris_report`) and ``results.json`` to
+Writes ``report.md``, ``prototypes.png`` (both drawn by :mod:`eval.debris.report`) and ``results.json`` to
 ``--out``.
 """
 
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from eval._debris_report import MAIN, Fit, plot, render
 from eval.clustering import cluster_owners, clustering_accuracy, contingency_matrix
-from eval.debris_data import REGIMES, make_orbital_debris
+from eval.debris.data import REGIMES, make_orbital_debris
+from eval.debris.report import MAIN, Fit, plot, render
 from softvq import DDCLQuantizer, param_groups
 
 log = logging.getLogger("eval.debris")
@@ -281,7 +281,3 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "report.md").write_text(render(summary, argv))
     log.info("wrote %s in %.0f s", args.out / "report.md", seconds)
     return summary
-
-
-if __name__ == "__main__":
-    main()

@@ -290,7 +290,7 @@ def write_report(results: list[dict[str, Any]], settings: dict[str, Any], out: P
     lines = ["# Rate against distortion: the prior's bits for each bottleneck's codes", "",
              f"Regenerate: `{settings['command']}`", "",
              f"Code: report written at {code_commit()}; points trained at {', '.join(commits)}.", "",
-             f"VQ-VAE: the peers' setting (`eval/peers.py`): width {v['width']}, {v['res_blocks']} residual blocks, "
+             f"VQ-VAE: the peers' setting (`eval/peers/`): width {v['width']}, {v['res_blocks']} residual blocks, "
              f"D = {v['code_dim']}, Adam {v['lr']}, batch {v['batch_size']}, {v['train_subset']} training images, "
              f"{v['epochs']} epochs; K = {settings['num_codes'][0]} (seeds {settings['seeds']}) and "
              f"K = {settings['num_codes'][1]} (seeds {settings['large_seeds']}); FSQ at the FSQ paper's nearest level "

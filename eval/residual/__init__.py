@@ -205,7 +205,7 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | No
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.residual", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"))
     p.add_argument("--methods", nargs="+", choices=METHODS, default=["rddcl", "rhard", "vqp_rvq", "vqp_rfsq",
@@ -235,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from eval._residual_report import write_report
+    from eval.residual.report import write_report
 
     args = parse_args(argv)
     with peers.study_run(args.threads):
@@ -247,7 +247,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     return run_command(main, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())

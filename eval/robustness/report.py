@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from eval._provenance import code_commit
-from eval._robustness_grid import ALPHA, BASE, COLLAPSE, CONFIGS, OPTIMIZERS, SETTINGS, constructor
+from eval.robustness.grid import ALPHA, BASE, COLLAPSE, CONFIGS, OPTIMIZERS, SETTINGS, constructor
 from softvq.models.files import write_atomic
 
 

@@ -10,7 +10,7 @@ of dimension ``D`` (row-major over the grid), plus the hard code index of every 
 test split are computed once and cached (``$SOFTVQ_CACHE/readout/``, keyed by the checkpoint's SHA-256 and the
 data selection). Every readout sees the tokens standardised by one fixed affine map from the training tokens,
 applied to the codebook too so that its assignments do not change (:func:`standardize`); ``--readout-temperature``
-overrides the codebook's temperature for the DDCL readouts. Readouts (``eval/_readout_heads.py``), each trained
+overrides the codebook's temperature for the DDCL readouts. Readouts (``eval/readout/heads.py``), each trained
 with Adam on the training labels for ``--epochs`` epochs and scored on the test split after the last epoch (no
 selection on the test split):
 
@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,9 +41,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from eval._provenance import code_commit, study_command
-from eval._readout_heads import LABELS, READOUTS, build_readout, fit
+from eval.readout.heads import LABELS, READOUTS, build_readout, fit
 from softvq import DDCLQuantizer, assignment_entropy
-from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, default_cache_dir, sha256_file
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.vqvae import VQVAE, load_vqvae
@@ -240,7 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m eval.readout", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True, help="a models.VQVAE Lightning checkpoint (.ckpt)")
     p.add_argument("--data-root", type=Path, default=Path("data"),
                    help="CIFAR-10 directory or .tar.gz archive (as for train_vqvae.py)")
@@ -293,7 +292,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print(text)
     return results
-
-
-if __name__ == "__main__":
-    sys.exit(run_command(main))

@@ -1,13 +1,13 @@
 """Sample quality of each bottleneck's generative model, measured offline: a classifier Fréchet distance and accuracy.
 
-For every point of the rate-distortion study (``eval/rate_distortion.py``: the same VQ-VAE and the same prior per
+For every point of the rate-distortion study (``eval/rate_distortion/``: the same VQ-VAE and the same prior per
 bottleneck), draw samples with one protocol, decode them, and score them with a CIFAR-10 classifier trained here
-(``eval/_classifier.py``; no Inception weights can be downloaded): the Fréchet distance of its penultimate features
-between the samples and real images (torchmetrics' ``FrechetInceptionDistance`` with a custom feature extractor),
-with a bootstrap interval, beside the same distance for the VQ-VAE's own reconstructions of those real images (the
-floor that the codes set for samples). With ``--conditional``, a class-conditional prior with classifier-free
-guidance is trained on each seed-0 point's codes, and its samples' classification accuracy is reported beside the
-classifier's accuracy on the reconstructions of real images (the ceiling) and on the real images.
+(``eval/sample_quality/classifier.py``; no Inception weights can be downloaded): the Fréchet distance of its
+penultimate features between the samples and real images (torchmetrics' ``FrechetInceptionDistance`` with a custom
+feature extractor), with a bootstrap interval, beside the same distance for the VQ-VAE's own reconstructions of those
+real images (the floor that the codes set for samples). With ``--conditional``, a class-conditional prior with
+classifier-free guidance is trained on each seed-0 point's codes, and its samples' classification accuracy is
+reported beside the classifier's accuracy on the reconstructions of real images (the ceiling) and on the real images.
 
 Usage:
     python -m eval.sample_quality --data-root ../shared/data/cifar10-jpeg.tar.gz --rd-runs runs/rate_distortion
@@ -15,7 +15,7 @@ Usage:
 The protocol (temperature; guidance weight for conditional samples) is chosen on the **validation** split: the
 value whose samples have the lowest Fréchet distance to the 5,000 validation images, averaged over every bottleneck,
 so no bottleneck gets its own. The test split (a fixed random ``--samples`` of its images, every class in
-it; ``eval._classifier.images_of``) is read once, for the final table.
+it; ``eval.sample_quality.classifier.images_of``) is read once, for the final table.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from eval import _classifier as clf
 from eval import rate_distortion as rd
 from eval._provenance import code_commit
 from eval._spread import MIN_SEEDS
 from eval.peers import study_run
+from eval.sample_quality import classifier as clf
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
@@ -244,7 +244,7 @@ def subset_labels(subset: torch.utils.data.Subset, n: int) -> torch.Tensor:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.sample_quality", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--rd-runs", type=Path, default=Path("runs/rate_distortion"), help="eval.rate_distortion's runs")
@@ -275,7 +275,3 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def cli(argv: list[str] | None = None) -> int:
     return run_command(main, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())

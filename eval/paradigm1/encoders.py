@@ -1,16 +1,16 @@
-"""The thin layer of ``eval/paradigm1.py`` that makes token features from frozen modules or loads them from a file.
+"""The thin layer of ``eval/paradigm1/`` that makes token features from frozen modules or loads them from a file.
 
 Every source ends in a :class:`TokenSet` per split (tokens ``(N, T, D)``, labels ``(N,)``, an optional padding mask
 ``(N, T)`` and optional CLS features ``(N, D)``), the input of :func:`eval.paradigm1.run_paradigm1`:
 
 - ``vqvae``: a trained :class:`softvq.models.VQVAE` checkpoint's 8x8 latent grid as 64 tokens (what its quantizer
   sees), extracted and cached by :func:`eval.readout.latents`;
-- ``vit``: the small :class:`eval._vit.ViT` trained here on CIFAR-10 labels of training images that the readout never
-  sees, then frozen: its 64 patch tokens and its CLS vector, both cached;
+- ``vit``: the small :class:`eval.paradigm1.vit.ViT` trained here on CIFAR-10 labels of training images that the
+  readout never sees, then frozen: its 64 patch tokens and its CLS vector, both cached;
 - ``--tokens FILE``: a ``torch.save``'d dict of tensors, e.g. BERT features (:func:`load_token_file`).
 
 Images: the readout's training images are the first ``train_subset`` of the data module's fixed permutation of the
-official training split (``val_size=0``; the same images ``eval/readout.py`` uses); the ViT is trained on the *last*
+official training split (``val_size=0``; the same images ``eval/readout/`` uses); the ViT is trained on the *last*
 ``vit_train`` images of that permutation, so it never saw a readout training image (like BERT, pretrained on other
 text). Test images: the official test split or a fixed seeded subset of it.
 """
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from eval._vit import ViT, ViTConfig, train_vit
+from eval.paradigm1.vit import ViT, ViTConfig, train_vit
 from softvq.data.cifar10 import CIFAR10DataModule, default_cache_dir
 from softvq.models.checkpoint_io import load_torch_file
 

@@ -20,7 +20,7 @@ labels of other images (64 patch tokens and CLS); ``--tokens`` runs the same stu
 or call :func:`run_paradigm1` with :class:`TokenSet` splits. The study (every method on the same standardised
 tokens, :func:`standardize`; test split scored once, after training):
 
-- **Unsupervised** (``eval/_paradigm1_clustering.py``): ``K = C`` and ``K = cluster_mult x C`` clusters of (a) the
+- **Unsupervised** (``eval/paradigm1/unsupervised.py``): ``K = C`` and ``K = cluster_mult x C`` clusters of (a) the
   pooled features (mean real token per example) and (b) the tokens. DDCL: the prototypes of a
   :class:`softvq.DDCLReadout` trained on its own DDCL objective only (no labels; ``fit_ddcl_clusters``), an
   example's cluster is the prototype with the largest assignment mass ``sum_t q_tk`` over its real tokens (for
@@ -28,7 +28,7 @@ tokens, :func:`standardize`; test split scored once, after training):
   random_state=seed)`` on the same training features; an example's cluster is the one most of its tokens fall in.
   Both fit on the training split and are scored on the test split: ACC (Hungarian; for ``K > C`` the majority map
   from the training split), NMI, ARI (scikit-learn).
-- **Supervised** (:mod:`eval._paradigm1_heads`, Adam, fixed epochs): linear probes on the mean token and on CLS,
+- **Supervised** (:mod:`eval.paradigm1.heads`, Adam, fixed epochs): linear probes on the mean token and on CLS,
   DDCL readouts (prototypes trained with the head) with a linear head on ``pooled`` or on ``[pooled, mass, slots]``,
   and ``sklearn.linear_model.LogisticRegression`` on all tokens concatenated (the upper bound; its ``C`` chosen on
   a held-out fifth of the training split, then refit on all of it).
@@ -55,15 +55,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eval._paradigm1_clustering import clustering, ddcl_clusters, fit_ddcl_clusters, pair_distance, scores, vote
-from eval._paradigm1_config import Paradigm1Config
-from eval._paradigm1_encoders import TokenSet, load_token_file
-from eval._paradigm1_heads import FeatureProbe, ReadoutHead
-from eval._readout_heads import fit
 from eval._spread import summarize
+from eval.paradigm1.config import Paradigm1Config
+from eval.paradigm1.encoders import TokenSet, load_token_file
+from eval.paradigm1.heads import FeatureProbe, ReadoutHead
+from eval.paradigm1.unsupervised import clustering, ddcl_clusters, fit_ddcl_clusters, pair_distance, scores, vote
+from eval.readout.heads import fit
 
 log = logging.getLogger("eval.paradigm1")
-# re-exported: the study's unsupervised half lives in eval/_paradigm1_clustering.py
+# re-exported: the study's unsupervised half lives in eval/paradigm1/unsupervised.py
 __all__ = ["Paradigm1Config", "TokenSet", "check_inputs", "clustering", "ddcl_clusters", "fit_ddcl_clusters",
            "load_token_file", "main", "pair_distance", "run_paradigm1", "scores", "standardize", "supervised",
            "vote"]
@@ -274,7 +274,8 @@ QUICK = {"seeds": (0, 1, 2), "cluster_tokens": 32_768, "cluster_steps": 200, "ep
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m eval.paradigm1", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--encoders", nargs="+", choices=("vqvae", "vit"), default=None,
                    help="frozen encoders to build tokens from (default: vqvae vit; ignored with --tokens)")
     p.add_argument("--checkpoint", type=Path, default=None, help="a models.VQVAE .ckpt (needed by --encoders vqvae)")
@@ -331,9 +332,9 @@ def config_from(args: argparse.Namespace) -> Paradigm1Config:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from threadpoolctl import threadpool_limits
 
-    from eval._paradigm1_encoders import vit_tokens, vqvae_tokens
-    from eval._paradigm1_report import write_report
-    from eval._vit import ViTConfig
+    from eval.paradigm1.encoders import vit_tokens, vqvae_tokens
+    from eval.paradigm1.report import write_report
+    from eval.paradigm1.vit import ViTConfig
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -363,9 +364,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["threads"] = torch.get_num_threads()
     write_report(results, args.out)
     return results
-
-
-if __name__ == "__main__":
-    from softvq.cli.common import run_command
-
-    sys.exit(run_command(main))

@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,8 @@ import numpy as np
 import torch
 
 from eval import compare
-from eval._hierarchy_report import write_report
+from eval.hierarchy.report import write_report
 from softvq.cli import evaluate
-from softvq.cli.common import EXPECTED_ERRORS, run_command
 from softvq.data.cifar10 import sha256_file
 from softvq.models.files import write_atomic
 
@@ -102,7 +100,7 @@ def claim_check(runs: list[dict[str, Any]], tolerance: float) -> list[dict[str, 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.hierarchy", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     compare.add_run_args(p, ", references trained if missing (explicit flags win)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the 2-level runs")
@@ -157,8 +155,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            seconds={"train_2level": trained, "total": time.perf_counter() - start})
     log.info("report: %s", args.out / "report.md")
     return results
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    sys.exit(run_command(main, errors=(*EXPECTED_ERRORS, RuntimeError)))

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import softvq
-from eval._peers_report import write_report
+from eval.peers.report import write_report
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
@@ -204,7 +204,7 @@ def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
             quantizer: nn.Module | None = None) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
     """Train one VQ-VAE (bottleneck ``quantizer``, by default ``build(method, ...)``) in ``out`` and test it: the
     trained model, its data module and the run's record (settings, per-epoch history, test figures, wall time).
-    The study of rate against distortion (``eval/rate_distortion.py``) trains through this too, so both train
+    The study of rate against distortion (``eval/rate_distortion/``) trains through this too, so both train
     exactly the same model."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "history.jsonl").unlink(missing_ok=True)
@@ -276,7 +276,7 @@ def add_vqvae_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="bottlenecks to compare")
@@ -340,8 +340,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     return run_command(main, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())
-

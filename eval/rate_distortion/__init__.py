@@ -1,7 +1,7 @@
 """Rate against distortion: what a prior pays, in bits per image, for each bottleneck's codes at its reconstruction.
 
 A VQ-VAE is half of a generative model; the prior over its codes is the other half. This study trains the project's
-VQ-VAE with each bottleneck (the peers' setting: ``eval/peers.py``, 5 epochs on 10,000 images) at K = 512 and
+VQ-VAE with each bottleneck (the peers' setting: ``eval/peers/``, 5 epochs on 10,000 images) at K = 512 and
 K = 4096, then the *same* prior (architecture, epochs, optimizer, seed) on those 10,000 images' codes, and reports on
 the official test split the hard-index PSNR and SSIM (distortion) and the prior's NLL in bits per image (rate).
 
@@ -20,7 +20,7 @@ Each point lives in ``--runs/<method>/K<K>/seed<S>/``: ``result.json`` (the VQ-V
 plus the prior's figures and the code-neighbourhood statistics), ``codes.pt`` (the code grids of the train, val and
 test images, int16), ``vqvae.pt`` and ``prior.pt`` (the VQ-VAE's and the prior's state dicts, for sampling). A point
 whose ``result.json`` has the same settings is read, not retrained; ``--no-train`` only reads. The report is
-:mod:`eval._rd_report`.
+:mod:`eval.rate_distortion.report`.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def run_point(method: str, k: int, seed: int, target: float | None, args: argpar
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.rate_distortion", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trained = [run_point(*point, args) for point in points_of(args)]
     if args.only and not args.no_train:
         return {"trained": len(trained)}  # one worker of several: the report is written by a --no-train pass
-    from eval._rd_report import write_report  # here: a worker pass (--only) needs no report or matplotlib
+    from eval.rate_distortion.report import write_report  # here: a worker pass (--only) needs no report or matplotlib
 
     every = argparse.Namespace(**{**vars(args), "only": None, "sweep_only": False, "no_train": True})
     results = [run_point(*point, every) for point in points_of(every)]
@@ -273,7 +273,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     return run_command(main, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())

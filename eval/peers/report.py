@@ -13,9 +13,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eval._compare_report import _finish, _fmt, draw_panels, mean_std, series  # noqa: E402
 from eval._provenance import code_commit
 from eval._spread import by_seed, describe
+from eval.compare.report import _finish, _fmt, draw_panels, mean_std, series  # noqa: E402
 from softvq.models.files import write_atomic  # noqa: E402
 
 TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM", "{:.3f}", 1.0),

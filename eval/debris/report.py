@@ -13,7 +13,7 @@ import numpy as np
 from torch import Tensor
 
 from eval._provenance import code_commit
-from eval.debris_data import FEATURES, REGIMES, DebrisConfig
+from eval.debris.data import FEATURES, REGIMES, DebrisConfig
 
 MAIN = ("k-means", "DDCL (direct)", "DDCL (encoder)")
 PAPER = "The paper reports ACC 0.772 (DDCL) vs 0.756 (k-means)."
@@ -92,7 +92,7 @@ def _intro(summary: dict, argv: list[str] | None) -> list[str]:
         f"Regenerate: `python -m eval.debris{' ' + flags if flags else ''}` ({summary['seconds']:.0f} s on "
         f"{args['threads']} CPU thread, torch {summary['torch']}). Every number below is measured by that command.",
         "", f"Code: {code_commit()}", "",
-        f"Data: `eval.debris_data.make_orbital_debris({args['n_samples']}, seed=s)` for seeds "
+        f"Data: `eval.debris.data.make_orbital_debris({args['n_samples']}, seed=s)` for seeds "
         f"s = 0..{args['seeds'] - 1}; features {', '.join(FEATURES)}, standardised per column; regimes "
         f"{', '.join(REGIMES)} in shares {', '.join(f'{p:.0%}' for p in DebrisConfig().proportions)}. "
         f"k-means: scikit-learn `KMeans(K, random_state=s)`, default `n_init`. DDCL (direct): {settings['direct']}. "

@@ -166,7 +166,7 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     commits = sorted({r.get("commit", "not recorded") for r in runs})
     head = [f"Regenerate: `{settings['command']}`", "",
             f"Code: report written at {code_commit()}; runs trained at {', '.join(commits)}.", "",
-            f"The project's VQ-VAE (`eval/peers.py` setting): {settings['epochs']} epochs on "
+            f"The project's VQ-VAE (`eval/peers/` setting): {settings['epochs']} epochs on "
             f"{settings['train_subset']} training images, D = {settings['code_dim']}, Q = "
             f"{settings['num_quantizers']} levels of K = {settings['num_codes']} unless the row says otherwise; "
             f"seeds {settings['seeds']}.", ""]
