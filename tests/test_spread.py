@@ -98,7 +98,7 @@ def test_no_report_module_keeps_a_rule_of_its_own():
 
 
 def test_a_target_that_holds_by_construction_is_not_reported_as_met():
-    from eval._peers_report import targets
+    from eval.peers.report import targets
 
     def runs(gap: float) -> dict[str, list]:
         test = {"psnr_hard": 23.0, "psnr": 23.0 + gap, "utilization": 1.0, "perplexity": 500.0}
