@@ -58,14 +58,26 @@ def test_quick_comparison_writes_the_report_and_every_plot(quick):
         [(k, s) for k in ("ddcl", "hard", "hard_ema") for s in (0, 1)]
         + [(k, 0) for k in ("ddcl_plain", "ddcl_eps1.0", "ddcl_fixedT")])
     for run in runs:
-        assert [row["epoch"] for row in run["history"]] == [1, 2]
+        assert [row["epoch"] for row in run["history"]] == [1, 2] and run["num_codes"] == 8
+        if run["group"] in compare.ABLATIONS:  # an ablation never reads the test split
+            assert run["test"] is None and not (tmp / "runs" / run["key"] / "seed0" / "test_metrics.json").exists()
+            continue
         assert run["test"]["images"] == 20 and run["test"]["epochs"] == 2 and run["test"]["num_codes"] == 8
         assert set(compare.evaluate.METRICS) <= set(run["test"])
+    # the ablations' tables are the last epoch's validation figures
+    text = (out / "report.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith(f"| {eps1_label(runs)} | 1 |"))
+    last = next(r for r in runs if r["key"] == "ddcl_eps1.0")["history"][-1]
+    assert [c.strip() for c in row.strip("|").split("|")][5] == f"{last['val_psnr_hard']:.2f}"
     eps1 = next(r for r in runs if r["key"] == "ddcl_eps1.0")
     config = json.loads((tmp / "runs" / "ddcl_eps1.0" / "seed0" / "config.json").read_text())
     assert config["model"]["eps"] == 1.0 and config["seed"] == 0 and config["model"]["width"] == 8
     assert eps1["flags"][-2:] == ["--model.eps", "1.0"]
     assert json.loads((out / "results.json").read_text())["settings"]["seeds"] == [0, 1]
+
+
+def eps1_label(runs: list[dict]) -> str:
+    return next(r["label"] for r in runs if r["key"] == "ddcl_eps1.0")
 
 
 def test_the_report_table_is_the_mean_and_std_of_the_runs(quick):
@@ -83,7 +95,8 @@ def test_finished_runs_are_read_not_retrained_and_other_settings_are_refused(qui
     stamp = {p: p.stat().st_mtime_ns for p in (tmp / "runs").rglob("last.ckpt")}
     again = compare.main(tiny_args(tiny_cifar, tmp, "--no-train", "--out", str(tmp / "report2")))
     assert {p: p.stat().st_mtime_ns for p in (tmp / "runs").rglob("last.ckpt")} == stamp
-    assert [r["test"]["psnr"] for r in again["runs"]] == [r["test"]["psnr"] for r in results["runs"]]
+    assert [(r["test"] or {}).get("psnr") for r in again["runs"]] == \
+        [(r["test"] or {}).get("psnr") for r in results["runs"]]
     other = r"seed0 holds a run with other settings \(.*model\.num_codes: 8 there, 16 here"
     with pytest.raises(ValueError, match=other):
         compare.main(tiny_args(tiny_cifar, tmp, "--train-args", TINY_MODEL.replace("codes 8", "codes 16"),
@@ -140,7 +153,7 @@ def test_mean_std_series_and_collapse_rule_by_hand():
     mean, std = report.mean_std(values)
     np.testing.assert_allclose(mean, [2.0, 4.0, 4.0])
     np.testing.assert_allclose(std, [np.sqrt(2.0), np.sqrt(8.0), 0.0])  # a single value has no spread
-    run = {"history": [{"epoch": 1, "psnr": 10.0}, {"epoch": 3, "psnr": 12.0}], "test": {"num_codes": 100}}
+    run = {"history": [{"epoch": 1, "psnr": 10.0}, {"epoch": 3, "psnr": 12.0}], "num_codes": 100}
     np.testing.assert_array_equal(report.series([run], "psnr", 3), [[10.0, np.nan, 12.0]])
     healthy = {**run, "history": [{"epoch": 1, "utilization": 0.9, "perplexity": 40.0}]}
     few_codes = {**run, "history": [{"epoch": 1, "utilization": 0.4, "perplexity": 40.0}]}

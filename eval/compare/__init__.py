@@ -95,6 +95,10 @@ NOT_MODEL = frozenset(train_config.RESUME_SAFE)
 GROUPS = ("methods", "eps", "temperature")
 
 
+# The studies that ablate one setting: read on the validation split (the history's last epoch), never on test.
+ABLATIONS = ("eps", "temperature")
+
+
 def plan(seeds: list[int], ablation_seeds: list[int], groups: tuple[str, ...] = GROUPS) -> list[RunSpec]:
     """The runs of the comparison: the methods on every seed, each study in ``groups`` on the ablation seeds."""
     runs = [RunSpec("methods", key, label, seed, flags) for key, label, flags in METHODS for seed in seeds]
@@ -235,14 +239,19 @@ def collect(specs: list[RunSpec], args: argparse.Namespace,
     metrics = metrics or test_metrics
     runs = []
     for i, spec in enumerate(specs, start=1):
-        start = time.perf_counter()
-        test = metrics(spec, args)
-        log.info("[%d/%d] test split: %s seed %d (%.0f s)", i, len(specs), spec.key, spec.seed,
-                 time.perf_counter() - start)
-        history = [row for row in read_history(spec.directory(args.runs) / "history.jsonl")
-                   if row["epoch"] <= args.epochs]
+        directory = spec.directory(args.runs)
+        if spec.group in ABLATIONS:  # an ablation is judged on validation: the test split is for final tables only
+            test = None
+        else:
+            start = time.perf_counter()
+            test = metrics(spec, args)
+            log.info("[%d/%d] test split: %s seed %d (%.0f s)", i, len(specs), spec.key, spec.seed,
+                     time.perf_counter() - start)
+        history = [row for row in read_history(directory / "history.jsonl") if row["epoch"] <= args.epochs]
+        config = json.loads((directory / "config.json").read_text())
         runs.append({"group": spec.group, "key": spec.key, "label": spec.label, "seed": spec.seed,
-                     "flags": list(spec.flags), "history": history, "test": test})
+                     "flags": list(spec.flags), "num_codes": config["model"]["num_codes"], "history": history,
+                     "test": test})
     return runs
 
 

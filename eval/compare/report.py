@@ -191,9 +191,28 @@ def epoch_table(groups: dict[str, list], labels: dict[str, str], columns: tuple,
     return lines
 
 
+VAL_COLUMNS = tuple((f"val_{m}", f"val {t}", f) for m, t, f in TEST_COLUMNS)
+
+
+def val_table(groups: dict[str, list], labels: dict[str, str]) -> list[str]:
+    """The last epoch's validation figures per run group (mean ± std over seeds): the table of an ablation."""
+    lines = ["| run | seeds | " + " | ".join(c[1] for c in VAL_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(VAL_COLUMNS)]
+    for key, runs in groups.items():
+        cells = [labels[key], str(len(runs))]
+        for metric, _, fmt in VAL_COLUMNS:
+            scale = 100.0 if metric == "val_utilization" else 1.0
+            values = np.array([np.nan if r["history"][-1].get(metric) is None else r["history"][-1][metric] * scale
+                               for r in runs], dtype=float)
+            mean, std = mean_std(values)
+            cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def collapsed(run: dict[str, Any]) -> bool:
     last = run["history"][-1]
-    k = run["test"]["num_codes"]
+    k = run["num_codes"]
     return last["utilization"] < COLLAPSE_UTILIZATION or last["perplexity"] < COLLAPSE_PERPLEXITY_SHARE * k
 
 
@@ -215,7 +234,7 @@ def claims(groups: dict[str, list], labels: dict[str, str], eps: dict[str, list]
         verdict = ["collapsed" if collapsed(r) else "did not collapse" for r in runs]
         last = [r["history"][-1] for r in runs]
         parts = [f"seed {r['seed']} {v} (epoch {row['epoch']}: utilization {100 * row['utilization']:.1f}%, "
-                 f"perplexity {row['perplexity']:.1f} of K = {r['test']['num_codes']})"
+                 f"perplexity {row['perplexity']:.1f} of K = {r['num_codes']})"
                  for r, v, row in zip(runs, verdict, last, strict=True)]
         lines.append(f"- {labels[key]}: " + "; ".join(parts) + ".")
     if eps:
@@ -253,7 +272,8 @@ def train_minutes(runs: list[dict[str, Any]]) -> dict[str, float]:
 def runs_for_json(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs as ``results.json`` keeps them: everything but the test split's per-code counts."""
     return [{k: v for k, v in r.items() if k != "test"}
-            | {"test": {k: v for k, v in r["test"].items() if k != "code_counts"}} for r in runs]
+            | {"test": None if r["test"] is None else {k: v for k, v in r["test"].items() if k != "code_counts"}}
+            for r in runs]
 
 
 def _intro(runs: list[dict[str, Any]], settings: dict[str, Any], seconds: dict[str, float]) -> list[str]:
@@ -312,7 +332,8 @@ def _eps_study(eps_all: dict[str, list], labels: dict[str, str], epochs: int, ou
                                        ("utilization", "util %", "{:.1f}", 100.0),
                                        ("perplexity", "ppl", "{:.0f}", 1.0),
                                        ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0)), epochs), "",
-        *test_table(eps_all, labels), ""]
+        "Validation split, last epoch (an ablation is read on validation; the test split is for the methods' table):",
+        "", *val_table(eps_all, labels), ""]
 
 
 def _temperature_study(temp_all: dict[str, list], labels: dict[str, str], epochs: int, out: Path) -> list[str]:
@@ -327,7 +348,8 @@ def _temperature_study(temp_all: dict[str, list], labels: dict[str, str], epochs
                                         ("val_psnr", "PSNR soft", "{:.2f}", 1.0),
                                         ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0),
                                         ("gap", "gap dB", "{:.2f}", 1.0)), epochs), "",
-        *test_table(temp_all, labels), ""]
+        "Validation split, last epoch (an ablation is read on validation; the test split is for the methods' table):",
+        "", *val_table(temp_all, labels), ""]
 
 
 def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path,
