@@ -286,8 +286,9 @@ def _intro(runs: list[dict[str, Any]], settings: dict[str, Any], seconds: dict[s
         "# Head-to-head: DDCL vs hard VQ-VAE on CIFAR-10", "",
         f"Regenerate: `{settings['command']}`", "", f"Code: {code_commit()}", "",
         f"Every run: {int(settings['epochs'])} epochs on {subset:,} training images, {settings['val_size']:,} held-out "
-        f"validation images, test metrics on {test_images} "
-        f"test images from the last epoch's checkpoint. Method seeds {settings['seeds']}, ablation seeds "
+        f"validation images; the methods' test metrics on {test_images} "
+        f"test images from the last epoch's checkpoint, the ablations' on the validation split (read once, for the "
+        f"final table, the test split judges the methods only). Method seeds {settings['seeds']}, ablation seeds "
         f"{settings['ablation_seeds']}. Extra trainer flags: `{settings['train_args'] or 'none'}`. ± is the sample "
         f"standard deviation over seeds.", "",
         f"This invocation: {seconds['total'] / 60:.1f} min of wall time, {seconds['train'] / 60:.1f} min of it "
