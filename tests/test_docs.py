@@ -131,3 +131,10 @@ def test_a_failing_block_fails(tmp_path):
     page.write_text("```python\nx = 1\n```\n\ntext\n\n```python\nassert x == 2, 'x is 1'\n```\n")
     with pytest.raises(AssertionError, match="x is 1"):
         run_blocks(page)
+
+
+def test_no_markdown_cites_a_file_outside_the_repository():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "reports").rglob("*.md"))]
+    citing = [str(p.relative_to(ROOT)) for p in pages
+              if any(mark in p.read_text() for mark in ("DESIGN §", "shared/DESIGN"))]
+    assert citing == [], f"these cite DESIGN, a file not in the repository: {citing}"
