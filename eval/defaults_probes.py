@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="run these probes only (default: all)")
     p.add_argument("--jobs", type=int, default=2, help="probes at a time, one torch thread each")
     p.add_argument("--no-train", action="store_true", help="only render the probes already in probes.jsonl")
+    p.add_argument("--logs", type=Path, default=Path("runs/defaults_probes"), help="each probe's output")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be positive, got {args.jobs}")
@@ -145,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     done = read_results(results_path)
     todo = [spec for spec in PROBES if spec[0] not in done and (args.only is None or spec[0] in args.only)]
     if todo and not args.no_train:
-        logs = args.out / "probe_logs"
-        logs.mkdir(exist_ok=True)
+        logs = args.logs
+        logs.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(args.jobs) as pool:
             codes = list(pool.map(lambda s: (s[0], run_probe(probe_argv(s[0], s[2], s[3], s[4], args.data_root),
                                                              results_path, logs / f"{s[0]}.log")), todo))
