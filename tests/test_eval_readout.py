@@ -142,8 +142,23 @@ def test_standardize_gives_unit_scale_tokens_and_keeps_the_codebook_assignments(
     else:  # angles are kept: only a scale, the RMS of the raw tokens
         assert scaling["center_norm"] == 0 and scaling["scale"] == pytest.approx(tokens.square().mean().sqrt().item())
     torch.testing.assert_close(mapped(test[0]).probs, quantizer(tokens).probs, atol=1e-5, rtol=1e-4)
+    assert scaling["layer_standardizes"] is False
     assert readout.codebook_entropy(mapped, test[0]) == pytest.approx(
         float(assignment_entropy(quantizer(tokens).probs)) / math.log(8), rel=1e-4)
+
+
+def test_standardize_maps_a_self_standardising_layer_by_its_running_statistics():
+    torch.manual_seed(0)
+    quantizer = DDCLQuantizer(8, 3)  # the defaults: the layer standardises its tokens itself
+    tokens = torch.randn(40, 6, 3) * 0.2 + 3.0
+    quantizer(tokens)  # one training batch: data init and running statistics
+    quantizer.eval()
+    split = (tokens, torch.zeros(40, 6, dtype=torch.long), torch.zeros(40, dtype=torch.long))
+    before = quantizer.prototypes.detach().clone()
+    train, test, mapped, scaling = readout.standardize(split, split, quantizer)
+    assert scaling["layer_standardizes"] is True
+    assert torch.equal(mapped.prototypes.detach(), before)  # the prototypes live in the standardised space
+    torch.testing.assert_close(mapped(test[0]).probs, quantizer(tokens).probs, atol=1e-4, rtol=1e-3)
 
 
 def test_readout_refuses_data_with_other_classes_than_the_checkpoint(checkpoint, tiny_cifar, tmp_path):

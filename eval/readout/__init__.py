@@ -128,7 +128,9 @@ def standardize(train: Split, test: Split, quantizer: nn.Module) -> tuple[Split,
     def apply(split: Split) -> Split:
         return (split[0] - center.float()) / scale, split[1], split[2]
 
-    return apply(train), apply(test), mapped, {"center_norm": float(center.norm()), "scale": scale}
+    own = isinstance(mapped, DDCLQuantizer) and bool(mapped.standardize)
+    return apply(train), apply(test), mapped, {"center_norm": float(center.norm()), "scale": scale,
+                                               "layer_standardizes": own}
 
 
 def codebook_entropy(quantizer: nn.Module, tokens: Tensor, images: int = 256) -> float | None:
@@ -165,8 +167,11 @@ def report(results: dict[str, Any]) -> str:
         f"lr / eps = {c['lr'] / c['eps']:g}), batch {c['batch_size']}, {c['epochs']} epoch(s); test accuracy "
         f"after the last epoch, mean ± sample std over seeds {c['seeds']}.", "",
         f"Every readout sees the tokens standardised by one fixed map z' = (z - m) / s from the training tokens "
-        f"(|m| = {c['center_norm']:.3g}, s = {c['scale']:.3g}); the codebook is mapped the same way with T / s^2, "
-        f"so its assignments are unchanged.{entropy_note(c)}", "",
+        f"(|m| = {c['center_norm']:.3g}, s = {c['scale']:.3g}); "
+        + ("the layer standardises its tokens itself, so its running statistics are mapped the same way and its "
+           "prototypes and T stay as they are" if c.get("layer_standardizes") else
+           "the codebook is mapped the same way with T / s^2")
+        + f", so its assignments are unchanged.{entropy_note(c)}", "",
         "| readout | test accuracy | train accuracy | trainable params | codebook shift | seconds per seed |",
         "|---|---|---|---|---|---|",
     ]
