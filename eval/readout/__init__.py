@@ -168,7 +168,7 @@ def report(results: dict[str, Any]) -> str:
         f"after the last epoch, mean ± sample std over seeds {c['seeds']}.", "",
         f"Every readout sees the tokens standardised by one fixed map z' = (z - m) / s from the training tokens "
         f"(|m| = {c['center_norm']:.3g}, s = {c['scale']:.3g}); "
-        + ("the layer standardises its tokens itself, so its running statistics are mapped the same way and its "
+        + ("the layer standardises its tokens itself: its running statistics are mapped the same way, its "
            "prototypes and T stay as they are" if c.get("layer_standardizes") else
            "the codebook is mapped the same way with T / s^2")
         + f", so its assignments are unchanged.{entropy_note(c)}", "",
