@@ -163,9 +163,9 @@ def render(runs: list[dict[str, Any]], argv: list[str] | None, samples: list[tup
     first = runs[0]
     c, hist = first["config"], first["history"]
     lines = ["# A generative prior over VQ-VAE codes: bits per position against the unigram baselines", "",
-             "Regenerate (each prior, its samples, then this report):", "",
-             *[f"    {cmd}" for cmd in commands], *[f"    {cmd}" for _, cmd in samples if cmd],
-             f"    {study_command('eval.prior_report', argv)}", "",
+             f"Regenerate: `{study_command('eval.prior_report', argv)}`, after training each prior and drawing its "
+             "samples:", "",
+             *[f"    {cmd}" for cmd in commands], *[f"    {cmd}" for _, cmd in samples if cmd], "",
              f"Code: {code_commit()} (this report; the priors were trained from the commands above)", "",
              "One autoregressive transformer prior (`softvq-prior`, `softvq.models.CodePrior`) per codebook, the same "
              f"settings for all: {c['layers']} layers, width {c['dim']}, {c['heads']} heads, MLP {c['mlp_ratio']}x, "
@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = [load_run(name, directory) for name, directory in args.run]
     args.out.mkdir(parents=True, exist_ok=True)
     text = table(runs)
-    write_atomic(args.out / "table.md", text)
+    header = (f"Regenerate: `{study_command('eval.prior_report', argv)}` (the table of [report.md](report.md))\n\n"
+              f"Code: {code_commit()}\n\n")
+    write_atomic(args.out / "table.md", header + text)
     write_atomic(args.out / "results.json", json.dumps({"runs": runs}, indent=2) + "\n")
     position_figure(runs, args.out / "position_bits.png")
     write_atomic(args.out / "report.md", render(runs, argv, sample_grids(args.out)))

@@ -14,7 +14,7 @@ from conftest import CLASSES
 from PIL import Image
 from torchvision.transforms.functional import to_tensor
 
-from eval import prior_report
+from eval import prior_report, reports
 from softvq.cli import prior as train_prior
 from softvq.cli import sample
 from softvq.cli import train as train_vqvae
@@ -240,6 +240,9 @@ def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tm
     sample_cmd = next(line.strip() for line in report.splitlines() if line.strip().startswith("softvq-sample "))
     assert torch.equal(sample.main(shlex.split(sample_cmd)[1:])["codes"], drawn["codes"])
     assert re.search(r"^Code: \S+", report, re.M) and "python -m eval.prior_report --run tiny=" in report
+    for page in ("report.md", "table.md"):  # both carry the header eval.reports reads
+        header = reports.read_header(out / page)
+        assert header.command.startswith("python -m eval.prior_report --run tiny=") and header.commits, page
     bits = run["test_position_bits"]  # the border/interior split, by hand on the 8 x 8 grid
     border = [bits[i][j] for i in range(8) for j in range(8) if (i in (0, 7) or j in (0, 7)) and (i, j) != (0, 0)]
     interior = [bits[i][j] for i in range(1, 7) for j in range(1, 7)]
