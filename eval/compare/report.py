@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,18 +160,25 @@ def _gap(row: dict[str, Any]) -> float | None:
     return row["val_psnr"] - row["val_psnr_hard"]
 
 
-def test_table(groups: dict[str, list], labels: dict[str, str]) -> list[str]:
-    lines = ["| run | seeds | " + " | ".join(c[1] for c in TEST_COLUMNS) + " |",
-             "|---|---|" + "---|" * len(TEST_COLUMNS)]
+def summary_table(groups: dict[str, list], labels: dict[str, str], columns: tuple,
+                  record: Callable[[dict[str, Any]], dict[str, Any]]) -> list[str]:
+    """Mean ± std over seeds of each run group's figures in ``record(run)`` (utilization in %; a missing one is n/a)."""
+    lines = ["| run | seeds | " + " | ".join(c[1] for c in columns) + " |", "|---|---|" + "---|" * len(columns)]
     for key, runs in groups.items():
         cells = []
-        for metric, _, fmt in TEST_COLUMNS:
-            scale = 100.0 if metric == "utilization" else 1.0
-            values = np.array([r["test"][metric] * scale for r in runs], dtype=float)
+        for metric, _, fmt in columns:
+            scale = 100.0 if metric.endswith("utilization") else 1.0
+            values = np.array([np.nan if record(r).get(metric) is None else record(r)[metric] * scale for r in runs],
+                              dtype=float)
             mean, std = mean_std(values)
-            cells.append(_fmt(float(mean), float(std), fmt, len(values)))
+            cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
         lines.append(f"| {labels[key]} | {len(runs)} | " + " | ".join(cells) + " |")
     return lines
+
+
+def test_table(groups: dict[str, list], labels: dict[str, str]) -> list[str]:
+    """The methods' table: the test split, from the last epoch's checkpoint."""
+    return summary_table(groups, labels, TEST_COLUMNS, lambda run: run["test"])
 
 
 def epoch_table(groups: dict[str, list], labels: dict[str, str], columns: tuple, epochs: int) -> list[str]:
@@ -195,19 +203,9 @@ VAL_COLUMNS = tuple((f"val_{m}", f"val {t}", f) for m, t, f in TEST_COLUMNS)
 
 
 def val_table(groups: dict[str, list], labels: dict[str, str]) -> list[str]:
-    """The last epoch's validation figures per run group (mean ± std over seeds): the table of an ablation."""
-    lines = ["| run | seeds | " + " | ".join(c[1] for c in VAL_COLUMNS) + " |",
-             "|---|---|" + "---|" * len(VAL_COLUMNS)]
-    for key, runs in groups.items():
-        cells = [labels[key], str(len(runs))]
-        for metric, _, fmt in VAL_COLUMNS:
-            scale = 100.0 if metric == "val_utilization" else 1.0
-            values = np.array([np.nan if r["history"][-1].get(metric) is None else r["history"][-1][metric] * scale
-                               for r in runs], dtype=float)
-            mean, std = mean_std(values)
-            cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    """An ablation's table: the last epoch's validation figures (the test split is for the methods' table only)."""
+    return ["Validation split, last epoch (an ablation is read on validation; the test split is for the methods' "
+            "table):", "", *summary_table(groups, labels, VAL_COLUMNS, lambda run: run["history"][-1])]
 
 
 def collapsed(run: dict[str, Any]) -> bool:
@@ -333,8 +331,7 @@ def _eps_study(eps_all: dict[str, list], labels: dict[str, str], epochs: int, ou
                                        ("utilization", "util %", "{:.1f}", 100.0),
                                        ("perplexity", "ppl", "{:.0f}", 1.0),
                                        ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0)), epochs), "",
-        "Validation split, last epoch (an ablation is read on validation; the test split is for the methods' table):",
-        "", *val_table(eps_all, labels), ""]
+        *val_table(eps_all, labels), ""]
 
 
 def _temperature_study(temp_all: dict[str, list], labels: dict[str, str], epochs: int, out: Path) -> list[str]:
@@ -349,8 +346,7 @@ def _temperature_study(temp_all: dict[str, list], labels: dict[str, str], epochs
                                         ("val_psnr", "PSNR soft", "{:.2f}", 1.0),
                                         ("val_psnr_hard", "PSNR hard", "{:.2f}", 1.0),
                                         ("gap", "gap dB", "{:.2f}", 1.0)), epochs), "",
-        "Validation split, last epoch (an ablation is read on validation; the test split is for the methods' table):",
-        "", *val_table(temp_all, labels), ""]
+        *val_table(temp_all, labels), ""]
 
 
 def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path,
