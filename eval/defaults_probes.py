@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eval._provenance import code_commit, study_command
+from eval._spread import summarize
 from softvq.cli.common import run_command
 from softvq.models.files import write_atomic
 
@@ -82,9 +83,8 @@ def final_figure(peers: Path) -> str | None:
     for method, label in (("ddcl", "DDCL defaults"), ("hard_ema", "HardVQ EMA + restart")):
         values = [r["test"]["psnr_hard"] for r in runs if r["method"] == method]
         if values:
-            mean = sum(values) / len(values)
-            std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-            cells.append(f"{label} {mean:.2f} ± {std:.2f} dB ({len(values)} seeds)")
+            stats = summarize(values)
+            cells.append(f"{label} {stats['mean']:.2f} ± {stats['std']:.2f} dB ({len(values)} seeds)")
     return "; ".join(cells) if cells else None
 
 

@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from jsonargparse import ArgumentParser, Namespace
 
 from softvq import DDCLQuantizer, HardVQ, ResidualDDCL, ResidualHardVQ
 from softvq.cli.common import Hardware
+from softvq.cli.parsing import command_parser
 from softvq.data import CIFAR10DataModule
 from softvq.models import QUANTIZERS, RESIDUAL_QUANTIZERS, VQVAE
 from softvq.utils import check_non_negative_int, check_positive_int
@@ -70,14 +71,13 @@ class RunOptions:
 
 def build_parser() -> ArgumentParser:
     """The ``softvq-train`` parser: every flag comes from a constructor's signature and its docstring."""
-    p = ArgumentParser(
-        prog="softvq-train", description="Train VQ-VAEs on CIFAR-10 with a DDCL soft codebook and/or a hard "
+    p = command_parser(
+        "softvq-train", "Train VQ-VAEs on CIFAR-10 with a DDCL soft codebook and/or a hard "
         "straight-through VQ, side by side (several --quantizer values: the same seed, data and settings).",
         epilog="Data: --data.data_root is searched for cifar-10-batches-py/ (official release), train/ + test/ "
                "(ImageFolder), or is itself a .tar.gz of such a tree (extracted once into $SOFTVQ_CACHE, default "
                "~/.cache/softvq). With internet access, --data.download true fetches the official release. "
                "Write a config file with --print_config > run.yaml and train from it with --config run.yaml.")
-    p.add_argument("--config", action=ActionConfigFile, help="a YAML/JSON file of these settings (flags after it win)")
     p.add_argument("--quantizer", nargs="+", choices=QUANTIZERS + RESIDUAL_QUANTIZERS, default=["ddcl"],
                    help="bottleneck(s) to train; several are trained one after the other into --out/<quantizer> "
                         "and compared in --out/comparison.md")

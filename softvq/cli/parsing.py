@@ -7,12 +7,13 @@ how they are read), ``--model.*`` (what is built and how it is optimised), ``--t
 A command saves the configuration it resolved beside its outputs.
 
 The spellings of the release before this convention (``--data-root``, ``--no-progress-bar``, ...) keep working for
-one release: :func:`translate_legacy` rewrites them to the new flags with a ``FutureWarning`` that names the new one.
+one release: :meth:`Legacy.translate` rewrites them to the new flags with a ``FutureWarning`` that names the new one.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,8 +82,6 @@ class Legacy:
 
 def parse(parser: ArgumentParser, legacy: Legacy, argv: Sequence[str] | None) -> Namespace:
     """``argv`` (``sys.argv[1:]`` when ``None``) parsed after :meth:`Legacy.translate`; exit 2 on a bad flag."""
-    import sys
-
     return parser.parse_args(legacy.translate(sys.argv[1:] if argv is None else argv))
 
 
