@@ -46,14 +46,18 @@ def test_a_deterministic_reference_is_compared_with_every_seed():
 
 
 def test_by_seed_pairs_values_by_seed_not_by_position():
-    a = {2: 12.0, 0: 10.0, 1: 11.0}
-    b = {0: 9.9, 1: 5.0, 2: 5.0, 3: 100.0}  # seed 3 has no partner and is left out
+    a = {0: 0.0, 1: 0.5, 2: 1.0}
+    b = {1: 6.0, 0: 0.5, 2: 6.5, 3: 100.0}  # seed 3 has no partner and is left out
     judged = by_seed(a, b)
     assert judged["seeds"] == [0, 1, 2]
-    assert judged["margin"] == pytest.approx((10 + 11 + 12) / 3 - (9.9 + 5 + 5) / 3)
-    # in seed order every pair is positive; position order (12, 10, 11) against (9.9, 5, 5) would be too, so check
-    # the pairing itself: reversing b's seeds 0 and 2 makes seed 2's pair 12 - 9.9 and seed 0's 10 - 5
-    assert by_seed(a, {0: 5.0, 1: 5.0, 2: 9.9})["margin"] == pytest.approx(judged["margin"])
+    # by seed every pair is negative (-0.5, -5.5, -5.5) and |margin| 3.83 just exceeds the spread 0.5 + 3.33
+    assert judged["counts"] and judged["margin"] == pytest.approx(-23 / 6)
+    mean_b = 13 / 3  # the sample stds by hand: a's is 0.5, b's over seeds 0-2
+    std_b = (((0.5 - mean_b) ** 2 + (6.0 - mean_b) ** 2 + (6.5 - mean_b) ** 2) / 2) ** 0.5
+    assert judged["spread"] == pytest.approx(0.5 + std_b)
+    # paired in the order the values were given, seed 1's 6.0 would meet seed 0's 0.0 and seed 0's 0.5 seed 1's 0.5:
+    # a zero difference, so that pairing would not count
+    assert not beyond_spread(list(a.values()), [6.0, 0.5, 6.5])["counts"]
     with pytest.raises(ValueError, match="no seed in common"):
         by_seed({0: 1.0}, {1: 1.0})
 
@@ -80,19 +84,31 @@ def test_paradigm1_compare_and_peers_reports_use_the_rule():
     assert psnr.startswith("- PSNR hard: X (0.53) ahead of Y (0.51), within the seed spread (")
 
 
+SPREAD_NAMES = ("spread", "std")  # a name holding a seed spread, or one of its stds (s0, s1, ...)
+
+
+def hand_rules(source: str) -> list[int]:
+    """Lines where a margin (a name ``margin*``/``diff*``) is compared with a seed spread by hand."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            spread = any(any(w in n for w in SPREAD_NAMES) or (n[:1] == "s" and n[1:].isdigit()) for n in names)
+            if spread and any(n.startswith(("margin", "diff")) for n in names):
+                lines.append(node.lineno)
+    return lines
+
+
 def test_no_report_module_keeps_a_rule_of_its_own():
-    """A module that computes a standard deviation to judge a margin must take the rule from eval._spread: no
-    function outside it compares a margin with a spread by hand (the four rules this replaced did)."""
-    offenders = []
-    for path in sorted(EVAL.rglob("*.py")):
-        if path.name == "_spread.py":
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Compare):
-                names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-                if any("spread" in n for n in names) and any(n.startswith(("margin", "diff")) for n in names):
-                    offenders.append(f"{path.name}:{node.lineno}")
+    """A module that judges a margin against the seed spread must take the rule from eval._spread: no function
+    outside it compares a margin with a spread by hand, as the four rules this replaced did."""
+    # the rules that were replaced, as they were written: each is found
+    for old in ("note = 'more than' if margin > spread else 'within'",  # the compare report's
+                "verdict = 'exceeds' if abs(diff) > s0 + s else 'is within'",  # the peers report's
+                "counts = abs(margin) > 2 * max_std and same_sign"):  # paradigm 1's
+        assert hand_rules(old) == [1], old
+    offenders = [f"{path.relative_to(EVAL)}:{line}" for path in sorted(EVAL.rglob("*.py"))
+                 if path.name != "_spread.py" for line in hand_rules(path.read_text())]
     assert not offenders, f"margin-against-spread comparisons outside eval._spread: {offenders}"
     assert _spread.MIN_SEEDS == 3
 
