@@ -113,12 +113,12 @@ def command_of(config: dict[str, Any] | None, parser: Any, program: str, first: 
         return None
     defaults = flat(json.loads(json.dumps(parser.get_defaults().as_dict(), default=str)))
     given = flat(config)
+    switches = {action.dest for action in parser._actions if action.nargs == 0}  # flags that take no value
     keys = [k for k in first if k in given] + [k for k in given if k not in first]
     words = [program]
     for key in keys:
         if key in defaults and given[key] != defaults[key] and key != "config":
-            words += [f"--{key}", _flag_value(given[key])] if given[key] is not True or key != "allow_other_vqvae" \
-                else [f"--{key}"]
+            words += [f"--{key}"] if key in switches else [f"--{key}", _flag_value(given[key])]
     return shlex.join(words)
 
 

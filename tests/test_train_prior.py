@@ -274,3 +274,16 @@ def test_train_prior_refuses_an_out_in_use(vqvaes, tiny_cifar, tmp_path):
     with RunLock(tmp_path / "run"), pytest.raises(RunLockedError, match=r"is in use by another run \(pid \d+"):
         train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root", str(tiny_cifar["folder"]),
                           "--out", str(tmp_path / "run"), "--epochs", "1"])
+
+
+def test_a_rebuilt_sample_command_parses_back_to_its_settings():
+    parser = sample.build_parser()
+    argv = ["--prior", "p.ckpt", "--n", "5", "--allow_other_vqvae", "--label", "cat", "--guidance", "2.5"]
+    expected = parser.parse_args(argv).as_dict()
+    config = {k: v for k, v in json.loads(json.dumps(expected, default=str)).items() if k != "config"}
+    command = prior_report.command_of(config, parser, "softvq-sample", ("prior", "n"))
+    words = shlex.split(command)
+    assert words[:5] == ["softvq-sample", "--prior", "p.ckpt", "--n", "5"]
+    after = words[words.index("--allow_other_vqvae") + 1:]  # a switch: no value follows it
+    assert not after or after[0].startswith("--")
+    assert parser.parse_args(words[1:]).as_dict() == expected
