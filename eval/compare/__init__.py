@@ -1,23 +1,25 @@
 """Head-to-head on CIFAR-10: DDCL vs hard VQ-VAE (plain and EMA + dead-code restart), an eps ablation and a
 temperature study, over several seeds at equal epochs, written up as ``report.md`` with plots.
 
-Usage (the full setting: 13 runs of 5 epochs; its run time is in docs/studies.md, "Head-to-head report"):
+Usage (the full setting: 14 runs of 5 epochs; its run time is in docs/studies.md, "Head-to-head report"):
     python -m eval.compare --data-root ../shared/data/cifar10-jpeg.tar.gz
     python -m eval.compare --quick --data-root ../shared/data/cifar10-jpeg.tar.gz    # a few minutes
 
 Every training run is ``train_vqvae.py`` in its own process (``--jobs`` at a time, the cores split between them),
 into ``--runs/<run>/seed<S>``. A run that already has every epoch is read, not retrained; an unfinished one is
-resumed from its ``last.ckpt``, so an interrupted comparison continues where it stopped. Each run's final checkpoint
-is then evaluated on the test split (:mod:`eval.evaluate`, cached in the run's ``test_metrics.json``), and
-``--out`` receives ``report.md``, ``results.json`` and the PNG plots.
+resumed from its ``last.ckpt``, so an interrupted comparison continues where it stopped. Each method run's final
+checkpoint is then evaluated on the test split (:mod:`eval.evaluate`, cached in the run's ``test_metrics.json``); the
+ablations (eps, temperature) are read on the validation split only, from their last epoch. ``--out`` receives
+``report.md``, ``results.json`` and the PNG plots.
 
 Runs:
     methods      ``ddcl`` (the collapse-free defaults), ``hard`` (straight-through, beta = 0.25) and ``hard_ema``
                  (EMA codebook, decay 0.99, and dead-code restart below 1 token per batch: the recipe
                  vector-quantize-pytorch recommends against collapse), every seed
-    eps          DDCL with eps = 0.1 and 1.0 beside the default 0.01 (``--ablation-seeds``)
-    temperature  DDCL with T fixed at 4 and annealed exponentially 4 -> 0.5, beside the entropy-controlled
-                 default (``--ablation-seeds``)
+    eps          the plain layer (``--ddcl.recipe plain``) with eps = 0.1 and 1.0 beside its 0.01
+                 (``--ablation-seeds``)
+    temperature  the plain layer with T fixed at 4 and annealed exponentially 4 -> 0.5, beside its
+                 entropy-controlled T (``--ablation-seeds``)
 """
 
 from __future__ import annotations
