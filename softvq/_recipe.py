@@ -101,6 +101,8 @@ class InLayerRecipe:
          "the codebook term trains gradient-trained prototypes; EMA prototypes are moved by the layer itself"),
         ("output_scale", "standardize", lambda s: not s.standardize,
          "without standardisation the codes are on the input's scale already"),
+        ("renorm", "standardize", lambda s: not s.standardize,
+         "it is how the layer's standardisation trains, and there is none"),
         ("ema_decay", "prototype_update", lambda s: s.prototype_update == "gradient",
          "gradient-trained prototypes have no EMA"),
         ("temperature_rate", "target_entropy", lambda s: s.target_entropy is None,

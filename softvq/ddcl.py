@@ -145,6 +145,10 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them). Measured in the
             project's VQ-VAE (reports/peers/probes.md): a decoder fed unit-scale codes learned faster (train MSE
             0.025 against 0.036 after one epoch) because a fresh encoder's outputs are ~100x smaller.
+        renorm: with ``standardize``, train with batch renormalisation (:class:`softvq.norm.TokenStandardizer`):
+            tokens are standardised *in value* with the running statistics evaluation uses, with batch
+            standardisation's gradient, so that an encoder drifting faster than the running averages follow does not
+            make evaluation standardise with statistics training never used.
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
@@ -194,6 +198,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         temperature_rate: float = 0.01,
         standardize: bool | None = None,
         output_scale: Literal["input", "standardized"] = "standardized",
+        renorm: bool = False,
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
         ema_decay: float = 0.99,
         hard_output: bool | None = None,
@@ -230,7 +235,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
                                  dead_code_cap=dead_code_cap)
         self._refuse_inert_options(
             {"codebook_term": codebook_term, "codebook_weight": codebook_weight, "output_scale": output_scale,
-             "ema_decay": ema_decay, "temperature_rate": temperature_rate, "init_scale": init_scale,
+             "renorm": renorm, "ema_decay": ema_decay, "temperature_rate": temperature_rate, "init_scale": init_scale,
              "dead_code_decay": dead_code_decay, "dead_code_cap": dead_code_cap, "commitment_term": commitment_term},
             _DEFAULTS)
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved through
@@ -246,7 +251,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
-        self.standardizer = TokenStandardizer(dim)
+        self.standardizer = TokenStandardizer(dim, renorm=check_bool("renorm", renorm))
         # Running average of argmax assignments per training batch (for dead-code restart); -1 = no batch seen yet.
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
         # EMA prototype update: won mass per code and the weighted sum of its tokens (one pseudo-token each).

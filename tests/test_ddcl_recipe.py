@@ -253,3 +253,21 @@ def test_batch_renormalisation_is_the_running_statistics_in_value_and_the_batchs
         torch.testing.assert_close(y, (z - unclipped.running_mean) / run, rtol=1e-12, atol=1e-12)  # = evaluation
     with pytest.raises(ValueError, match="r_max"):
         TokenStandardizer(3, renorm=True, renorm_clip=(0.5, 1.0))
+
+
+def test_the_layers_renorm_option_assigns_training_tokens_as_evaluation_standardises_them():
+    """DDCLQuantizer(renorm=True): a training batch of a drifting encoder is assigned after standardising with the
+    running statistics (just moved by that batch), the ones evaluation uses, checked against brute-force distances
+    to the prototypes the step read."""
+    torch.manual_seed(0)
+    layer = DDCLQuantizer(16, 3, renorm=True, dead_code_threshold=0.0).double()
+    assert layer.standardizer.renorm
+    layer(torch.randn(200, 3, dtype=torch.float64))  # the first batch draws the prototypes from its tokens
+    for step in range(1, 6):
+        z = torch.randn(200, 3, dtype=torch.float64) * (1 + 0.05 * step) + 0.05 * step
+        before = layer.prototypes.detach().clone()
+        out = layer(z)
+        sd = layer.standardizer
+        standardised = (z - sd.running_mean) / (sd.running_var + 1e-5 * sd.running_var.mean()).sqrt()
+        expected = torch.cdist(standardised, before).argmin(1)
+        assert torch.equal(out.indices, expected)
