@@ -94,3 +94,38 @@ def test_dropin_models_decode_their_indices_to_what_they_output(tiny_cifar, tmp_
             assert run["test"]["utilization"] == min(level["utilization"] for level in levels)
         else:
             assert "num_quantizers" not in run["settings"]  # single-codebook runs stored earlier stay valid
+
+
+def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_path, tiny_cifar):
+    from eval.compare.report import _fmt
+    from eval.peers import sweep
+
+    argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "vqp_fsq", "--num-codes", "256", "64",
+            "--seeds", "0", "1", "--full-k", "64", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+            *TINY[:TINY.index("--num-codes")], *TINY[TINY.index("--num-codes") + 2:], "--epochs", "1"]
+    summary = sweep.main(argv)
+    got = {(r["settings"]["num_codes"], r["method"], r["seed"]) for r in summary["runs"]}
+    # every seed at the sizes in --full-k, the first seed elsewhere
+    assert got == {(64, "ddcl", 0), (64, "ddcl", 1), (64, "vqp_fsq", 0), (64, "vqp_fsq", 1), (256, "ddcl", 0),
+                   (256, "vqp_fsq", 0)}
+    assert (tmp_path / "runs" / "K256" / "ddcl" / "seed0" / "result.json").is_file()
+    text = (tmp_path / "out" / "report.md").read_text()
+    ddcl64 = [r for r in summary["runs"] if r["method"] == "ddcl" and r["settings"]["num_codes"] == 64]
+    psnr = np.array([r["test"]["psnr_hard"] for r in ddcl64])
+    restarts = np.mean([[row["restarts"] for row in r["history"]] for r in ddcl64], axis=1)  # per run, by hand
+    ppl = np.array([r["test"]["perplexity"] / 64 for r in ddcl64])
+    row = next(line for line in text.splitlines() if line.startswith("| 64 (64) | softvq DDCL"))
+    for mean, std, fmt in ((psnr.mean(), psnr.std(ddof=1), "{:.2f}"), (ppl.mean(), ppl.std(ddof=1), "{:.2f}"),
+                           (restarts.mean(), restarts.std(ddof=1), "{:.0f}")):
+        assert _fmt(float(mean), float(std), fmt, 2) in row
+    assert "| 256 (256) | vqp FSQ" in text
+    assert "- K = 64: DDCL" in text and "not below the best peer" in text and "ahead of every peer" in text
+    assert (tmp_path / "out" / "psnr_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = tmp_path / "runs" / "K64" / "ddcl" / "seed1" / "result.json"
+    stamp = result.stat().st_mtime_ns
+    again = sweep.main([*argv, "--no-train"])  # read, not retrained
+    assert result.stat().st_mtime_ns == stamp and len(again["runs"]) == 6
+
+
+def test_fsq_levels_of_the_sweep_sizes_name_their_true_code_count():
+    assert [int(np.prod(peers.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]

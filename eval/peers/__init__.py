@@ -148,8 +148,10 @@ def build(method: str, num_codes: int, dim: int) -> nn.Module:
 
 def fsq_levels(num_codes: int) -> list[int]:
     """FSQ levels whose product is ``num_codes``, from the FSQ paper's recommended sets where it has one."""
-    # 4096 has no exact set: [7, 5, 5, 5, 5] is the paper's nearest, 4,375 codes.
-    table = {64: [4, 4, 4], 256: [8, 8, 4], 512: [8, 8, 8], 1024: [8, 5, 5, 5], 4096: [7, 5, 5, 5, 5]}
+    # 4096 and 16384 have no exact set: [7, 5, 5, 5, 5] (4,375 codes) and [8, 8, 8, 6, 5] (15,360) are the paper's
+    # nearest.
+    table = {64: [4, 4, 4], 256: [8, 8, 4], 512: [8, 8, 8], 1024: [8, 5, 5, 5], 4096: [7, 5, 5, 5, 5],
+             16384: [8, 8, 8, 6, 5]}
     if num_codes not in table:
         raise ValueError(f"FSQ needs a codebook size with known levels {sorted(table)}, got {num_codes}")
     return table[num_codes]
