@@ -11,6 +11,9 @@ for the final tables (``eval.peers``, ``eval.dropin``, ``eval.robustness``), and
 ``--quantizer`` builds ``softvq.DDCLQuantizer(K, D, **kwargs)``, ``softvq.HardVQ(K, D, **kwargs)``,
 ``softvq.ResidualDDCL(Q, K, D, **kwargs)`` or ``softvq.ResidualHardVQ(Q, K, D, **kwargs)`` (``Q`` =
 ``--num-quantizers``) from the JSON ``--kwargs``: any option of the layer can be probed without a flag for it.
+``--quantizer vqp_vq`` (``vqp_fsq``, ``vqp_simvq``) builds that peer of ``eval.peers`` in its recommended
+configuration, ``--kwargs`` overriding its options (``'{"threshold_ema_dead_code": 0}'``: without dead-code
+replacement).
 
 ``--level-gradient straight_through`` (residual DDCL only) is a probe of the encoder's gradient, not a layer option:
 every level still assigns, updates and restarts as DDCL, but passes the decoder's gradient to its input unchanged
@@ -29,9 +32,13 @@ import lightning as L
 from torch import Tensor, nn
 
 import softvq
+from eval import peers
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 
+# The peers of eval.peers (vector-quantize-pytorch, the benchmark-only extra), each in its recommended configuration
+# with --kwargs overriding options of it.
+PEERS = ("vqp_vq", "vqp_fsq", "vqp_simvq")
 KEYS = ("epoch", "utilization", "val_utilization", "val_perplexity", "val_psnr", "val_psnr_hard", "temperature",
         "restarts", "assignment_entropy", "identity_residual", "time_s", "train_mse")
 
@@ -59,6 +66,10 @@ class StraightThroughLevel(nn.Module):
 def build_quantizer(name: str, num_codes: int, dim: int, kwargs: dict, num_quantizers: int = 4,
                     level_gradient: str = "soft_centroid") -> nn.Module:
     """The probed bottleneck (see the module docstring)."""
+    if name in PEERS:
+        if level_gradient != "soft_centroid":
+            raise ValueError("--level-gradient applies to --quantizer rddcl only")
+        return peers.build(name, num_codes, dim, kwargs)
     if name in ("ddcl", "hard"):
         if level_gradient != "soft_centroid":
             raise ValueError("--level-gradient applies to --quantizer rddcl only")
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", type=Path, default=Path("data"))
     p.add_argument("--name", default="probe", help="label of the RESULT line")
-    p.add_argument("--quantizer", choices=("ddcl", "hard", "rddcl", "rhard"), default="ddcl")
+    p.add_argument("--quantizer", choices=("ddcl", "hard", "rddcl", "rhard", *PEERS), default="ddcl")
     p.add_argument("--num-quantizers", type=int, default=4, help="levels of a residual quantizer")
     p.add_argument("--level-gradient", choices=("soft_centroid", "straight_through"), default="soft_centroid",
                    help="residual DDCL: what each level passes back to its input (see the module docstring)")

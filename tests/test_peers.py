@@ -129,3 +129,20 @@ def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_
 
 def test_fsq_levels_of_the_sweep_sizes_name_their_true_code_count():
     assert [int(np.prod(peers.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]
+
+
+def test_a_probe_of_a_peer_overrides_one_option_of_its_recommended_configuration():
+    from eval.probe import build_quantizer
+
+    def restarts(kwargs):
+        torch.manual_seed(0)
+        adapter = build_quantizer("vqp_vq", 16, 4, kwargs)
+        for _ in range(3):
+            adapter(torch.randn(2, 32, 4) + 10.0 * (torch.arange(4) == 0))  # most codes win nothing
+        return adapter.restarts
+
+    assert restarts({}) > 0  # the recipe's dead-code replacement (threshold 2) moves the codes that win nothing
+    assert restarts({"threshold_ema_dead_code": 0}) == 0  # the probe switches it off, and only that
+    assert build_quantizer("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
+    with pytest.raises(ValueError, match="level-gradient"):
+        build_quantizer("vqp_vq", 16, 4, {}, level_gradient="straight_through")

@@ -128,21 +128,24 @@ class PeerAdapter(nn.Module):
         return tensors[0].device if tensors else torch.device("cpu")
 
 
-def build(method: str, num_codes: int, dim: int) -> nn.Module:
-    """The bottleneck ``method`` for ``num_codes`` codes of dimension ``dim``."""
+def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | None = None) -> nn.Module:
+    """The bottleneck ``method`` for ``num_codes`` codes of dimension ``dim``; ``overrides`` replace options of its
+    recommended configuration (a probe of one option, e.g. ``{"threshold_ema_dead_code": 0}``: VectorQuantize
+    without its dead-code replacement)."""
+    extra = dict(overrides or {})
     if method == "ddcl":
-        return softvq.DDCLQuantizer(num_codes, dim)
+        return softvq.DDCLQuantizer(num_codes, dim, **extra)
     if method == "hard_ema":
-        return softvq.HardVQ(num_codes, dim, ema_decay=0.99, dead_code_threshold=1.0)
+        return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "dead_code_threshold": 1.0, **extra})
     vqp = _vqp()
     if method == "vqp_vq":
-        return PeerAdapter(vqp.VectorQuantize(dim=dim, codebook_size=num_codes, kmeans_init=True,
-                                              threshold_ema_dead_code=2, rotation_trick=True), "vq", num_codes, dim)
+        options = {"kmeans_init": True, "threshold_ema_dead_code": 2, "rotation_trick": True, **extra}
+        return PeerAdapter(vqp.VectorQuantize(dim=dim, codebook_size=num_codes, **options), "vq", num_codes, dim)
     if method == "vqp_fsq":
         levels = fsq_levels(num_codes)
-        return PeerAdapter(vqp.FSQ(levels=levels, dim=dim), "fsq", int(np.prod(levels)), dim)
+        return PeerAdapter(vqp.FSQ(levels=levels, dim=dim, **extra), "fsq", int(np.prod(levels)), dim)
     if method == "vqp_simvq":
-        return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes), "simvq", num_codes, dim)
+        return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes, **extra), "simvq", num_codes, dim)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
