@@ -13,6 +13,7 @@ import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from softvq.utils import max_rows
@@ -88,6 +89,21 @@ def _assign_rows(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, keep_x: bool,
     return q, mu_c, q_p_sq, qx, s_max, indices, s if keep_x else None
 
 
+def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, k: int,
+                       keep_x: bool) -> tuple[Tensor | None, ...]:
+    """:func:`_assign_rows` for the distribution truncated to each row's ``k`` largest scores: ``q`` and (``keep_x``)
+    ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (``sel[:, 0]`` the nearest). The soft
+    centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built)."""
+    s = logit_scores(zc, pc, p_sq, t)  # (n, K)
+    top, sel = s.topk(k, dim=1)  # (n, k), largest first: top[:, 0] is the row's largest score
+    s_max = top[:, 0].clone()  # not a view: the softmax below shifts top in place
+    q = _softmax_floored(top, s_max)  # (n, k); top now holds x = top - s_max, floored
+    mu_c = F.embedding_bag(sel, pc, per_sample_weights=q, mode="sum")  # (n, D) sum_j q_j p_sel_j
+    q_p_sq = (q * p_sq[sel]).sum(1)
+    qx = (top * q).sum(1)
+    return q, mu_c, q_p_sq, qx, s_max, sel[:, 0], top if keep_x else None, sel
+
+
 class _Saved(NamedTuple):
     """What the forward pass keeps for the backward pass (centred on the prototypes' mean)."""
 
@@ -100,6 +116,7 @@ class _Saved(NamedTuple):
     x: Tensor | None  # (N, K) the shifted, floored scores, kept only when an L_q term needs d = d0 - T x
     lq_n: Tensor | None  # (N,) per-token L_q, likewise
     d0: Tensor | None  # (N,) |z|^2 - T s_max (the distance to the nearest prototype), likewise
+    sel: Tensor | None  # (N, k) top-k: the prototypes each row's q and x refer to (None: q and x are (N, K))
 
 
 class _SoftCentroid(torch.autograd.Function):
@@ -126,7 +143,8 @@ class _SoftCentroid(torch.autograd.Function):
         cm_term: str,
         cm_weight: float,
         record: Any = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        top_k: int = 0,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         n, dim = z.shape
         # () a copy (the layer's temperature control updates its own in place before this backward runs)
         t = torch.as_tensor(temperature, device=z.device).to(z.dtype, copy=True)
@@ -139,18 +157,26 @@ class _SoftCentroid(torch.autograd.Function):
         z_sq = zc.square().sum(1)  # (N,)
         need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
         chunks = _row_chunks(n, pc.shape[0], z.device)
-        # eager: every chunk's q written into one (N, K) array (a torch.cat of them cost 8% of the forward pass);
-        # compiled: pieces and a cat, which inductor writes in place itself
-        q_all = None if torch.compiler.is_compiling() or len(chunks) == 1 else zc.new_empty(n, pc.shape[0])
-        parts = [_assign_rows(zc[rows], pc, p_sq, t, need_d, None if q_all is None else q_all[rows])
-                 for rows in chunks]
-        q_parts, *rest = zip(*parts, strict=True)
-        q = q_all if q_all is not None else torch.cat(q_parts)
-        mu_c, q_p_sq, qx, s_max, indices, x = (torch.cat(part) if part[0] is not None else None for part in rest)
+        sel = None
+        if 0 < top_k < pc.shape[0]:  # the distribution truncated to each token's top_k prototypes
+            parts = [_assign_rows_top_k(zc[rows], pc, p_sq, t, top_k, need_d) for rows in chunks]
+            q, mu_c, q_p_sq, qx, s_max, indices, x, sel = (torch.cat(part) if part[0] is not None else None
+                                                           for part in zip(*parts, strict=True))
+            q_argmax = q[:, 0]
+        else:
+            # eager: every chunk's q written into one (N, K) array (a torch.cat of them cost 8% of the forward
+            # pass); compiled: pieces and a cat, which inductor writes in place itself
+            q_all = None if torch.compiler.is_compiling() or len(chunks) == 1 else zc.new_empty(n, pc.shape[0])
+            parts = [_assign_rows(zc[rows], pc, p_sq, t, need_d, None if q_all is None else q_all[rows])
+                     for rows in chunks]
+            q_parts, *rest = zip(*parts, strict=True)
+            q = q_all if q_all is not None else torch.cat(q_parts)
+            mu_c, q_p_sq, qx, s_max, indices, x = (torch.cat(part) if part[0] is not None else None for part in rest)
+            q_argmax = q.gather(1, indices[:, None]).squeeze(1)
         mu = mu_c + center
         lq_n = z_sq - t * (qx + s_max)  # (N,) per-token L_q = sum_k q d = |z|^2 - T <q, s>
         # log sum_k exp(x_k) = -log q_argmax (x is 0 there): no further pass over (N, K)
-        log_norm = -q.gather(1, indices[:, None]).squeeze(1).log()
+        log_norm = -q_argmax.log()
         r = zc - mu_c  # (N, D) residual z - mu
         l_ols = _mean(r.square().sum(1))
         v = _mean(q_p_sq - mu_c.square().sum(1))
@@ -173,10 +199,11 @@ class _SoftCentroid(torch.autograd.Function):
         ctx.record = record
         # d = |z|^2 - T (x + s_max) is rebuilt from x in the backward pass when an L_q term needs it
         ctx.save_for_backward(zc, pc, q, r, mu_c, t, x, lq_n if need_d else None,
-                              (z_sq - t * s_max) if need_d else None)
-        ctx.mark_non_differentiable(indices, stats)
+                              (z_sq - t * s_max) if need_d else None, sel)
+        chosen = sel if sel is not None else indices.new_empty(0)
+        ctx.mark_non_differentiable(indices, stats, chosen)
         ctx.set_materialize_grads(False)
-        return mu, q, indices, loss, stats
+        return mu, q, indices, loss, stats, chosen
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -186,6 +213,7 @@ class _SoftCentroid(torch.autograd.Function):
         _g_idx: Tensor | None,
         g_loss: Tensor | None,
         _g_stats: Tensor | None,
+        _g_sel: Tensor | None = None,
     ) -> tuple[Tensor | None, ...]:
         s = _Saved(*ctx.saved_tensors)  # under activation checkpointing, this recomputes the forward pass
         if ctx.record is not None:
@@ -211,6 +239,8 @@ class _SoftCentroid(torch.autograd.Function):
                 c = _Saved(*(v[rows] if v is not None and v.ndim > 0 and v.shape[0] == n and i != 1 else v
                              for i, v in enumerate(s)))  # every per-token field's rows (pc, field 1, is (K, D))
                 gq = g_q[rows] if g_q is not None else None
+                if c.sel is not None:  # top-k: this chunk's q, x and dL/dq as (n, K) arrays, 0 off the top k
+                    c, gq = _densify(c, gq)
                 w_p = None
                 if ctx.needs_input_grad[1]:
                     gm = g_mu_p[rows] if g_mu_p is not None else None
@@ -222,7 +252,20 @@ class _SoftCentroid(torch.autograd.Function):
                     w_z = w_p if reuse and w_p is not None else _scaled_grad_d(c, gm, gq, lq_cm, fe_cm)
                     grads_z.append(_grad_tokens(c, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None))
             grad_z = torch.cat(grads_z) if grads_z else None
-        return grad_z, grad_p, None, None, None, None, None, None
+        return grad_z, grad_p, None, None, None, None, None, None, None
+
+
+def _densify(c: _Saved, g_q: Tensor | None) -> tuple[_Saved, Tensor | None]:
+    """A chunk of a top-k pass with ``q``, ``x`` and ``dL/dq`` scattered into ``(n, K)`` arrays (zero off each row's
+    top k): the truncated distribution's gradient is the exact formula's with ``q = 0`` there, so the backward pass
+    runs the exact layer's chunk code on them. Only the chunk is dense (cache-sized on a CPU, like the exact pass);
+    what the forward pass saved is ``(N, k)``."""
+    shape = (c.q.shape[0], c.pc.shape[0])
+
+    def dense(v: Tensor | None) -> Tensor | None:
+        return None if v is None else v.new_zeros(shape).scatter_(1, c.sel, v)
+
+    return c._replace(q=dense(c.q), x=dense(c.x), sel=None), dense(g_q)
 
 
 def _through_mu(g_mu: Tensor | None, r: Tensor, a_ols: Tensor | None) -> Tensor | None:

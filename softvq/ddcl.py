@@ -175,6 +175,13 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         dead_code_cap: the threshold in effect never exceeds this fraction of the mean tokens per code per batch
             (0.25: with 64 tokens a batch for K = 256 codes, a threshold of 1 becomes 1/16), so that a batch too
             small to give every code a token does not restart live codes; ``None``: the threshold as given.
+        top_k: ``None`` (the default): the exact Boltzmann distribution over all ``K`` prototypes. An integer ``k``:
+            the distribution truncated to each token's ``k`` nearest prototypes (the softmax over their scores; the
+            soft centroid, ``L_q = L_OLS + V`` and the Jacobian are those of the truncated distribution, exactly),
+            which saves ``(N, k)`` assignments for the backward pass instead of ``(N, K)``; ``probs`` is still
+            ``(..., K)``, zero off the top ``k``. ``k >= K`` is the exact layer. How large ``k`` must be for the
+            truncation to stay below a given error is measured in docs/scaling.md ("Top-k assignments"): at the
+            default entropy target about ``K / 4`` at K = 512 and ``K / 8`` at K = 4096.
         channel_first: accept ``(B, dim, *spatial)`` feature maps (like vector-quantize-pytorch's
             ``accept_image_fmap``); ``quantized`` has the input's layout, ``indices`` is ``(B, *spatial)`` and
             ``probs`` ``(B, *spatial, K)``.
@@ -212,6 +219,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         dead_code_threshold: float | Literal["auto"] | None = "auto",
         dead_code_decay: float = 0.9,
         dead_code_cap: float | None = 0.25,
+        top_k: int | None = None,
         channel_first: bool = False,
         check_finite: bool = True,
     ) -> None:
@@ -227,6 +235,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         self.init = check_choice("init", init, ("data", "normal"))
         init_scale = check_float("init_scale", init_scale)
         self.check_finite = bool(check_finite)
+        self.top_k = None if top_k is None else check_positive_int("top_k", top_k)
         self.channel_first = check_bool("channel_first", channel_first)
         self._set_recipe_options(recipe == "auto", temperature, standardize=standardize, output_scale=output_scale,
                                  hard_output=hard_output, prototype_update=prototype_update, ema_decay=ema_decay,
@@ -281,6 +290,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             f"distance={self.distance!r}, codebook={self.codebook_weight:g}*{self.codebook_term}, "
             f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
             f"dead_code_threshold={self.dead_code_threshold:g}, dead_code_cap={self.dead_code_cap}"
+            + (f", top_k={self.top_k}" if self.top_k is not None else "")
         )
 
     # ---- codebook ---------------------------------------------------------------------------------------------
@@ -391,11 +401,13 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
                     self._has_temperature = True
             record = self._records.push(p_raw, temperature) if eager and update else None
             gradient = self.prototype_update == "gradient"
-            mu, q, indices, loss, stats = _SoftCentroid.apply(
+            mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(
                 zf, p, temperature,
                 self.codebook_term, self.codebook_weight if gradient else 0.0,
-                *self._soft_commitment(), record,
+                *self._soft_commitment(), record, self.top_k or 0,
             )
+            if chosen.numel():  # top-k: (N, k) assignments of the prototypes ``chosen`` -> the dense (N, K) probs
+                q = q.new_zeros(q.shape[0], self.num_codes).scatter(1, chosen, q)
             out = mu
             if self.hard_output or self.commitment_term == "hard":
                 codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes

@@ -21,6 +21,8 @@ def _step(layer: torch.nn.Module, z: torch.Tensor) -> None:
 
 LAYERS = {  # (dead_code_cap=None: 3 tokens a batch per code would cap a threshold of 4 at 0.75)
     "ddcl": lambda: DDCLQuantizer(32, 8, check_finite=False, dead_code_threshold=4.0, dead_code_cap=None),
+    "ddcl_top_k": lambda: DDCLQuantizer(32, 8, check_finite=False, top_k=6, dead_code_threshold=4.0,
+                                        dead_code_cap=None),
     "ddcl_soft_ema": lambda: DDCLQuantizer(32, 8, check_finite=False, prototype_update="soft_ema"),
     "ddcl_plain": lambda: DDCLQuantizer(32, 8, recipe="plain", check_finite=False, dead_code_threshold=4.0,
                                         dead_code_cap=None),
@@ -31,7 +33,8 @@ LAYERS = {  # (dead_code_cap=None: 3 tokens a batch per code would cap a thresho
 }
 
 
-RESTARTING = {"ddcl", "ddcl_plain", "hard_ema", "hard"}  # a threshold of 4 tokens per batch: some codes restart
+# a threshold of 4 tokens per batch: some codes restart
+RESTARTING = {"ddcl", "ddcl_top_k", "ddcl_plain", "hard_ema", "hard"}
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
@@ -57,7 +60,7 @@ def test_the_recorder_sees_a_synchronisation():
     assert "aten._local_scalar_dense.default" in recorder.calls
 
 
-@pytest.mark.parametrize("name", ["ddcl", "ddcl_plain", "hard_ema"])
+@pytest.mark.parametrize("name", ["ddcl", "ddcl_top_k", "ddcl_plain", "hard_ema"])
 def test_compiled_training_equals_eager_with_no_graph_break(name):
     """fullgraph=True fails on any graph break; the compiled layer then trains exactly as the eager one (its random
     draws taken from the same generator: inductor's fallback_random)."""

@@ -59,12 +59,13 @@ def _latent_norm_steps(batches: list[torch.Tensor], rows: slice = slice(None)) -
     return out
 
 
-def _recipe_steps(batches: list[torch.Tensor], rows: slice, seed_offset: int = 0) -> dict[str, torch.Tensor]:
+def _recipe_steps(batches: list[torch.Tensor], rows: slice, seed_offset: int = 0,
+                  top_k: int | None = None) -> dict[str, torch.Tensor]:
     """Three training steps of a DDCLQuantizer with the default recipe (float64): in-layer standardisation, the
     calibrated and entropy-controlled temperature, EMA prototypes, restarts (a high threshold makes codes restart).
     Under DDP the objective is the sum over ranks, as DDP's gradient all-reduce makes it."""
     torch.manual_seed(5)
-    quantizer = DDCLQuantizer(8, 4, dead_code_threshold=12.0).double()
+    quantizer = DDCLQuantizer(8, 4, dead_code_threshold=12.0, top_k=top_k).double()
     weights = torch.linspace(-1, 1, 3 * 128 * 4, dtype=torch.float64).reshape(3, 128, 4)
     out: dict[str, torch.Tensor] = {}
     for step, x in enumerate(batches):
@@ -143,6 +144,8 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         few(data[rank, 0, :3])  # 6 tokens in all for 8 codes: drawn with replacement and jittered
         norm = _latent_norm_steps([_images()[rank, step] for step in range(2)], slice(5 * rank, 5 * rank + 5))
         recipe = _recipe_steps([data[rank, step] for step in range(3)], slice(64 * rank, 64 * rank + 64), rank)
+        recipe.update({f"top_k_{k}": v for k, v in _recipe_steps(
+            [data[rank, step] for step in range(3)], slice(64 * rank, 64 * rank + 64), rank, top_k=3).items()})
         residual = _residual_steps([data[rank, step] * 2 + 1 for step in range(3)], slice(64 * rank, 64 * rank + 64))
         same = nn.Linear(3, 2)
         torch.nn.init.constant_(same.weight, 0.5)
@@ -260,17 +263,20 @@ def test_non_finite_batch_on_one_rank_stops_both(two_ranks):
                                           "out of 768: the data is corrupt")
 
 
-def test_in_layer_recipe_over_two_ranks_equals_one_process_on_the_whole_batch(two_ranks):
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_in_layer_recipe_over_two_ranks_equals_one_process_on_the_whole_batch(two_ranks, top_k):
     """Standardisation statistics, temperature (calibration and control), EMA prototypes, restarts, outputs and input
-    gradients of the default DDCLQuantizer on 2 gloo processes against one process on both batches."""
+    gradients of the default DDCLQuantizer (and with top-k assignments) on 2 gloo processes against one process on
+    both batches."""
     data = _data()
-    single = _recipe_steps([torch.cat([data[0, step], data[1, step]]) for step in range(3)], slice(None))
+    single = _recipe_steps([torch.cat([data[0, step], data[1, step]]) for step in range(3)], slice(None), top_k=top_k)
+    prefix = "recipe_" if top_k is None else "recipe_top_k_"
     assert int(single["restarts"]) > 0  # the run exercises restarts
     for key in ("prototypes", "mean", "var", "temperature", "restarts"):
-        torch.testing.assert_close(two_ranks[0][f"recipe_{key}"], single[key], rtol=1e-10, atol=1e-12, msg=key)
-        assert torch.equal(two_ranks[0][f"recipe_{key}"], two_ranks[1][f"recipe_{key}"]), key
+        torch.testing.assert_close(two_ranks[0][f"{prefix}{key}"], single[key], rtol=1e-10, atol=1e-12, msg=key)
+        assert torch.equal(two_ranks[0][f"{prefix}{key}"], two_ranks[1][f"{prefix}{key}"]), key
     for key in ("q0", "grad0", "q1", "grad1", "q2", "grad2"):
-        both = torch.cat([two_ranks[0][f"recipe_{key}"], two_ranks[1][f"recipe_{key}"]])
+        both = torch.cat([two_ranks[0][f"{prefix}{key}"], two_ranks[1][f"{prefix}{key}"]])
         torch.testing.assert_close(both, single[key], rtol=1e-9, atol=1e-11, msg=key)
 
 
