@@ -3,6 +3,7 @@
     python -m eval.bench_codebook                      # N=8192 tokens, D=64, K in 64..4096
     python -m eval.bench_codebook --codes 512 --reps 20 --json bench.json
     python -m eval.bench_codebook --codes 512 --compile    # also torch.compile(fullgraph=True) of DDCL and HardVQ
+    python -m eval.bench_codebook --codes 4096 16384 --methods ddcl ddcl_top_k hard vqp_recipe   # top-k assignments
 
 Each method is one training step of the layer alone, in training mode, with its in-layer updates (EMA, restarts,
 temperature control) and the finite check off: ``ddcl`` is ``DDCLQuantizer``'s defaults (the in-layer recipe),
@@ -28,6 +29,8 @@ from torch import nn
 from eval._bench import markdown_table, sweep, sync
 
 METHODS = ("ddcl", "ddcl_plain", "hard", "vqp", "vqp_recipe")
+# DDCLQuantizer(top_k=k) (not in the default sweep: --methods ddcl_top_k ...); k from --top-k, else top_k_bound(K)
+TOP_K = ("ddcl_top_k",)
 # Residual stacks of RESIDUAL_LEVELS levels of K codes each (not in the default sweep: --methods rddcl rhard vqp_rvq)
 RESIDUAL = ("rddcl", "rhard", "vqp_rvq")
 RESIDUAL_LEVELS = 4
@@ -36,6 +39,7 @@ LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "ddcl_plain": "DDCLQuantizer(recipe='plain'), gradient-trained prototypes",
           "hard": "HardVQ (EMA 0.99 + dead-code restart 1)", "vqp": "vector-quantize-pytorch VectorQuantize",
           "vqp_recipe": "VectorQuantize(kmeans_init, threshold_ema_dead_code=2, rotation_trick)",
+          "ddcl_top_k": "DDCLQuantizer(top_k=k), its defaults otherwise",
           "ddcl_compiled": "torch.compile(DDCLQuantizer, fullgraph=True)",
           "hard_compiled": "torch.compile(HardVQ, fullgraph=True)",
           "rddcl": f"ResidualDDCL({RESIDUAL_LEVELS} levels, its defaults)",
@@ -44,16 +48,27 @@ LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
                      f"rotation trick)"}
 
 
-def build(method: str, num_codes: int, dim: int) -> nn.Module:
+def top_k_bound(num_codes: int) -> int:
+    """The smallest k within the accuracy bound measured at the default entropy target (docs/scaling.md, "Top-k
+    assignments": mean mass left out <= 1e-4, encoder-gradient error <= 1e-3): a quarter of K = 512, an eighth of
+    K = 4096; beyond 4096 an eighth, not measured."""
+    return max(1, num_codes // 4 if num_codes <= 512 else num_codes // 8)
+
+
+def build(method: str, num_codes: int, dim: int, top_k: int | None = None) -> nn.Module:
     """The quantizers in comparable settings: each trains its codebook and returns an auxiliary loss."""
     if method.endswith("_compiled"):
-        module = build(method.removesuffix("_compiled"), num_codes, dim)
+        module = build(method.removesuffix("_compiled"), num_codes, dim, top_k)
         module.compile(fullgraph=True)  # in place: the module keeps its state-dict names
         return module
     if method == "ddcl":
         from softvq import DDCLQuantizer
 
         return DDCLQuantizer(num_codes, dim, check_finite=False)
+    if method == "ddcl_top_k":
+        from softvq import DDCLQuantizer
+
+        return DDCLQuantizer(num_codes, dim, check_finite=False, top_k=top_k or top_k_bound(num_codes))
     if method == "ddcl_plain":
         from softvq import DDCLQuantizer
 
@@ -81,7 +96,7 @@ def build(method: str, num_codes: int, dim: int) -> nn.Module:
             return VectorQuantize(dim=dim, codebook_size=num_codes, decay=0.8, commitment_weight=1.0)
         return VectorQuantize(dim=dim, codebook_size=num_codes, kmeans_init=True, threshold_ema_dead_code=2,
                               rotation_trick=True)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS + COMPILED + RESIDUAL}")
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS + TOP_K + COMPILED + RESIDUAL}")
 
 
 def make_step(module: nn.Module, z: torch.Tensor) -> Callable[[], None]:
@@ -109,7 +124,7 @@ def prepare(num_codes: int, args: argparse.Namespace, device: torch.device) -> d
         torch._dynamo.reset()
     steps = {}
     for method in args.methods:
-        module = build(method, num_codes, args.dim).to(device).train()
+        module = build(method, num_codes, args.dim, args.top_k).to(device).train()
         steps[method] = make_step(module, z)
         for _ in range(args.warmup):
             steps[method]()
@@ -134,8 +149,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=64, help="D, token dimension (default 64)")
     parser.add_argument("--codes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096],
                         help="K values to sweep (default 64..4096)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS + COMPILED + RESIDUAL, default=list(METHODS),
-                        help="quantizers to compare; ratios are to HardVQ when it is included")
+    parser.add_argument("--methods", nargs="+", choices=METHODS + TOP_K + COMPILED + RESIDUAL,
+                        default=list(METHODS), help="quantizers to compare; ratios are to HardVQ when it is included")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="k of ddcl_top_k (default: top_k_bound(K), the measured accuracy bound)")
     parser.add_argument("--compile", action="store_true",
                         help="add the torch.compile(fullgraph=True) versions of ddcl and hard (compiling takes a "
                              "minute or so on a CPU)")
@@ -148,15 +165,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.compile:
         args.methods += [m for m in COMPILED if m not in args.methods]
-    if args.tokens < 1 or args.dim < 1 or args.reps < 1 or min(args.codes) < 1:
-        parser.error("--tokens, --dim, --reps and every --codes value must be positive")
+    if args.tokens < 1 or args.dim < 1 or args.reps < 1 or min(args.codes) < 1 or (args.top_k or 1) < 1:
+        parser.error("--tokens, --dim, --reps, --top-k and every --codes value must be positive")
     if args.tokens > 1024 and args.tokens % 1024:
         parser.error(f"--tokens above 1024 must be a multiple of 1024 (batches of 1024), got {args.tokens}")
     return args
 
 
 # The ratios the targets are about (numerator, denominator), printed where both were measured.
-RATIOS = (("ddcl", "hard"), ("ddcl", "vqp"), ("ddcl", "vqp_recipe"), ("ddcl_compiled", "hard_compiled"),
+RATIOS = (("ddcl", "hard"), ("ddcl_top_k", "hard"), ("ddcl_top_k", "ddcl"), ("ddcl", "vqp"), ("ddcl", "vqp_recipe"),
+          ("ddcl_compiled", "hard_compiled"),
           ("ddcl_compiled", "ddcl"), ("hard_compiled", "hard"), ("ddcl_plain", "hard"), ("rddcl", "rhard"),
           ("rddcl", "vqp_rvq"), ("rddcl", "ddcl"))
 
