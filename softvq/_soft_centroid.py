@@ -92,16 +92,20 @@ def _assign_rows(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, keep_x: bool,
 def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, k: int,
                        keep_x: bool) -> tuple[Tensor | None, ...]:
     """:func:`_assign_rows` for the distribution truncated to each row's ``k`` largest scores: ``q`` and (``keep_x``)
-    ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (``sel[:, 0]`` the nearest). The soft
+    ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (in no particular order). The soft
     centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built)."""
     s = logit_scores(zc, pc, p_sq, t)  # (n, K)
-    top, sel = s.topk(k, dim=1)  # (n, k), largest first: top[:, 0] is the row's largest score
-    s_max = top[:, 0].clone()  # not a view: the softmax below shifts top in place
+    s_max, indices = max_rows(s)
+    # unsorted: a sort of the k cost half as much again on a CPU here; the set holds the row's largest score (for
+    # k = 1 the one top-k keeps is the argmax itself only when unsorted ties break alike, so k = 1 takes it from topk)
+    top, sel = s.topk(k, dim=1, sorted=k == 1)  # (n, k)
+    if k == 1:
+        indices = sel[:, 0]
     q = _softmax_floored(top, s_max)  # (n, k); top now holds x = top - s_max, floored
     mu_c = F.embedding_bag(sel, pc, per_sample_weights=q, mode="sum")  # (n, D) sum_j q_j p_sel_j
     q_p_sq = (q * p_sq[sel]).sum(1)
     qx = (top * q).sum(1)
-    return q, mu_c, q_p_sq, qx, s_max, sel[:, 0], top if keep_x else None, sel
+    return q, mu_c, q_p_sq, qx, s_max, indices, top if keep_x else None, sel
 
 
 class _Saved(NamedTuple):
@@ -162,7 +166,7 @@ class _SoftCentroid(torch.autograd.Function):
             parts = [_assign_rows_top_k(zc[rows], pc, p_sq, t, top_k, need_d) for rows in chunks]
             q, mu_c, q_p_sq, qx, s_max, indices, x, sel = (torch.cat(part) if part[0] is not None else None
                                                            for part in zip(*parts, strict=True))
-            q_argmax = q[:, 0]
+            q_argmax = q.amax(1)  # the argmax's assignment (its x is 0, the largest)
         else:
             # eager: every chunk's q written into one (N, K) array (a torch.cat of them cost 8% of the forward
             # pass); compiled: pieces and a cat, which inductor writes in place itself
