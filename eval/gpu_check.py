@@ -35,10 +35,26 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILED.append(name)
 
 
-def layers() -> dict[str, torch.nn.Module]:
-    return {"ddcl": DDCLQuantizer(512, 64, check_finite=False),
-            "ddcl_plain": DDCLQuantizer(512, 64, recipe="plain", check_finite=False),
-            "hard": HardVQ(512, 64, ema_decay=0.99, dead_code_threshold=1.0, check_finite=False)}
+def layers(num_codes: int = 512) -> dict[str, torch.nn.Module]:
+    """The checked layers; ``ddcl_top_k`` with k at the accuracy bound measured on a CPU (docs/scaling.md, "Top-k
+    assignments": K / 4 up to 512 codes, K / 8 above)."""
+    k = num_codes // 4 if num_codes <= 512 else num_codes // 8
+    return {"ddcl": DDCLQuantizer(num_codes, 64, check_finite=False),
+            "ddcl_top_k": DDCLQuantizer(num_codes, 64, top_k=k, check_finite=False),
+            "ddcl_plain": DDCLQuantizer(num_codes, 64, recipe="plain", check_finite=False),
+            "hard": HardVQ(num_codes, 64, ema_decay=0.99, dead_code_threshold=1.0, check_finite=False)}
+
+
+def large_codebooks(z: torch.Tensor, sizes: list[int]) -> dict[int, dict[str, float]]:
+    """Eager fwd+bwd ms of the exact layer, top-k and HardVQ at larger K (where top-k is meant to pay)."""
+    ms: dict[int, dict[str, float]] = {}
+    z = z.cuda()
+    for k in sizes:
+        built = {name: layer.cuda().train() for name, layer in layers(k).items() if name != "ddcl_plain"}
+        for layer in built.values():
+            step(layer, z, 0)  # initialisation and the first temperature
+        ms[k] = {name: timed(layer, z) for name, layer in built.items()}
+    return ms
 
 
 def step(layer: torch.nn.Module, z: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
@@ -173,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-root", help="CIFAR-10 for the epoch (default: in-memory random images)")
     parser.add_argument("--images", type=int, default=20000, help="training images in the epoch (default 20000)")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens per codebook step (default 32768)")
+    parser.add_argument("--large-codes", type=int, nargs="*", default=[4096, 16384],
+                        help="codebook sizes of the exact / top-k / HardVQ timing (default 4096 16384)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)
@@ -184,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16_autocast(z)
     no_sync(z)
     ms = compiled(z)
+    large = large_codebooks(z, args.large_codes)
     rates = train_epoch(args)
     print(f"\n| codebook (N={args.tokens}, K=512, D=64) | eager ms | compiled ms |\n|---|---|---|")
     for name, (e, c) in ms.items():
@@ -191,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     if "ddcl" in ms and "hard" in ms:
         print(f"\nDDCL / HardVQ fwd+bwd: eager {ms['ddcl'][0] / ms['hard'][0]:.2f}x, "
               f"compiled {ms['ddcl'][1] / ms['hard'][1]:.2f}x")
+    for k, row in large.items():
+        print(f"K={k}: " + ", ".join(f"{name} {v:.2f} ms" for name, v in row.items())
+              + f"; top-k / exact {row['ddcl_top_k'] / row['ddcl']:.2f}x, "
+              f"exact / hard {row['ddcl'] / row['hard']:.2f}x")
     if len(rates) == 2:
         print(f"VQ-VAE epoch images/s: DDCL {rates['ddcl']:.0f}, hard {rates['hard']:.0f} "
               f"({rates['ddcl'] / rates['hard']:.3f}x)")
