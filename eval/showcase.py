@@ -9,7 +9,8 @@ checkpoint): ``softvq-train --quantizer ddcl`` for ``--vqvae-epochs`` epochs on 
 ``--per-class`` samples of every class with ``--guidance`` beside the first ``--per-class`` test images of the class.
 The commands are the library's own, with their defaults except the flags named here (``--vqvae-args`` and
 ``--prior-args`` pass more). Writes ``samples.png`` and ``showcase.json`` (commands, commit, timings, the VQ-VAE's
-validation PSNR and the prior's test NLL) to ``--out``.
+validation PSNR and the prior's test NLL) to ``--out``. With ``--vqvae CKPT --prior RUN`` it trains nothing and draws
+the grid from those runs (a class-conditional ``softvq-prior`` run with label dropout, on that VQ-VAE's codes).
 """
 
 from __future__ import annotations
@@ -116,10 +117,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--guidance", type=float, default=2.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vqvae", type=Path, default=None,
+                   help="with --prior: draw the grid from these runs (a VQ-VAE checkpoint and the softvq-prior run "
+                        "directory of a class-conditional prior on its codes) instead of training the showcase's")
+    p.add_argument("--prior", type=Path, default=None, help="see --vqvae")
     args = p.parse_args(argv)
+    if (args.vqvae is None) != (args.prior is None):
+        p.error("--vqvae and --prior go together")
     if args.vqvae_epochs < 1 or args.prior_epochs < 1 or args.per_class < 1 or args.guidance < 0:
         p.error("epochs and --per-class must be positive and --guidance non-negative")
     command = "python -m eval.showcase " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.vqvae is not None:  # the grid of given runs
+        if not (args.prior / "checkpoints" / "last.ckpt").is_file():
+            p.error(f"--prior {args.prior} holds no checkpoints/last.ckpt of softvq-prior")
+        summary = {"command": command, "commit": code_commit(), "vqvae": str(args.vqvae), "prior": str(args.prior),
+                   **grid(args, args.vqvae, args.prior)}
+        write_atomic(args.out / "showcase.json", json.dumps(summary, indent=1))
+        return summary
     vqvae, vqvae_argv, vqvae_s = vqvae_step(args)
     prior_dir, prior_argv, prior_s = prior_step(args, vqvae)
     figure = grid(args, vqvae, prior_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from PIL import Image
 
 from eval import showcase
@@ -29,3 +30,12 @@ def test_showcase_trains_both_models_once_and_draws_a_row_per_class(tmp_path, ti
     assert again["vqvae_seconds"] < 1.0 and again["prior_seconds"] < 1.0
     assert again["prior_test_bits_per_image"] == summary["prior_test_bits_per_image"]
     assert json.loads((tmp_path / "out" / "showcase.json").read_text())["per_class"] == 2
+    # the grid of given runs: nothing trains, the figure is drawn from them
+    grid_argv = ["--data-root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "given"), "--per-class", "1",
+                 "--vqvae", str(tmp_path / "runs" / "vqvae" / "checkpoints" / "last.ckpt"),
+                 "--prior", str(tmp_path / "runs" / "prior"), "--runs", str(tmp_path / "untouched")]
+    given = showcase.main(grid_argv)
+    assert given["per_class"] == 1 and len(given["classes"]) == 10 and not (tmp_path / "untouched").exists()
+    assert (tmp_path / "given" / "samples.png").is_file() and "vqvae_command" not in given
+    with pytest.raises(SystemExit):
+        showcase.main(grid_argv[:-4])  # --vqvae without --prior
