@@ -49,8 +49,8 @@ LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
 
 
 def top_k_bound(num_codes: int) -> int:
-    """The smallest k within the accuracy bound measured at the default entropy target (docs/scaling.md, "Top-k
-    assignments": mean mass left out <= 1e-4, encoder-gradient error <= 1e-3): a quarter of K = 512, an eighth of
+    """The smallest k within the accuracy bound measured at the default entropy target (mean mass left out <= 1e-4,
+    encoder-gradient error <= 1e-3; docs/scaling.md, "Top-k assignments"): a quarter of K = 512, an eighth of
     K = 4096; beyond 4096 an eighth, not measured."""
     return max(1, num_codes // 4 if num_codes <= 512 else num_codes // 8)
 

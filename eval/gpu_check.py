@@ -36,8 +36,8 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 
 def layers(num_codes: int = 512) -> dict[str, torch.nn.Module]:
-    """The checked layers; ``ddcl_top_k`` with k at the accuracy bound measured on a CPU (docs/scaling.md, "Top-k
-    assignments": K / 4 up to 512 codes, K / 8 above)."""
+    """The checked layers; ``ddcl_top_k`` with k at the accuracy bound measured on a CPU, K / 4 up to 512 codes and
+    K / 8 above (docs/scaling.md, "Top-k assignments")."""
     k = num_codes // 4 if num_codes <= 512 else num_codes // 8
     return {"ddcl": DDCLQuantizer(num_codes, 64, check_finite=False),
             "ddcl_top_k": DDCLQuantizer(num_codes, 64, top_k=k, check_finite=False),

@@ -97,8 +97,8 @@ def test_dropin_models_decode_their_indices_to_what_they_output(tiny_cifar, tmp_
 
 
 def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_path, tiny_cifar):
+    from eval import peers_sweep as sweep
     from eval.compare.report import _fmt
-    from eval.peers import sweep
 
     argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "vqp_fsq", "--num-codes", "256", "64",
             "--seeds", "0", "1", "--full-k", "64", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),

@@ -6,8 +6,8 @@ with K), so they are where a collapse-free codebook should lead. Usage (the full
 setting, 5 epochs on 10,000 images):
 
     pip install -e ".[bench]"   # vector-quantize-pytorch, a benchmark-only extra
-    python -m eval.peers.sweep --data-root ../shared/data/cifar10-jpeg.tar.gz
-    python -m eval.peers.sweep --num-codes 512 4096 --methods ddcl hard_ema ...   # a part (finished runs are read)
+    python -m eval.peers_sweep --data-root ../shared/data/cifar10-jpeg.tar.gz
+    python -m eval.peers_sweep --num-codes 512 4096 --methods ddcl hard_ema ...   # a part (finished runs are read)
 
 Seeds: every ``--seeds`` at the sizes in ``--full-k`` (512 and 4096 by default), the first seed elsewhere (1024
 and 16384: vector-quantize-pytorch's ``VectorQuantize`` takes seconds a step at 16384). FSQ has no level set of
@@ -209,7 +209,7 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.peers.sweep", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.peers_sweep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--methods", nargs="+", choices=peers.METHODS, default=["ddcl", "hard_ema", "vqp_vq", "vqp_fsq"])
@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except ValueError as err:
                 p.error(str(err))
     args.num_codes = sorted(args.num_codes)
-    args.command = "python -m eval.peers.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.command = "python -m eval.peers_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     return args
 
 
