@@ -12,16 +12,35 @@ import torch
 from softvq import DDCLQuantizer
 
 
+def running_moments(batches, momentum: float = 0.1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The running (mean, unbiased variance) after each training batch, by hand: the first batch sets them, each later
+    one moves them by ``momentum``."""
+    out, mean, var = [], None, None
+    for z in batches:
+        m, v = z.detach().mean(0), z.detach().var(0, unbiased=True)
+        mean, var = (m, v) if mean is None else (mean + momentum * (m - mean), var + momentum * (v - var))
+        out.append((mean, var))
+    return out
+
+
 def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
-              back: bool = True):
+              back: bool = True, running: tuple[torch.Tensor, torch.Tensor] | None = None):
     """docs/design.md, "The layer: L_q = L_OLS + V", written out with an explicit (N, K, D) difference tensor, plus
     the recipe's two maps: batch standardisation (biased variance, eps 1e-5 of the mean variance) before, and
-    ``code * std + mean`` after; hard output as ``mu + sg(code - mu)``."""
+    ``code * std + mean`` after; hard output as ``mu + sg(code - mu)``. With ``running`` (mean, variance after this
+    batch: the layer's default ``renorm=True``), batch renormalisation: ``(z - mean_B) / std_B * r + d`` with
+    ``r = sg(std_B / std)``, ``d = sg((mean_B - mean) / std)``, i.e. the running statistics in value."""
     mean = std = None
     if standardize:
         mean = z.mean(0)
         var = ((z - mean) ** 2).mean(0)
         std = (var + 1e-5 * var.detach().mean()).sqrt()
+        if running is not None:
+            run_mean, run_var = running
+            run_std = (run_var + 1e-5 * run_var.mean()).sqrt()
+            r, d = std.detach() / run_std, (mean.detach() - run_mean) / run_std
+            std = std / r
+            mean = mean - d * std
         z = (z - mean) / std
     d = ((z[:, None, :] - p[None, :, :]) ** 2).sum(-1)
     q = torch.softmax(-d / temperature, dim=1)
@@ -41,17 +60,19 @@ def layer(k=6, dim=3, **kw) -> DDCLQuantizer:
     return DDCLQuantizer(k, dim, **kw).double()
 
 
-@pytest.mark.parametrize("standardize,scale", [(False, "standardized"), (True, "standardized"), (True, "input")])
-def test_hard_output_is_the_code_and_its_gradient_the_soft_centroid_jacobian(standardize, scale):
-    quantizer = layer(standardize=standardize, output_scale=scale)  # recipe auto: hard output on
+@pytest.mark.parametrize("standardize,scale,renorm", [(False, "standardized", True), (True, "standardized", True),
+                                                      (True, "input", True), (True, "standardized", False)])
+def test_hard_output_is_the_code_and_its_gradient_the_soft_centroid_jacobian(standardize, scale, renorm):
+    quantizer = layer(standardize=standardize, output_scale=scale, renorm=renorm)  # recipe auto: hard output on
     assert quantizer.hard_output
     z = (torch.randn(20, 3, dtype=torch.float64) * 2 + 0.5).requires_grad_(True)
     weights = torch.randn(20, 3, dtype=torch.float64)
     out = quantizer(z)
     (out.quantized * weights).sum().backward()
     zr = z.detach().clone().requires_grad_(True)
+    running = running_moments([z])[0] if standardize and renorm else None
     ref, idx, _, _ = reference(zr, quantizer.prototypes.detach(), 0.8, standardize, hard=True,
-                               back=scale == "input")
+                               back=scale == "input", running=running)
     (ref * weights).sum().backward()
     assert torch.equal(out.indices, idx)
     torch.testing.assert_close(out.quantized, ref, rtol=1e-12, atol=1e-12)
@@ -129,16 +150,18 @@ def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
     torch.manual_seed(3)
     quantizer = DDCLQuantizer(160, 4, dead_code_threshold=0.0, prototype_update="gradient").double()
     assert quantizer.temperature is None and quantizer.target_entropy == 2.5  # min(2.5, log(160) / 2)
-    batches = [torch.randn(400, 4, dtype=torch.float64) for _ in range(6)]
+    batches = [torch.randn(400, 4, dtype=torch.float64) * (1 + 0.1 * i) for i in range(6)]  # a drifting scale
+    running = running_moments(batches)
     out = quantizer(batches[0])
     first = quantizer.temperature  # already one control step after the calibrated value
     t0 = first / math.exp(0.01 * (2.5 - float(out.terms["entropy"])))
-    _, _, _, h0 = reference(batches[0], quantizer.prototypes.detach(), t0, standardize=True, hard=True)
+    _, _, _, h0 = reference(batches[0], quantizer.prototypes.detach(), t0, standardize=True, hard=True,
+                            running=running[0])
     assert abs(float(h0) - 2.5) < 1e-6  # the calibrated T gives the target entropy on the first batch
-    for x in batches[1:]:
+    for x, stats in zip(batches[1:], running[1:], strict=True):
         t = quantizer.temperature
         out = quantizer(x)
-        _, _, _, h = reference(x, quantizer.prototypes.detach(), t, standardize=True, hard=True)
+        _, _, _, h = reference(x, quantizer.prototypes.detach(), t, standardize=True, hard=True, running=stats)
         torch.testing.assert_close(out.terms["entropy"], h, rtol=1e-10, atol=1e-12)
         assert quantizer.temperature == pytest.approx(t * math.exp(0.01 * (2.5 - float(h))), rel=1e-12)
     state = quantizer.state_dict()
