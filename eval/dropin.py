@@ -26,10 +26,10 @@ other, not with the single codebooks, which spend a quarter of the bits at Q = 4
     vqp_rvq       ResidualVQ(dim=32, num_quantizers=Q, codebook_size=K)   (channel-last: its accept_image_fmap
                   fails in forward in vector-quantize-pytorch 1.32, so the model permutes around it as for HardVQ)
 
-Scored on the official test split: PSNR of the images decoded from the hard indices alone (each library's own
-index -> code function), utilization, dead codes and perplexity of those indices (of a residual stack: the lowest
-level's utilization and perplexity, the dead codes of all levels together, and every level's figures in
-``results.json``).
+Scored on the official test split (``--split validation``: on ``--val-size`` held-out training images, for probes): PSNR
+of the images decoded from the hard indices alone (each library's own index -> code function), utilization, dead
+codes and perplexity of those indices (of a residual stack: the lowest level's utilization and perplexity, the dead
+codes of all levels together, and every level's figures in ``results.json``).
 """
 
 from __future__ import annotations
@@ -158,7 +158,10 @@ class SmallAutoencoder(nn.Module):
 
 def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
-    model = SmallAutoencoder(method, args.num_codes, num_quantizers=args.num_quantizers)
+    kwargs = getattr(args, "ddcl_kwargs", None)
+    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **kwargs),
+                 args.num_codes) if method == "ddcl" and kwargs else None
+    model = SmallAutoencoder(method, args.num_codes, num_quantizers=args.num_quantizers, quantizer=quantizer)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loader = data.train_dataloader()
     step, start = 0, time.perf_counter()
@@ -183,7 +186,8 @@ def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFA
     counts = torch.zeros(levels, model.num_codes, dtype=torch.long)
     seen = 0
     with torch.no_grad():
-        for x, _ in data.test_dataloader():
+        split = data.val_dataloader() if getattr(args, "split", "test") == "validation" else data.test_dataloader()
+        for x, _ in split:
             _, indices, _ = model(x)
             psnr.update(model.decode_indices(indices).clamp(0.0, 1.0), x)
             for q, level in enumerate(indices.reshape(-1, levels).long().unbind(-1)):
@@ -219,6 +223,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=Path, default=Path("runs/dropin"),
                    help="one result file per run; a run whose file has the same settings is read, not retrained")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--split", choices=("test", "validation"), default="test",
+                   help="score on the official test split (the report) or, for probes, on --val-size held-out "
+                        "training images (the model then trains on the others)")
+    p.add_argument("--val-size", type=int, default=5000, help="held-out training images of --split validation")
+    p.add_argument("--ddcl-kwargs", type=json.loads, default={}, metavar="JSON",
+                   help="DDCLQuantizer options for a probe, e.g. '{\"renorm\": false}' (recorded with the run)")
     p.add_argument("--quick", action="store_true", help="a smoke test: 20 steps, 2 seeds, 512 test images")
     args = p.parse_args(argv)
     if args.quick:
@@ -233,14 +243,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=0, num_workers=args.num_workers)
+    validation = args.split == "validation"
+    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size if validation else 0,
+                             num_workers=args.num_workers)
     data.setup("fit")
     data.setup("test")
     runs = []
     common = {k: getattr(args, k) for k in ("steps", "batch_size", "num_codes", "lr", "alpha", "test_limit")}
+    if validation:  # recorded only when not the report's (the stored test runs stay valid)
+        common.update(split="validation", val_size=args.val_size)
     for seed in args.seeds:
         for method in args.methods:
-            settings = {**common, "num_quantizers": args.num_quantizers} if method in RESIDUAL else common
+            settings = {**common, "num_quantizers": args.num_quantizers} if method in RESIDUAL else dict(common)
+            if method == "ddcl" and args.ddcl_kwargs:
+                settings["ddcl_kwargs"] = args.ddcl_kwargs
             path = args.runs / method / f"seed{seed}.json"
             stored = json.loads(path.read_text()) if path.is_file() else {}
             if stored.get("settings") == settings:
@@ -286,8 +302,10 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
              "keep no commit of their own)", "",
              f"vector-quantize-pytorch's example shape on CIFAR-10 (D = {DIM}, 8x8 grid), {args.steps} steps of "
              f"{args.batch_size} images, L1 + {args.alpha:g}·quantizer loss, Adam({args.lr:g}) on "
-             f"`model.parameters()`, seeds {args.seeds}; test split ({args.test_limit or 10000} images), "
-             f"images decoded from the hard indices alone" + (
+             f"`model.parameters()`, seeds {args.seeds}; " + (
+                 f"validation split ({args.val_size} held-out training images; a probe, not the report)"
+                 if args.split == "validation" else f"test split ({args.test_limit or 10000} images)") + ", "
+             "images decoded from the hard indices alone" + (
                  f"; residual stacks: {args.num_quantizers} levels of K codes, lowest level's utilization and "
                  f"perplexity, every level's dead codes" if set(groups) & set(RESIDUAL) else "")
              + ". See the module docstring of `eval/dropin.py` for each constructor. A margin counts beyond the seed "

@@ -118,8 +118,8 @@ class InLayerRecipe:
 
     # Values an option had as its default in earlier releases, which every configuration and checkpoint saved then
     # records: inert there, they load and replay as the default does (commitment_term was "l_ols" until the hard
-    # commitment measured better on validation; renorm was False until batch renormalisation did).
-    _FORMER_DEFAULTS = {"commitment_term": ("l_ols",), "renorm": (False,)}
+    # commitment measured better on validation).
+    _FORMER_DEFAULTS = {"commitment_term": ("l_ols",)}
 
     def inert_options(self) -> set[str]:
         """The options that have no effect in this layer's combination, whatever their value (a resumed run may

@@ -145,11 +145,12 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them). Measured in the
             project's VQ-VAE (reports/peers/probes.md): a decoder fed unit-scale codes learned faster (train MSE
             0.025 against 0.036 after one epoch) because a fresh encoder's outputs are ~100x smaller.
-        renorm: with ``standardize``, train with batch renormalisation (:class:`softvq.norm.TokenStandardizer`,
-            the default): tokens are standardised *in value* with the running statistics evaluation uses, with batch
+        renorm: with ``standardize``, train with batch renormalisation (:class:`softvq.norm.TokenStandardizer`):
+            tokens are standardised *in value* with the running statistics evaluation uses, with batch
             standardisation's gradient, so that an encoder drifting faster than the running averages follow does not
-            make evaluation standardise with statistics training never used. ``False``: plain batch standardisation
-            (the default before; inert without ``standardize``).
+            make evaluation standardise with statistics training never used. Not the default: on validation it
+            gained 0.30 dB (K = 512) and 0.59 dB (K = 4096) in the project's VQ-VAE and lost 0.5 dB in a foreign
+            autoencoder (docs/design.md, "Batch renormalisation").
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
@@ -206,7 +207,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         temperature_rate: float = 0.01,
         standardize: bool | None = None,
         output_scale: Literal["input", "standardized"] = "standardized",
-        renorm: bool = True,  # +0.30 dB at K = 512, +0.59 at 4096 on validation (docs/design.md)
+        renorm: bool = False,
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
         ema_decay: float = 0.99,
         hard_output: bool | None = None,

@@ -96,6 +96,33 @@ def test_dropin_models_decode_their_indices_to_what_they_output(tiny_cifar, tmp_
             assert "num_quantizers" not in run["settings"]  # single-codebook runs stored earlier stay valid
 
 
+def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_options_given(tiny_cifar, tmp_path):
+    """--split validation trains on the training images less --val-size and scores those held out (never the test
+    split); --ddcl-kwargs reaches the layer and is recorded, so such a run is never read back as the report's."""
+    argv = ["--data-root", str(tiny_cifar["folder"]), "--steps", "2", "--seeds", "0", "--batch-size", "16",
+            "--num-codes", "16", "--num-workers", "0", "--methods", "ddcl", "--runs", str(tmp_path / "runs")]
+    built = []
+    original = dropin.softvq.DDCLQuantizer
+
+    def spy(*args, **kwargs):
+        built.append(kwargs)
+        return original(*args, **kwargs)
+
+    dropin.softvq.DDCLQuantizer = spy
+    try:
+        probe = dropin.main([*argv, "--split", "validation", "--val-size", "24", "--ddcl-kwargs", '{"renorm": true}',
+                             "--out", str(tmp_path / "val")])
+        report = dropin.main([*argv, "--out", str(tmp_path / "test")])
+    finally:
+        dropin.softvq.DDCLQuantizer = original
+    (run,), (test_run,) = probe["runs"], report["runs"]
+    assert run["test"]["images"] == 24 and test_run["test"]["images"] == 50  # the held-out images, then the test split
+    assert run["settings"]["ddcl_kwargs"] == {"renorm": True} and run["settings"]["split"] == "validation"
+    assert "split" not in test_run["settings"] and "ddcl_kwargs" not in test_run["settings"]
+    assert built[0]["renorm"] is True and "renorm" not in built[-1]
+    assert "validation split (24 held-out training images" in (tmp_path / "val" / "report.md").read_text()
+
+
 def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_path, tiny_cifar):
     from eval import peers_sweep as sweep
     from eval.compare.report import _fmt
