@@ -158,9 +158,8 @@ class SmallAutoencoder(nn.Module):
 
 def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
-    kwargs = getattr(args, "ddcl_kwargs", None)
-    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **kwargs),
-                 args.num_codes) if method == "ddcl" and kwargs else None
+    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **args.ddcl_kwargs),
+                 args.num_codes) if method == "ddcl" and args.ddcl_kwargs else None
     model = SmallAutoencoder(method, args.num_codes, num_quantizers=args.num_quantizers, quantizer=quantizer)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loader = data.train_dataloader()
@@ -186,8 +185,7 @@ def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFA
     counts = torch.zeros(levels, model.num_codes, dtype=torch.long)
     seen = 0
     with torch.no_grad():
-        split = data.val_dataloader() if getattr(args, "split", "test") == "validation" else data.test_dataloader()
-        for x, _ in split:
+        for x, _ in data.val_dataloader() if args.split == "validation" else data.test_dataloader():
             _, indices, _ = model(x)
             psnr.update(model.decode_indices(indices).clamp(0.0, 1.0), x)
             for q, level in enumerate(indices.reshape(-1, levels).long().unbind(-1)):

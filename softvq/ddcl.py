@@ -148,9 +148,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         renorm: with ``standardize``, train with batch renormalisation (:class:`softvq.norm.TokenStandardizer`):
             tokens are standardised *in value* with the running statistics evaluation uses, with batch
             standardisation's gradient, so that an encoder drifting faster than the running averages follow does not
-            make evaluation standardise with statistics training never used. Not the default: on validation it
-            gained 0.30 dB (K = 512) and 0.59 dB (K = 4096) in the project's VQ-VAE and lost 0.5 dB in a foreign
-            autoencoder (docs/design.md, "Batch renormalisation").
+            make evaluation standardise with statistics training never used. Off by default: +0.3-0.6 dB in the
+            project's VQ-VAE, -0.7 dB in a foreign autoencoder (validation; docs/design.md, "Batch renormalisation").
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid

@@ -67,3 +67,14 @@ def train_command(data: Path, out: Path, *extra: str) -> list[str]:
 def train_env() -> dict[str, str]:
     """The environment of a training process: one thread, the clone importable."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def running_moments(batches, momentum: float = 0.1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A standardiser's running (mean, unbiased variance) after each training batch, by hand: the first batch sets
+    them, each later one moves them by ``momentum``."""
+    out, mean, var = [], None, None
+    for z in batches:
+        m, v = z.detach().mean(0), z.detach().var(0, unbiased=True)
+        mean, var = (m, v) if mean is None else (mean + momentum * (m - mean), var + momentum * (v - var))
+        out.append((mean, var))
+    return out

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import SyncRecorder
+from helpers import SyncRecorder, running_moments
 
 from softvq import DDCLQuantizer, HardVQ
 
@@ -175,10 +175,7 @@ def test_compiled_batch_renormalisation_has_eager_gradients_while_it_updates_its
     w = torch.randn(96, 8, dtype=torch.float64)
     layer = TokenStandardizer(8, renorm=True).double().train()
     compiled = torch.compile(layer, fullgraph=True)
-    run_mean = run_var = None
-    for z in zs:
-        m, v = z.mean(0), z.var(0, unbiased=True)  # the running statistics by hand: the first batch, then 10%
-        run_mean, run_var = (m, v) if run_mean is None else (run_mean.lerp(m, 0.1), run_var.lerp(v, 0.1))
+    for z, (run_mean, run_var) in zip(zs, running_moments(zs), strict=True):
         x, xr = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
         (compiled(x)[0] * w).sum().backward()
         mean, var = xr.mean(0), xr.var(0, unbiased=False)

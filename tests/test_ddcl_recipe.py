@@ -8,19 +8,9 @@ import math
 
 import pytest
 import torch
+from helpers import running_moments
 
 from softvq import DDCLQuantizer
-
-
-def running_moments(batches, momentum: float = 0.1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The running (mean, unbiased variance) after each training batch, by hand: the first batch sets them, each later
-    one moves them by ``momentum``."""
-    out, mean, var = [], None, None
-    for z in batches:
-        m, v = z.detach().mean(0), z.detach().var(0, unbiased=True)
-        mean, var = (m, v) if mean is None else (mean + momentum * (m - mean), var + momentum * (v - var))
-        out.append((mean, var))
-    return out
 
 
 def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
