@@ -103,6 +103,8 @@ class InLayerRecipe:
          "without standardisation the codes are on the input's scale already"),
         ("renorm", "standardize", lambda s: not s.standardize,
          "it is how the layer's standardisation trains, and there is none"),
+        ("renorm_clip", "renorm", lambda s: not (s.standardize and s.renorm),
+         "it clips batch renormalisation's corrections, which only renorm=True (with standardize) applies"),
         ("ema_decay", "prototype_update", lambda s: s.prototype_update == "gradient",
          "gradient-trained prototypes have no EMA"),
         ("temperature_rate", "target_entropy", lambda s: s.target_entropy is None,

@@ -150,6 +150,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             standardisation's gradient, so that an encoder drifting faster than the running averages follow does not
             make evaluation standardise with statistics training never used. Off by default: +0.3-0.6 dB in the
             project's VQ-VAE, -0.7 dB in a foreign autoencoder (validation; docs/design.md, "Batch renormalisation").
+        renorm_clip: ``(r_max, d_max)``: batch renormalisation's corrections are clipped to ``r`` in
+            ``[1 / r_max, r_max]`` and ``d`` in ``[-d_max, d_max]`` (:class:`softvq.norm.TokenStandardizer`).
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
@@ -207,6 +209,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         standardize: bool | None = None,
         output_scale: Literal["input", "standardized"] = "standardized",
         renorm: bool = False,
+        renorm_clip: tuple[float, float] = (3.0, 5.0),
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
         ema_decay: float = 0.99,
         hard_output: bool | None = None,
@@ -243,9 +246,11 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
                                  target_entropy=target_entropy, temperature_rate=temperature_rate,
                                  dead_code_threshold=dead_code_threshold, dead_code_decay=dead_code_decay,
                                  dead_code_cap=dead_code_cap)
+        self.standardizer = TokenStandardizer(dim, renorm=check_bool("renorm", renorm), renorm_clip=renorm_clip)
         self._refuse_inert_options(
             {"codebook_term": codebook_term, "codebook_weight": codebook_weight, "output_scale": output_scale,
-             "renorm": renorm, "ema_decay": ema_decay, "temperature_rate": temperature_rate, "init_scale": init_scale,
+             "renorm": renorm, "renorm_clip": self.standardizer.renorm_clip, "ema_decay": ema_decay,
+             "temperature_rate": temperature_rate, "init_scale": init_scale,
              "dead_code_decay": dead_code_decay, "dead_code_cap": dead_code_cap, "commitment_term": commitment_term},
             _DEFAULTS)
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved through
@@ -261,7 +266,6 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
-        self.standardizer = TokenStandardizer(dim, renorm=check_bool("renorm", renorm))
         # Running average of argmax assignments per training batch (for dead-code restart); -1 = no batch seen yet.
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
         # EMA prototype update: won mass per code and the weighted sum of its tokens (one pseudo-token each).
@@ -275,6 +279,11 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
     def initialized(self) -> bool:
         """False until data initialisation (``init="data"``) has run."""
         return self._initialized
+
+    @property
+    def renorm(self) -> bool:
+        """Whether training standardises with batch renormalisation (the ``renorm`` option)."""
+        return self.standardizer.renorm
 
     @property
     def restarts(self) -> int:

@@ -100,7 +100,9 @@ class TokenStandardizer(nn.Module):
             raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
         self.eps = check_float("eps", eps)
         self.renorm = bool(renorm)
-        r_max, d_max = (check_float("renorm_clip", float(v)) for v in renorm_clip)
+        if not isinstance(renorm_clip, (tuple, list)) or len(renorm_clip) != 2:
+            raise ValueError(f"renorm_clip must be a pair (r_max, d_max), got {renorm_clip!r}")
+        r_max, d_max = (check_float("renorm_clip", v) for v in renorm_clip)
         if r_max < 1.0:
             raise ValueError(f"renorm_clip[0] (r_max) must be >= 1, got {r_max!r}")
         self.renorm_clip = (r_max, d_max)

@@ -221,6 +221,9 @@ def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
     ({"target_entropy": 2.1}, r"log\(num_codes\)"),  # K = 8: log 8 = 2.08 nats is uniform
     ({"target_entropy": -1.0}, "target_entropy"),
     ({"commitment_term": "soft"}, "commitment_term"),
+    ({"renorm": True, "renorm_clip": (1.1,)}, r"renorm_clip must be a pair"),
+    ({"renorm": True, "renorm_clip": (0.9, 0.1)}, "r_max"),
+    ({"renorm": True, "renorm_clip": (1.1, float("nan"))}, "renorm_clip"),
 ])
 def test_invalid_recipe_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -202,6 +202,7 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
     ({"codebook_weight": 2.0}, "prototype_update"),
     ({"standardize": False, "output_scale": "input"}, "standardize"),
     ({"standardize": False, "renorm": True}, "standardize"),
+    ({"renorm_clip": (1.5, 0.5)}, "renorm"),
     ({"prototype_update": "gradient", "ema_decay": 0.9}, "prototype_update"),
     ({"target_entropy": None, "temperature_rate": 0.05}, "target_entropy"),
     ({"init_scale": 0.1}, "init"),
