@@ -120,8 +120,9 @@ class InLayerRecipe:
 
     # Values an option had as its default in earlier releases, which every configuration and checkpoint saved then
     # records: inert there, they load and replay as the default does (commitment_term was "l_ols" until the hard
-    # commitment measured better on validation).
-    _FORMER_DEFAULTS = {"commitment_term": ("l_ols",)}
+    # commitment measured better on validation; renorm was False until clipped batch renormalisation did, and its
+    # clip was Ioffe's (3, 5) until the tight one measured level in a foreign model).
+    _FORMER_DEFAULTS = {"commitment_term": ("l_ols",), "renorm": (False,), "renorm_clip": ((3.0, 5.0),)}
 
     def inert_options(self) -> set[str]:
         """The options that have no effect in this layer's combination, whatever their value (a resumed run may

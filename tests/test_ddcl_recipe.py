@@ -14,12 +14,14 @@ from softvq import DDCLQuantizer
 
 
 def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
-              back: bool = True, running: tuple[torch.Tensor, torch.Tensor] | None = None):
+              back: bool = True, running: tuple[torch.Tensor, torch.Tensor] | None = None,
+              clip: tuple[float, float] = (1.1, 0.1)):
     """docs/design.md, "The layer: L_q = L_OLS + V", written out with an explicit (N, K, D) difference tensor, plus
     the recipe's two maps: batch standardisation (biased variance, eps 1e-5 of the mean variance) before, and
     ``code * std + mean`` after; hard output as ``mu + sg(code - mu)``. With ``running`` (mean, variance after this
-    batch: ``renorm=True``), batch renormalisation: ``(z - mean_B) / std_B * r + d`` with
-    ``r = sg(std_B / std)``, ``d = sg((mean_B - mean) / std)``, i.e. the running statistics in value."""
+    batch: the layer's default ``renorm=True``), batch renormalisation: ``(z - mean_B) / std_B * r + d`` with
+    ``r = sg(std_B / std)``, ``d = sg((mean_B - mean) / std)`` clipped by ``clip`` (the layer's default
+    ``renorm_clip``), i.e. the running statistics in value unless clipped."""
     mean = std = None
     if standardize:
         mean = z.mean(0)
@@ -28,7 +30,9 @@ def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize:
         if running is not None:
             run_mean, run_var = running
             run_std = (run_var + 1e-5 * run_var.mean()).sqrt()
-            r, d = std.detach() / run_std, (mean.detach() - run_mean) / run_std
+            r_max, d_max = clip
+            r = (std.detach() / run_std).clamp(1 / r_max, r_max)
+            d = ((mean.detach() - run_mean) / run_std).clamp(-d_max, d_max)
             std = std / r
             mean = mean - d * std
         z = (z - mean) / std
@@ -50,7 +54,7 @@ def layer(k=6, dim=3, **kw) -> DDCLQuantizer:
     return DDCLQuantizer(k, dim, **kw).double()
 
 
-@pytest.mark.parametrize("standardize,scale,renorm", [(False, "standardized", False), (True, "standardized", True),
+@pytest.mark.parametrize("standardize,scale,renorm", [(False, "standardized", True), (True, "standardized", True),
                                                       (True, "input", True), (True, "standardized", False)])
 def test_hard_output_is_the_code_and_its_gradient_the_soft_centroid_jacobian(standardize, scale, renorm):
     quantizer = layer(standardize=standardize, output_scale=scale, renorm=renorm)  # recipe auto: hard output on
@@ -136,13 +140,12 @@ def test_ema_prototype_update_by_hand(update):
     assert torch.equal(before, quantizer.prototypes.detach())  # evaluation never moves them
 
 
-@pytest.mark.parametrize("renorm", [False, True])
-def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step(renorm):
+def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
     torch.manual_seed(3)
-    quantizer = DDCLQuantizer(160, 4, dead_code_threshold=0.0, prototype_update="gradient", renorm=renorm).double()
+    quantizer = DDCLQuantizer(160, 4, dead_code_threshold=0.0, prototype_update="gradient").double()
     assert quantizer.temperature is None and quantizer.target_entropy == 2.5  # min(2.5, log(160) / 2)
     batches = [torch.randn(400, 4, dtype=torch.float64) * (1 + 0.1 * i) for i in range(6)]  # a drifting scale
-    running = running_moments(batches) if renorm else [None] * len(batches)
+    running = running_moments(batches)
     out = quantizer(batches[0])
     first = quantizer.temperature  # already one control step after the calibrated value
     t0 = first / math.exp(0.01 * (2.5 - float(out.terms["entropy"])))
@@ -277,7 +280,7 @@ def test_the_layers_renorm_option_assigns_training_tokens_as_evaluation_standard
     running statistics (just moved by that batch), the ones evaluation uses, checked against brute-force distances
     to the prototypes the step read."""
     torch.manual_seed(0)
-    layer = DDCLQuantizer(16, 3, renorm=True, dead_code_threshold=0.0).double()
+    layer = DDCLQuantizer(16, 3, renorm=True, renorm_clip=(3.0, 5.0), dead_code_threshold=0.0).double()  # no clip binds
     assert layer.standardizer.renorm
     layer(torch.randn(200, 3, dtype=torch.float64))  # the first batch draws the prototypes from its tokens
     for step in range(1, 6):

@@ -78,8 +78,10 @@ def test_two_processes_end_with_the_weights_of_one_process(runs, quantizer):
     ddp = tensors(tmp / "ddp" / quantizer / "checkpoints" / "last.ckpt")
     single = tensors(tmp / "single" / quantizer / "checkpoints" / "last.ckpt")
     assert ddp.keys() == single.keys()
-    for key in single:
-        torch.testing.assert_close(ddp[key], single[key], rtol=1e-9, atol=1e-12, msg=key)
+    for key in single:  # rounding, amplified by 8 steps of training: 1e-9 of each tensor's scale (measured: 2e-11
+        # with batch renormalisation, 1e-13 without; a process-local quantity would differ by ~1e-2)
+        scale = float(single[key].abs().max()) if single[key].is_floating_point() else 0.0
+        torch.testing.assert_close(ddp[key], single[key], rtol=1e-9, atol=1e-12 + 1e-9 * scale, msg=key)
 
 
 def test_two_level_hierarchy_on_two_processes_equals_one_process(tmp_path, tiny_cifar):

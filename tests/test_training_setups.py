@@ -201,8 +201,7 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
     ({"codebook_term": "l_q"}, "prototype_update"),
     ({"codebook_weight": 2.0}, "prototype_update"),
     ({"standardize": False, "output_scale": "input"}, "standardize"),
-    ({"standardize": False, "renorm": True}, "standardize"),
-    ({"renorm_clip": (1.5, 0.5)}, "renorm"),
+    ({"renorm": False, "renorm_clip": (1.5, 0.5)}, "renorm"),
     ({"prototype_update": "gradient", "ema_decay": 0.9}, "prototype_update"),
     ({"target_entropy": None, "temperature_rate": 0.05}, "target_entropy"),
     ({"init_scale": 0.1}, "init"),
@@ -212,10 +211,23 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
 ])
 def test_an_option_without_effect_in_its_combination_is_refused_naming_both(kwargs, other):
     name = [k for k in kwargs if k not in ("standardize", "prototype_update", "target_entropy",
-                                           "dead_code_threshold")][0]
+                                           "dead_code_threshold", "renorm")][0]
     with pytest.raises(ValueError, match=rf"^{name}=.* has no effect with {other}="):
         DDCLQuantizer(8, 4, **kwargs)
     DDCLQuantizer(8, 4, **{k: v for k, v in kwargs.items() if k != name})  # the same without it is fine
+
+
+def test_renorm_is_accepted_at_either_value_without_standardisation_and_changes_nothing():
+    """renorm=True became the default and False was the default before: without standardisation neither is refused
+    (a configuration saved then still builds) and both give the same layer, step for step."""
+    outs = []
+    for renorm in (True, False):
+        torch.manual_seed(0)
+        layer = DDCLQuantizer(8, 4, standardize=False, renorm=renorm).double()
+        z = torch.randn(64, 4, dtype=torch.float64)
+        outs.append([layer(z).quantized, layer(z + 0.1).quantized, layer.prototypes.detach().clone()])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_the_plain_recipe_and_the_trainer_pass_every_option_at_its_default():
@@ -313,9 +325,10 @@ def test_trainer_accumulates_and_clips_as_its_flags_say(tmp_path, tiny_cifar, mo
 
 
 def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(tmp_path, tiny_cifar):
-    """A run whose config.json and checkpoint predate dead_code_cap and record commitment_term="l_ols" (the former
-    default, inert at weight 0): --resume with today's defaults accepts it (nothing that acts changed), load_vqvae
-    builds it, and a real change is still refused."""
+    """A run whose config.json and checkpoint predate dead_code_cap and renorm and record commitment_term="l_ols" (the
+    former default, inert at weight 0): --resume accepts it with its own settings (nothing that acts changed),
+    load_vqvae builds it, and a real change is still refused: renorm, absent, was plain batch standardisation, so
+    today's default renorm=True is a change the resume names."""
     from softvq.cli import train as train_vqvae
     from softvq.models import load_vqvae
 
@@ -327,16 +340,18 @@ def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(t
     train_vqvae.main([*tiny, "--out", str(out), "--epochs", "1"])
     config = json.loads((out / "config.json").read_text())
     config["ddcl"]["commitment_term"] = "l_ols"
-    del config["ddcl"]["dead_code_cap"]
+    del config["ddcl"]["dead_code_cap"], config["ddcl"]["renorm"]
     (out / "config.json").write_text(json.dumps(config))
     ckpt_path = out / "checkpoints" / "last.ckpt"
     ckpt = torch.load(ckpt_path, weights_only=True)
     kwargs = ckpt["hyper_parameters"]["quantizer_kwargs"]
     kwargs["commitment_term"] = "l_ols"
-    del kwargs["dead_code_cap"]
+    del kwargs["dead_code_cap"], kwargs["renorm"]
     torch.save(ckpt, ckpt_path)
     assert load_vqvae(ckpt_path).quantizer.commitment_term == "l_ols"
     with pytest.raises(ValueError, match=r"commitment_weight: (checkpoint|run) 0\.0 vs now 0\.5"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.commitment_weight", "0.5"])
-    rows = train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume"])["ddcl"]
+    with pytest.raises(ValueError, match=r"--ddcl\.renorm: run False vs now True"):
+        train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume"])
+    rows = train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.renorm", "false"])["ddcl"]
     assert [r["epoch"] for r in rows] == [1, 2]
