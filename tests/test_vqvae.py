@@ -175,9 +175,10 @@ def test_optimizer_gives_prototypes_lr_over_eps():
 
 def test_epoch_summary_counts_the_whole_epoch(recwarn):
     torch.manual_seed(0)
-    # a layer without in-forward updates (EMA, restarts, T control), so that the recomputation below repeats the step
+    # a layer without in-forward updates (EMA, restarts, T control, batch renormalisation's running statistics), so
+    # that the recomputation below repeats the step
     model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05, "target_entropy": None, "dead_code_threshold": 0.0,
-                                            "prototype_update": "gradient"}, **SMALL)
+                                            "prototype_update": "gradient", "renorm": False}, **SMALL)
     model.on_train_epoch_start()
     batches = [torch.rand(5, 3, 32, 32), torch.rand(3, 3, 32, 32), torch.rand(4, 3, 32, 32)]
     indices, sq_errors, terms = [], [], []
