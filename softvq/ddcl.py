@@ -145,14 +145,14 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them). Measured in the
             project's VQ-VAE (reports/peers/probes.md): a decoder fed unit-scale codes learned faster (train MSE
             0.025 against 0.036 after one epoch) because a fresh encoder's outputs are ~100x smaller.
-        renorm: with ``standardize``, train with batch renormalisation (:class:`softvq.norm.TokenStandardizer`,
-            the default): tokens are standardised *in value* with the running statistics evaluation uses, with batch
-            standardisation's gradient, so that an encoder drifting faster than the running averages follow does not
-            make evaluation standardise with statistics training never used. The corrections are clipped tightly
-            (``renorm_clip``), so that while the encoder moves fast training stays close to batch standardisation.
-            On validation: +0.31 dB (K = 512) and +0.32 dB (K = 4096) in the project's VQ-VAE, level (-0.01 dB) in a
-            foreign autoencoder (docs/design.md, "Batch renormalisation"). ``False``: plain batch standardisation
-            (the default before; inert without ``standardize``).
+        renorm: with ``standardize``, train with batch renormalisation (the default;
+            :class:`softvq.norm.TokenStandardizer`): tokens are standardised *in value* with the running statistics
+            evaluation uses, with batch standardisation's gradient, so that an encoder drifting faster than the
+            running averages follow does not make evaluation standardise with statistics training never used. The
+            corrections are clipped tightly (``renorm_clip``), so that while the encoder moves fast training stays
+            close to batch standardisation. On validation: +0.31 dB (K = 512) and +0.32 dB (K = 4096) in the
+            project's VQ-VAE, level (-0.01 dB) in a foreign autoencoder (docs/design.md, "Batch renormalisation").
+            ``False``: plain batch standardisation (the default before; inert without ``standardize``).
         renorm_clip: ``(r_max, d_max)``: batch renormalisation's corrections are clipped to ``r`` in
             ``[1 / r_max, r_max]`` and ``d`` in ``[-d_max, d_max]`` (:class:`softvq.norm.TokenStandardizer`). The
             default (1.1, 0.1) keeps each token's standardisation within 10% in scale and 0.1 standard deviations in

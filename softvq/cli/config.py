@@ -205,8 +205,9 @@ def never_changed(quantizer: str, model: VQVAE) -> set[str]:
 
 
 # Settings whose default changed after config.json began to record runs without them: a run whose config.json lacks
-# the key trained with this value, not with today's default (ddcl.renorm: plain batch standardisation until batch
-# renormalisation became the default), so resuming it with the new default counts as a change.
+# the key trained with this value, not with today's default (ddcl.renorm: plain batch standardisation until clipped
+# batch renormalisation became the default; ddcl.renorm_clip: Ioffe's (3, 5) until the tight clip did), so resuming it
+# with the new default counts as a change.
 PREDATED: dict[str, Any] = {"ddcl.renorm": False, "ddcl.renorm_clip": [3.0, 5.0]}
 
 
