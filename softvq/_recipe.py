@@ -33,6 +33,14 @@ from softvq.utils import (
 )
 
 
+# dead_code_decay="auto": the running usage per code remembers at least this many tokens a code wins on average (its
+# memory, 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's
+# memory. A short memory at a large K (2 tokens per code per batch at K = 4096, N = 8192) sends live codes whose count
+# dipped by chance to restart; docs/design.md, "Dead-code restart at large K".
+USAGE_MEMORY_TOKENS = 64.0
+USAGE_DECAY_FLOOR = 0.9
+
+
 class InLayerRecipe:
     """The recipe's part of :class:`softvq.DDCLQuantizer` (see there for what each option does)."""
 
@@ -63,7 +71,7 @@ class InLayerRecipe:
         target_entropy: float | str | None,
         temperature_rate: float,
         dead_code_threshold: float | str | None,
-        dead_code_decay: float,
+        dead_code_decay: float | str,
         dead_code_cap: float | None,
     ) -> None:
         """Validate the options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the
@@ -90,7 +98,8 @@ class InLayerRecipe:
         self._initial_temperature = None if temperature is None else check_float("temperature", temperature)
         threshold = (1.0 if auto else 0.0) if dead_code_threshold is None else dead_code_threshold
         self.dead_code_threshold = check_float("dead_code_threshold", threshold, allow_zero=True)
-        self.dead_code_decay = check_unit("dead_code_decay", dead_code_decay)
+        self.dead_code_decay: float | str = "auto" if isinstance(dead_code_decay, str) and dead_code_decay == "auto" \
+            else check_unit("dead_code_decay", dead_code_decay)
         self.dead_code_cap = None if dead_code_cap is None else check_float("dead_code_cap", dead_code_cap)
 
     # Options that only act in some combinations: (option, the option it depends on, when it has no effect, why).
@@ -121,8 +130,10 @@ class InLayerRecipe:
     # Values an option had as its default in earlier releases, which every configuration and checkpoint saved then
     # records: inert there, they load and replay as the default does (commitment_term was "l_ols" until the hard
     # commitment measured better on validation; renorm was False until clipped batch renormalisation did, and its
-    # clip was Ioffe's (3, 5) until the tight one measured level in a foreign model).
-    _FORMER_DEFAULTS = {"commitment_term": ("l_ols",), "renorm": (False,), "renorm_clip": ((3.0, 5.0),)}
+    # clip was Ioffe's (3, 5) until the tight one measured level in a foreign model; dead_code_decay was 0.9 until
+    # "auto" scaled it with the tokens per code).
+    _FORMER_DEFAULTS = {"commitment_term": ("l_ols",), "renorm": (False,), "renorm_clip": ((3.0, 5.0),),
+                        "dead_code_decay": (0.9,)}
 
     def inert_options(self) -> set[str]:
         """The options that have no effect in this layer's combination, whatever their value (a resumed run may
@@ -209,8 +220,27 @@ class InLayerRecipe:
     @torch.no_grad()
     def _update_usage(self, counts: Tensor) -> None:
         """The running argmax count per batch; the first batch (usage still -1) starts it from its counts."""
-        running = self.usage * self.dead_code_decay + counts * (1.0 - self.dead_code_decay)
+        if self.dead_code_decay == "auto":
+            decay = self.usage_decay(counts.sum())  # counts are summed over processes: the global batch
+            # where the floor holds, the arithmetic of a fixed decay of 0.9 (Python scalars), bit for bit: runs at
+            # sizes where "auto" is 0.9 (K = 512 with 8,192 tokens a batch) train exactly as before it existed
+            floor = self.usage * USAGE_DECAY_FLOOR + counts * (1.0 - USAGE_DECAY_FLOOR)
+            running = torch.where(decay > USAGE_DECAY_FLOOR, self.usage * decay + counts * (1.0 - decay), floor)
+        else:
+            running = self.usage * self.dead_code_decay + counts * (1.0 - self.dead_code_decay)
         self.usage.copy_(torch.where((self.usage < 0).any(), counts, running))
+
+    def usage_decay(self, tokens: Tensor | float) -> Tensor | float:
+        """The decay of the running usage for a training batch of ``tokens`` tokens (over every process): the
+        ``dead_code_decay`` given, or for ``"auto"`` ``max(0.9, 1 - tokens / (K * 64))``, so that the running count
+        remembers at least 64 tokens per code: 0.9 up to 6.4 codes per token of a batch (K = 512 and 1024 at 8,192
+        tokens), 0.969 at K = 4096 and 0.992 at 16384. A tensor ``tokens`` gives a tensor (no host-device sync)."""
+        if self.dead_code_decay != "auto":
+            return self.dead_code_decay
+        fraction = tokens / (self.num_codes * USAGE_MEMORY_TOKENS)
+        if isinstance(fraction, Tensor):
+            return (1.0 - fraction).clamp(min=USAGE_DECAY_FLOOR)
+        return max(USAGE_DECAY_FLOOR, 1.0 - fraction)
 
     @torch.no_grad()
     def _restart_dead_codes(self, z: Tensor) -> None:

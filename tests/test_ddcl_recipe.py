@@ -192,6 +192,38 @@ def test_restart_never_moves_a_live_code_in_a_small_batch():
     assert quantizer.restarts >= 48  # the 48 that win nothing were
 
 
+@pytest.mark.parametrize(("num_codes", "tokens", "decay"), [
+    (512, 8192, 0.9),  # 16 tokens per code a batch: the floor's memory already holds 160
+    (1024, 8192, 0.9),  # 8 a batch: 80 tokens
+    (4096, 8192, 1 - 2 / 64),  # 2 a batch: 32 batches hold 64 tokens
+    (16384, 8192, 1 - 0.5 / 64),
+])
+def test_auto_usage_decay_remembers_64_tokens_per_code_and_drives_the_running_count(num_codes, tokens, decay):
+    quantizer = DDCLQuantizer(num_codes, 2)
+    assert quantizer.dead_code_decay == "auto"
+    assert quantizer.usage_decay(tokens) == pytest.approx(decay, abs=1e-15)
+    torch.testing.assert_close(quantizer.usage_decay(torch.tensor(float(tokens), dtype=torch.float64)),
+                               torch.tensor(decay, dtype=torch.float64), rtol=0, atol=1e-15)
+    assert (1 / (1 - decay)) * tokens / num_codes >= 64 - 1e-9  # the memory in tokens per code
+    usage = torch.rand(num_codes, dtype=torch.float64)
+    counts = torch.bincount(torch.randint(num_codes, (tokens,), generator=torch.Generator().manual_seed(0)),
+                            minlength=num_codes).double()  # a batch's argmax counts: they sum to ``tokens``
+    quantizer.usage.copy_(usage)
+    quantizer._update_usage(counts.to(quantizer.usage.dtype))
+    torch.testing.assert_close(quantizer.usage.double(), usage * decay + counts * (1 - decay), rtol=1e-6, atol=1e-6)
+    fixed = DDCLQuantizer(num_codes, 2, dead_code_decay=0.5)
+    assert fixed.usage_decay(tokens) == 0.5  # a decay given is used as given
+
+
+def test_dead_code_decay_checks_and_its_former_default():
+    with pytest.raises(ValueError, match="dead_code_decay"):
+        DDCLQuantizer(8, 2, dead_code_decay="fast")
+    with pytest.raises(ValueError, match=r"dead_code_decay=0\.5 has no effect with dead_code_threshold=0"):
+        DDCLQuantizer(8, 2, dead_code_threshold=0.0, dead_code_decay=0.5)
+    # 0.9 was the default before "auto": every configuration saved then records it, so it stays accepted when inert
+    assert DDCLQuantizer(8, 2, dead_code_threshold=0.0, dead_code_decay=0.9).dead_code_decay == 0.9
+
+
 def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
     torch.manual_seed(0)
     old = DDCLQuantizer(8, 3, temperature=0.7, recipe="plain")
@@ -291,3 +323,17 @@ def test_the_layers_renorm_option_assigns_training_tokens_as_evaluation_standard
         standardised = (z - sd.running_mean) / (sd.running_var + 1e-5 * sd.running_var.mean()).sqrt()
         expected = torch.cdist(standardised, before).argmin(1)
         assert torch.equal(out.indices, expected)
+
+
+def test_auto_usage_decay_at_its_floor_trains_bit_for_bit_as_a_decay_of_0_9():
+    torch.manual_seed(0)  # 512 tokens a batch for 16 codes: "auto" is its floor, 0.9
+    z = torch.randn(6, 512, 4)
+    runs = []
+    for decay in ("auto", 0.9):
+        torch.manual_seed(1)
+        quantizer = DDCLQuantizer(16, 4, dead_code_decay=decay)
+        outs = [quantizer(batch).quantized for batch in z]
+        runs.append((outs, quantizer.state_dict(), quantizer.restarts))
+    (a, sa, ra), (b, sb, rb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) and ra == rb
+    assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))

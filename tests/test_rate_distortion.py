@@ -146,6 +146,17 @@ def test_sample_quality_end_to_end(studies):
     assert saved["classifier"]["sha256"] == q["classifier"]["sha256"]
 
 
+def test_sample_quality_scores_only_the_codebook_sizes_asked_for(studies):
+    runs = studies["base"] / "runs"
+    every = sample_quality.find_points(runs)
+    assert [p.relative_to(runs).as_posix() for p in every] == [
+        "ddcl/K256/seed0", "ddcl/K64/seed0", "hard_ema/K256/seed0", "hard_ema/K64/seed0"]  # not the sweep's point
+    assert [p.relative_to(runs).as_posix() for p in sample_quality.find_points(runs, [64])] == [
+        "ddcl/K64/seed0", "hard_ema/K64/seed0"]
+    with pytest.raises(FileNotFoundError, match=r"at K in \[4096\]"):
+        sample_quality.find_points(runs, [4096])
+
+
 def test_the_classifier_cache_refuses_a_file_with_another_hash(studies):
     path = next((studies["base"] / "classifier").glob("classifier-*.pt"))
     model, record = clf.load_classifier(path)

@@ -232,7 +232,7 @@ def test_from_quantizer_copies_the_codebook_and_can_freeze_it():
     quantizer.dead_code_threshold = 100.0  # every code "dead": a trainable copy restarts them, a frozen one never
     quantizer.dead_code_cap = None  # (uncapped: 10 tokens a batch for 6 codes would cap the threshold at 0.42)
     restarting = DDCLReadout.from_quantizer(quantizer).train()
-    assert restarting.quantizer.dead_code_threshold == 100.0 and restarting.quantizer.dead_code_decay == 0.9
+    assert restarting.quantizer.dead_code_threshold == 100.0 and restarting.quantizer.dead_code_decay == "auto"
     frozen = DDCLReadout.from_quantizer(quantizer, freeze=True).train()
     x = tokens.clone().requires_grad_(True)
     for _ in range(2):  # the first training call only records usage; restarts start with the second

@@ -77,6 +77,20 @@ def reconstruct(vqvae: VQVAE, images: torch.Tensor, batch: int = 500) -> torch.T
                       for i in range(0, len(images), batch)])
 
 
+def find_points(rd_runs: Path, num_codes: list[int] | None = None) -> list[Path]:
+    """The finished rate-distortion points under ``rd_runs`` (``<method>/K<K>/seed<S>/`` with a ``prior.pt``), sorted;
+    only codebook sizes in ``num_codes`` when given. The target-entropy sweep's points (a validation study) are left
+    out."""
+    points = sorted(p.parent for p in rd_runs.glob("*/K*/seed*/prior.pt"))
+    points = [p for p in points if "_target" not in p.parts[-3]]
+    if num_codes is not None:
+        points = [p for p in points if p.parts[-2] in {f"K{k}" for k in num_codes}]
+    if not points:
+        sizes = "" if num_codes is None else f" at K in {sorted(num_codes)}"
+        raise FileNotFoundError(f"no finished rate-distortion point with a prior under {rd_runs}{sizes}")
+    return points
+
+
 def fit_conditional_prior(codes: torch.Tensor, labels: torch.Tensor, settings: dict[str, Any], num_codes: int
                           ) -> CodePrior:
     """The study's prior (the same settings) trained class-conditionally with label dropout 0.1 (the default)."""
@@ -111,10 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     val_x, val_y = clf.images_of(data.val_set)
     test_x, test_y = clf.images_of(data.test_set, args.samples)
     val_f, test_f = clf.features_of(classifier, val_x), clf.features_of(classifier, test_x)
-    points = sorted(p.parent for p in args.rd_runs.glob("*/K*/seed*/prior.pt"))
-    points = [p for p in points if "_target" not in p.parts[-3]]  # the sweep's points are a validation study
-    if not points:
-        raise FileNotFoundError(f"no finished rate-distortion point with a prior under {args.rd_runs}")
+    points = find_points(args.rd_runs, args.num_codes)
     val_fd: dict[float, list[float]] = {t: [] for t in args.temperatures}
     loaded = []
     for directory in points:
@@ -248,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
     p.add_argument("--rd-runs", type=Path, default=Path("runs/rate_distortion"), help="eval.rate_distortion's runs")
+    p.add_argument("--num-codes", type=int, nargs="+", default=None,
+                   help="score only the points of these codebook sizes (default: every size in --rd-runs)")
     p.add_argument("--samples", type=int, default=5000, help="samples per point, and real test images")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.9, 1.0], help="chosen among on validation")
     p.add_argument("--guidance", type=float, nargs="+", default=[1.0, 2.0, 3.0], help="chosen among on validation")
