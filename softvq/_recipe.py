@@ -32,7 +32,6 @@ from softvq.utils import (
     squared_distances,
 )
 
-
 # dead_code_decay="auto": the running usage per code remembers at least this many tokens a code wins on average (its
 # memory, 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's
 # memory. A short memory at a large K (2 tokens per code per batch at K = 4096, N = 8192) sends live codes whose count

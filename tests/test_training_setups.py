@@ -326,7 +326,7 @@ def test_trainer_accumulates_and_clips_as_its_flags_say(tmp_path, tiny_cifar, mo
 
 def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(tmp_path, tiny_cifar):
     """A run whose config.json and checkpoint predate dead_code_cap and renorm and record commitment_term="l_ols" (the
-    former default, inert at weight 0): --resume accepts it with its own settings (nothing that acts changed),
+    former default, inert at weight 0) and dead_code_decay=0.9 (the former default): --resume accepts it with its own settings (nothing that acts changed),
     load_vqvae builds it, and a real change is still refused: renorm, absent, was plain batch standardisation, so
     today's default renorm=True is a change the resume names."""
     from softvq.cli import train as train_vqvae
@@ -340,18 +340,23 @@ def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(t
     train_vqvae.main([*tiny, "--out", str(out), "--epochs", "1"])
     config = json.loads((out / "config.json").read_text())
     config["ddcl"]["commitment_term"] = "l_ols"
+    config["ddcl"]["dead_code_decay"] = 0.9  # the former default, recorded by every run before "auto"
     del config["ddcl"]["dead_code_cap"], config["ddcl"]["renorm"]
     (out / "config.json").write_text(json.dumps(config))
     ckpt_path = out / "checkpoints" / "last.ckpt"
     ckpt = torch.load(ckpt_path, weights_only=True)
     kwargs = ckpt["hyper_parameters"]["quantizer_kwargs"]
     kwargs["commitment_term"] = "l_ols"
+    kwargs["dead_code_decay"] = 0.9
     del kwargs["dead_code_cap"], kwargs["renorm"]
     torch.save(ckpt, ckpt_path)
     assert load_vqvae(ckpt_path).quantizer.commitment_term == "l_ols"
     with pytest.raises(ValueError, match=r"commitment_weight: (checkpoint|run) 0\.0 vs now 0\.5"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.commitment_weight", "0.5"])
-    with pytest.raises(ValueError, match=r"--ddcl\.renorm: run False vs now True"):
+    with pytest.raises(ValueError, match=r"dead_code_decay: (checkpoint|run) 0\.9 vs now 'auto'"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume"])
-    rows = train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.renorm", "false"])["ddcl"]
+    with pytest.raises(ValueError, match=r"--ddcl\.renorm: run False vs now True"):
+        train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.dead_code_decay", "0.9"])
+    rows = train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.renorm", "false",
+                             "--ddcl.dead_code_decay", "0.9"])["ddcl"]
     assert [r["epoch"] for r in rows] == [1, 2]
