@@ -326,9 +326,10 @@ def test_trainer_accumulates_and_clips_as_its_flags_say(tmp_path, tiny_cifar, mo
 
 def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(tmp_path, tiny_cifar):
     """A run whose config.json and checkpoint predate dead_code_cap and renorm and record commitment_term="l_ols" (the
-    former default, inert at weight 0) and dead_code_decay=0.9 (the former default): --resume accepts it with its own settings (nothing that acts changed),
-    load_vqvae builds it, and a real change is still refused: renorm, absent, was plain batch standardisation, so
-    today's default renorm=True is a change the resume names."""
+    former default, inert at weight 0) and dead_code_decay=0.9 (the former default): --resume accepts it with its own
+    settings (nothing that acts changed), load_vqvae builds it, and real changes are still refused: renorm, absent,
+    was plain batch standardisation, so today's default renorm=True is a change the resume names, and so is today's
+    dead_code_decay="auto" against the recorded 0.9."""
     from softvq.cli import train as train_vqvae
     from softvq.models import load_vqvae
 
