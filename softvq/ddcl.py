@@ -180,10 +180,10 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             ``dead_code_decay``) is below this (capped by ``dead_code_cap``); 0 = never. ``"auto"`` (or ``None``): the
             recipe's, 1.0 for ``"auto"`` and 0 for ``"plain"``.
         dead_code_decay: decay of that running count, in ``(0, 1)``. ``"auto"`` (the default): 0.9, or longer when a
-            batch has few tokens per code, so that the count remembers at least 64 tokens per code (0.9 at K = 512
-            and 1024 with 8,192 tokens a batch, 0.969 at K = 4096, 0.992 at 16384; ``usage_decay``). At K = 4096 a
-            memory of 0.9 restarted live codes whose count dipped by chance and cost 0.4 dB (docs/design.md,
-            "Dead-code restart at large K").
+            batch has few tokens per code, so that the count remembers at least 64 tokens per code, up to 0.97
+            (0.9 at K = 512 and 1024 with 8,192 tokens a batch, 0.969 at K = 4096, 0.97 at 16384; ``usage_decay``).
+            At K = 4096 a decay of 0.9 restarted live codes whose count dipped by chance and cost 0.5 dB on the
+            validation mean (docs/design.md, "Dead-code restart at large K").
         dead_code_cap: the threshold in effect never exceeds this fraction of the mean tokens per code per batch
             (0.25: with 64 tokens a batch for K = 256 codes, a threshold of 1 becomes 1/16), so that a batch too
             small to give every code a token does not restart live codes; ``None``: the threshold as given.
