@@ -190,10 +190,11 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         top_k: ``None`` (the default): the exact Boltzmann distribution over all ``K`` prototypes. An integer ``k``:
             the distribution truncated to each token's ``k`` nearest prototypes (the softmax over their scores; the
             soft centroid, ``L_q = L_OLS + V`` and the Jacobian are those of the truncated distribution, exactly),
-            which saves ``(N, k)`` assignments for the backward pass instead of ``(N, K)``; ``probs`` is still
-            ``(..., K)``, zero off the top ``k``. ``k >= K`` is the exact layer. How large ``k`` must be for the
-            truncation to stay below a given error is measured in docs/scaling.md ("Top-k assignments"): at the
-            default entropy target about ``K / 4`` at K = 512 and ``K / 8`` at K = 4096.
+            which saves ``(N, k)`` assignments for the backward pass instead of ``(N, K)``. ``probs`` is then
+            ``(..., k)`` and ``prob_codes`` says which codes (``out.dense_probs(K)`` scatters them into the dense
+            ``(..., K)``, zero off the top ``k``); ``k >= K`` is the exact layer, dense ``probs``. How large ``k``
+            must be for the truncation to stay below a given error is measured in docs/scaling.md ("Top-k
+            assignments"): at the default entropy target about ``K / 4`` at K = 512 and ``K / 8`` at K = 4096.
         channel_first: accept ``(B, dim, *spatial)`` feature maps (like vector-quantize-pytorch's
             ``accept_image_fmap``); ``quantized`` has the input's layout, ``indices`` is ``(B, *spatial)`` and
             ``probs`` ``(B, *spatial, K)``.
@@ -425,8 +426,6 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
                 self.codebook_term, self.codebook_weight if gradient else 0.0,
                 *self._soft_commitment(), record, self.top_k or 0,
             )
-            if chosen.numel():  # top-k: (N, k) assignments of the prototypes ``chosen`` -> the dense (N, K) probs
-                q = q.new_zeros(q.shape[0], self.num_codes).scatter(1, chosen, q)
             out = mu
             if self.hard_output or self.commitment_term == "hard":
                 codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
@@ -438,16 +437,22 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             if std is not None and self.output_scale == "input":
                 out = out * std + mean
         l_q, l_ols, v, entropy = stats.unbind()
+        # top-k: ``q`` is (N, k), the assignments of the prototypes ``chosen``; kept so (the caller asks for dense)
+        sparse = chosen.numel() > 0
         if update:
-            self._after_step(zf.detach(), q.detach(), indices, entropy)
+            soft = q.detach()
+            if sparse and self.prototype_update == "soft_ema":  # its M-step reads every code's (N, K) column
+                soft = soft.new_zeros(soft.shape[0], self.num_codes).scatter(1, chosen, soft)
+            self._after_step(zf.detach(), soft, indices, entropy)
         residual = (l_q - l_ols - v).abs() / l_q.abs().clamp_min(torch.finfo(stats.dtype).tiny)
         terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual, "entropy": entropy}
         return QuantizerOutput(
             quantized=out.to(z.dtype).reshape(z.shape),
             indices=indices.reshape(lead),
-            probs=q.reshape(*lead, self.num_codes),
+            probs=q.reshape(*lead, q.shape[-1]),
             loss=loss,
             terms=terms,
+            prob_codes=chosen.reshape(*lead, chosen.shape[-1]) if sparse else None,
         )
 
     def _codebook_space(self, zf: Tensor, update: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:

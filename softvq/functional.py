@@ -44,20 +44,33 @@ def usage_from_counts(hard_counts: Tensor, soft_mass: Tensor | None = None) -> d
     return out
 
 
-def batch_counts(indices: Tensor, num_codes: int, probs: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def batch_counts(indices: Tensor, num_codes: int, probs: Tensor | None = None,
+                 prob_codes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Per-code hard counts ``(K,)`` int64 and, when ``probs (..., K)`` is given, summed assignments ``(K,)``.
+    With ``prob_codes`` (top-k assignments, :class:`~softvq.QuantizerOutput`), ``probs`` and ``prob_codes`` are
+    ``(..., k)`` and each assignment is added to its code's sum: the same sums as the dense ``(..., K)`` array's.
 
     Raises:
         ValueError: indices outside ``[0, num_codes)`` or not integer, or ``probs`` whose shape does not match or
-            that holds NaN, negative or above-1 values.
+            that holds NaN, negative or above-1 values, or ``prob_codes`` without ``probs`` or of another shape.
     """
     check_indices(indices, num_codes)
     counts = torch.bincount(indices.reshape(-1).long(), minlength=num_codes)
     if probs is None:
+        if prob_codes is not None:
+            raise ValueError("prob_codes were given without the probs they index")
         return counts, None
-    if probs.shape != (*indices.shape, num_codes):
+    if prob_codes is None and probs.shape != (*indices.shape, num_codes):
         raise ValueError(f"probs must have shape {(*indices.shape, num_codes)} to match indices, "
                          f"got {tuple(probs.shape)}")
+    if prob_codes is not None:
+        if probs.ndim != indices.ndim + 1 or probs.shape[:-1] != indices.shape:
+            raise ValueError(f"top-k probs must have shape {(*indices.shape, 'k')} to match indices, "
+                             f"got {tuple(probs.shape)}")
+        if prob_codes.shape != probs.shape:
+            raise ValueError(f"prob_codes must have the shape of probs, {tuple(probs.shape)}, got "
+                             f"{tuple(prob_codes.shape)}")
+        check_indices(prob_codes, num_codes)
     probs = probs.detach()
     if not probs.is_floating_point():
         raise ValueError(f"probs must be a floating-point tensor of assignment probabilities, got dtype {probs.dtype}")
@@ -66,19 +79,24 @@ def batch_counts(indices: Tensor, num_codes: int, probs: Tensor | None = None) -
         bad = probs[~valid]
         raise ValueError(f"probs must be assignment probabilities in [0, 1]; {bad.numel()} entries are not "
                          f"(e.g. {float(bad[0])!r})")
+    if prob_codes is not None:
+        soft = torch.zeros(num_codes, dtype=torch.float32, device=probs.device)
+        return counts, soft.index_add_(0, prob_codes.reshape(-1).long(), probs.reshape(-1).float())
     return counts, probs.reshape(-1, num_codes).sum(0, dtype=torch.float32)
 
 
-def codebook_usage(indices: Tensor, num_codes: int, probs: Tensor | None = None) -> dict[str, Tensor]:
+def codebook_usage(indices: Tensor, num_codes: int, probs: Tensor | None = None,
+                   prob_codes: Tensor | None = None) -> dict[str, Tensor]:
     """Codebook health of one batch: see :func:`usage_from_counts`.
 
     Args:
         indices: integer code indices, any shape, values in ``[0, num_codes)``.
         num_codes: ``K``.
-        probs: optional soft assignments ``(..., K)`` whose leading shape matches ``indices``.
+        probs: optional soft assignments ``(..., K)`` whose leading shape matches ``indices``; top-k ones
+            ``(..., k)`` with their codes in ``prob_codes`` (``out.probs, out.prob_codes`` of a quantizer's output).
     """
     check_positive_int("num_codes", num_codes)
-    return usage_from_counts(*batch_counts(indices, num_codes, probs))
+    return usage_from_counts(*batch_counts(indices, num_codes, probs, prob_codes))
 
 
 def prototype_separation(prototypes: Tensor,

@@ -224,7 +224,7 @@ class HierarchicalDDCL(nn.Module):
         return HierarchicalOutput(
             quantized=tuple(o.quantized for o in outputs),
             indices=tuple(o.indices for o in outputs),
-            probs=tuple(o.probs for o in outputs),
+            probs=tuple(o.dense_probs(q.num_codes) for o, q in zip(outputs, self.levels, strict=True)),
             inputs=tuple(inputs),
             losses=losses,
             loss=losses[0] if len(losses) == 1 else torch.stack(losses).sum(),

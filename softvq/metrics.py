@@ -14,7 +14,8 @@ class CodebookUsage(Metric):
     """Accumulates how often each of ``num_codes`` codes is chosen, e.g. over a training epoch.
 
     ``update(indices, probs=None)`` takes integer indices of any shape and, optionally, the soft assignments
-    ``(..., K)``. ``compute()`` returns a dict with ``utilization`` (share of codes chosen at least once),
+    ``(..., K)`` (or top-k ones ``(..., k)`` with their codes, ``prob_codes``: a quantizer output's
+    ``probs, prob_codes``). ``compute()`` returns a dict with ``utilization`` (share of codes chosen at least once),
     ``dead_codes`` (codes never chosen), ``perplexity`` (``exp`` of the entropy of the hard usage) and, when
     probs were given, ``soft_perplexity`` (from the summed soft assignments). Counts are summed across
     processes under DDP, so every rank reports the usage of the whole epoch.
@@ -37,8 +38,8 @@ class CodebookUsage(Metric):
         self.add_state("soft_mass", torch.zeros(num_codes, dtype=torch.float32), dist_reduce_fx="sum")
         self.add_state("soft_tokens", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, indices: Tensor, probs: Tensor | None = None) -> None:
-        counts, soft = batch_counts(indices, self.num_codes, probs)
+    def update(self, indices: Tensor, probs: Tensor | None = None, prob_codes: Tensor | None = None) -> None:
+        counts, soft = batch_counts(indices, self.num_codes, probs, prob_codes)
         self.hard_counts += counts
         if soft is not None:
             self.soft_mass += soft

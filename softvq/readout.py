@@ -206,13 +206,14 @@ class DDCLReadout(nn.Module):
                                  out.loss, {name: out.terms[name] for name in _TERM_NAMES})
         with torch.autocast(device_type=tokens.device.type, enabled=False):
             if mask is None:
-                assignments = out.probs.reshape(batch, length, k)
+                assignments = out.dense_probs(k).reshape(batch, length, k)
                 zeros_at_pad = tokens.to(ctype)
                 centroids = out.quantized.to(ctype).reshape(batch, length, dim)
                 count = torch.full((batch, 1), float(length), dtype=ctype, device=tokens.device)
             else:
                 m = mask[..., None]
-                assignments = out.probs.new_zeros(batch, length, k).masked_scatter(m, out.probs)  # (B, T, K)
+                probs = out.dense_probs(k)
+                assignments = probs.new_zeros(batch, length, k).masked_scatter(m, probs)  # (B, T, K)
                 # masked_fill, not a product with the mask: 0 * NaN garbage would still be NaN.
                 zeros_at_pad = tokens.to(ctype).masked_fill(~m, 0.0)  # (B, T, D)
                 centroids = out.quantized.new_zeros(batch, length, dim, dtype=ctype).masked_scatter(

@@ -125,7 +125,7 @@ class ResidualQuantizer(nn.Module):
                 total = total + out.quantized
                 residual = residual - out.quantized.detach()
                 indices.append(out.indices)
-                probs.append(out.probs)
+                probs.append(out.dense_probs(self.num_codes))  # a level's top-k ones stacked dense
                 loss = loss + out.loss
                 terms.update({f"{name}/level{q}": value for name, value in out.terms.items()})
             else:

@@ -8,7 +8,8 @@ from torch import Tensor
 
 
 class QuantizerOutput(NamedTuple):
-    """What every softvq quantizer returns. The fields never change with constructor flags.
+    """What every softvq quantizer returns. The fields never change with constructor flags (only the shape of
+    ``probs`` does, under DDCL's ``top_k``).
 
     For an input ``z`` of shape ``(..., D)`` with ``K`` codes:
 
@@ -19,11 +20,16 @@ class QuantizerOutput(NamedTuple):
             ``recipe="plain"``: the soft centroid ``mu = probs @ codebook``); for :class:`~softvq.HardVQ` the nearest
             code with a straight-through gradient (in training, the code before that step's EMA update).
         indices: ``(...)`` int64, the nearest code (``argmax_k probs``) of every token.
-        probs: ``(..., K)`` float, the assignments; rows sum to 1. One-hot of ``indices`` for ``HardVQ``.
+        probs: ``(..., K)`` float, the assignments; rows sum to 1. One-hot of ``indices`` for ``HardVQ``. Under
+            ``DDCLQuantizer(top_k=k)`` with ``k < K``: ``(..., k)``, each token's assignments to its ``k`` nearest
+            prototypes, whose codes are ``prob_codes`` (the dense ``(N, K)`` array is what top-k saves; build it
+            with :meth:`dense_probs` where it is needed).
         loss: scalar, the weighted auxiliary objective the layer contributes; add it to the task loss. Exactly 0
             for a :class:`~softvq.DDCLQuantizer` with its defaults (EMA prototypes, no commitment term).
         terms: ``dict[str, Tensor]`` of detached scalar diagnostics (unweighted means). Its keys are fixed per
             quantizer class; see each class's docstring.
+        prob_codes: ``None`` where ``probs`` covers every code; under top-k ``(..., k)`` int64, the code of each
+            entry of ``probs``.
     """
 
     quantized: Tensor
@@ -31,3 +37,13 @@ class QuantizerOutput(NamedTuple):
     probs: Tensor
     loss: Tensor
     terms: dict[str, Tensor]
+    prob_codes: Tensor | None = None
+
+    def dense_probs(self, num_codes: int | None = None) -> Tensor:
+        """``probs`` over all ``num_codes`` codes, ``(..., K)``: ``probs`` itself where it is dense, else the top-k
+        assignments scattered into zeros (``num_codes`` is then required)."""
+        if self.prob_codes is None:
+            return self.probs
+        if num_codes is None:
+            raise ValueError("dense_probs() of top-k assignments needs num_codes (the K they are scattered into)")
+        return self.probs.new_zeros(*self.probs.shape[:-1], num_codes).scatter(-1, self.prob_codes, self.probs)

@@ -1,15 +1,18 @@
 """DDCLQuantizer(top_k=k): the Boltzmann distribution truncated to each token's k nearest prototypes, against a
 brute-force truncated reference in float64 (outputs, every routed loss term, both gradients), the exact layer for
-k >= K bit for bit, the bound the mass left out puts on the soft centroid, and what the forward pass saves for the
-backward pass (measured with saved-tensor hooks)."""
+k >= K bit for bit, the bound the mass left out puts on the soft centroid, what the forward pass saves for the
+backward pass (measured with saved-tensor hooks), and the (N, k) probs the metrics read without a dense (N, K)."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from softvq import DDCLQuantizer
+from softvq import CodebookUsage, DDCLQuantizer, DDCLReadout, HierarchicalDDCL, ResidualDDCL, codebook_usage
+from softvq.models import VQVAE
 
 
 def truncated_brute_force(z, p, temperature, k, distance="euclidean"):
@@ -38,7 +41,8 @@ def test_top_k_is_the_truncated_distribution_exactly_in_float64(distance, cb_ter
     z = torch.randn(40, 4, dtype=torch.float64, requires_grad=True)
     g_mu, g_q = torch.randn(40, 4, dtype=torch.float64), torch.randn(40, 16, dtype=torch.float64)
     out = layer(z)
-    ((out.quantized * g_mu).sum() + (out.probs * g_q).sum() + 2.0 * out.loss).backward()
+    dense = out.dense_probs(16)  # probs are (40, k), of the codes prob_codes
+    ((out.quantized * g_mu).sum() + (dense * g_q).sum() + 2.0 * out.loss).backward()
 
     z_ref = z.detach().clone().requires_grad_(True)
     p_ref = layer.prototypes.detach().clone().requires_grad_(True)
@@ -48,8 +52,9 @@ def test_top_k_is_the_truncated_distribution_exactly_in_float64(distance, cb_ter
     loss = (cb + 0.3 * cm) / 4
     ((mu * g_mu).sum() + (q * g_q).sum() + 2.0 * loss).backward()
 
-    assert torch.equal(out.probs.count_nonzero(1), torch.full((40,), k))  # exactly k prototypes per token
-    torch.testing.assert_close(out.probs, q.detach(), rtol=1e-12, atol=1e-15)
+    assert out.probs.shape == out.prob_codes.shape == (40, k)
+    assert torch.equal(dense.count_nonzero(1), torch.full((40,), k))  # exactly k prototypes per token
+    torch.testing.assert_close(dense, q.detach(), rtol=1e-12, atol=1e-15)  # the k nearest, with their mass
     torch.testing.assert_close(out.quantized, mu.detach(), rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-12, atol=1e-15)
     for name in ("l_q", "l_ols", "v"):  # L_q = L_OLS + V holds for the truncated distribution
@@ -127,9 +132,69 @@ def test_the_backward_pass_keeps_n_by_k_assignments_not_n_by_k_codes():
     truncated = _saved_bytes(DDCLQuantizer(num_codes, dim, top_k=k), z)
     assert max(exact) >= n * num_codes  # the exact layer keeps its (N, K) assignments
     assert max(truncated) == max(n * k, n * dim)  # top-k keeps nothing larger than (N, k) or the (N, D) tokens
-    # the (N, K) assignments replaced by at most three (N, k) arrays: the values, the prototypes they refer to, and
-    # that index again where the dense probs are scattered from it
-    assert sum(truncated) <= sum(exact) - n * num_codes + 3 * n * k
+    # the (N, K) assignments replaced by two (N, k) arrays: the values and the prototypes they refer to (the probs
+    # stay (N, k): no scatter into a dense array saves the index a third time)
+    assert sum(truncated) <= sum(exact) - n * num_codes + 2 * n * k
+
+
+def test_top_k_probs_feed_the_usage_metrics_as_the_dense_ones_do_and_vqvae_logs_them():
+    """The soft usage of top-k assignments, summed by code, equals the dense (N, K) array's; the VQ-VAE's training
+    metrics read them without building it; and dense_probs refuses to guess K."""
+    torch.manual_seed(0)
+    layer = DDCLQuantizer(64, 8, top_k=6)
+    out = layer(torch.randn(3, 50, 8))
+    assert out.probs.shape == (3, 50, 6) and out.prob_codes.shape == (3, 50, 6)
+    dense = out.dense_probs(64)
+    assert dense.shape == (3, 50, 64)
+    torch.testing.assert_close(dense.sum(-1), torch.ones(3, 50))
+    assert torch.equal(dense.argmax(-1), out.indices)
+    sparse_usage, dense_usage = CodebookUsage(64), CodebookUsage(64)
+    sparse_usage.update(out.indices, out.probs, out.prob_codes)
+    dense_usage.update(out.indices, dense)
+    torch.testing.assert_close(sparse_usage.soft_mass, dense_usage.soft_mass, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sparse_usage.compute()["soft_perplexity"], dense_usage.compute()["soft_perplexity"])
+    with pytest.raises(ValueError, match="num_codes"):
+        out.dense_probs()
+    with pytest.raises(ValueError, match="prob_codes must have the shape"):
+        sparse_usage.update(out.indices, out.probs, out.prob_codes[..., :5])
+    with pytest.raises(ValueError, match=r"\[0, 64\)"):
+        sparse_usage.update(out.indices, out.probs, out.prob_codes + 60)
+    with pytest.raises(ValueError, match="without the probs"):
+        sparse_usage.update(out.indices, None, out.prob_codes)
+    exact = DDCLQuantizer(64, 8, top_k=64)(torch.randn(5, 8))
+    assert exact.prob_codes is None and exact.dense_probs() is exact.probs  # k >= K: the exact layer, dense
+
+    torch.manual_seed(1)
+    model = VQVAE("ddcl", num_codes=32, code_dim=8, width=16, res_blocks=1, res_hidden=8,
+                  quantizer_kwargs={"top_k": 4})
+    seen = []
+    model.quantizer.register_forward_hook(lambda module, args, output: seen.append(output))
+    with warnings.catch_warnings():  # self.log without a trainer
+        warnings.simplefilter("ignore")
+        model.training_step((torch.rand(2, 3, 32, 32), torch.zeros(2)), 0)
+    reference = codebook_usage(seen[0].indices, 32, seen[0].dense_probs(32))
+    logged = model.train_usage.compute()
+    for key in ("soft_perplexity", "perplexity", "utilization"):
+        torch.testing.assert_close(logged[key], reference[key])
+
+
+def test_the_stacks_and_the_readout_give_dense_probs_of_top_k_levels():
+    """Residual and hierarchical stacks and the readout keep their documented dense (..., K) assignments when their
+    DDCL layers use top-k: each the scatter of that layer's (..., k) ones."""
+    torch.manual_seed(0)
+    residual = ResidualDDCL(2, 32, 8, top_k=5)
+    out = residual(torch.randn(40, 8))
+    assert out.probs.shape == (40, 2, 32) and out.prob_codes is None
+    assert torch.equal(out.probs.count_nonzero(-1), torch.full((40, 2), 5))
+    torch.testing.assert_close(out.probs.sum(-1), torch.ones(40, 2))
+    hierarchy = HierarchicalDDCL([32, 16], 8, pool=2, top_k=5)
+    grids = hierarchy(torch.randn(2, 4, 4, 8))
+    assert [tuple(p.shape) for p in grids.probs] == [(2, 4, 4, 32), (2, 2, 2, 16)]
+    assert all(torch.equal(p.count_nonzero(-1), torch.full(p.shape[:-1], 5)) for p in grids.probs)
+    readout = DDCLReadout(32, 8, top_k=5)
+    pooled = readout(torch.randn(3, 7, 8))
+    assert pooled.assignments.shape == (3, 7, 32)
+    assert torch.equal(pooled.assignments.count_nonzero(-1), torch.full((3, 7), 5))
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

@@ -72,7 +72,7 @@ class EpochMetrics:
         indices are -1); the skipped levels count nothing and their H(Q) is ``None``."""
         q = views[0]
         ran = len(views) if levels_run is None else levels_run
-        self.train_usage.update(q.indices, q.probs)
+        self.train_usage.update(q.indices, q.probs, q.prob_codes)
         self.train_mse.update(mse, weight=n)
         # the layer's own H(Q) where it reports one (DDCL; HardVQ: 0): another pass over the (N, K) assignments with a
         # log per entry cost DDCL's training step 7 ms of 250 here

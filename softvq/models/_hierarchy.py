@@ -100,7 +100,7 @@ class LevelMetrics(nn.Module):
 
     def update_train(self, out: QuantizerOutput, images: int) -> Tensor:
         """Add one training batch of this level; returns its H(Q) (for the level's entropy-controlled T)."""
-        self.train_usage.update(out.indices, out.probs)
+        self.train_usage.update(out.indices, out.probs, out.prob_codes)
         entropy = softvq.assignment_entropy(out.probs)
         self.train_entropy.update(entropy, weight=images)
         for name, metric in self.train_terms.items():
