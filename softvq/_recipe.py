@@ -224,8 +224,9 @@ class InLayerRecipe:
         """The running argmax count per batch; the first batch (usage still -1) starts it from its counts."""
         if self.dead_code_decay == "auto":
             decay = self.usage_decay(counts.sum())  # counts are summed over processes: the global batch
-            # where the floor holds, the arithmetic of a fixed decay of 0.9 (Python scalars), bit for bit: runs at
-            # sizes where "auto" is 0.9 (K = 512 with 8,192 tokens a batch) train exactly as before it existed
+            # where the floor holds, the arithmetic of a fixed decay of 0.9 (Python scalars), bit for bit: batches
+            # where "auto" is 0.9 (K = 512 with 8,192 tokens) update exactly as before it existed; a smaller batch
+            # (an epoch's ragged last one) gets its own, longer decay
             floor = self.usage * USAGE_DECAY_FLOOR + counts * (1.0 - USAGE_DECAY_FLOOR)
             running = torch.where(decay > USAGE_DECAY_FLOOR, self.usage * decay + counts * (1.0 - decay), floor)
         else:
