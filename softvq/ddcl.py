@@ -34,7 +34,7 @@ from softvq._recipe import InLayerRecipe
 from softvq._replay import ForwardRecords, in_backward, replayed_prototypes
 from softvq._soft_centroid import _SoftCentroid
 from softvq.norm import TokenStandardizer
-from softvq.types import QuantizerOutput
+from softvq.types import QuantizerOutput, scatter_top_k
 from softvq.utils import (
     broadcast_,
     check_bool,
@@ -197,7 +197,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             assignments"): at the default entropy target about ``K / 4`` at K = 512 and ``K / 8`` at K = 4096.
         channel_first: accept ``(B, dim, *spatial)`` feature maps (like vector-quantize-pytorch's
             ``accept_image_fmap``); ``quantized`` has the input's layout, ``indices`` is ``(B, *spatial)`` and
-            ``probs`` ``(B, *spatial, K)``.
+            ``probs`` ``(B, *spatial, K)`` (``k`` under ``top_k``).
         check_finite: raise on NaN/Inf input (one device sync per call; disable in tuned GPU loops). Skipped inside
             ``torch.compile``, where the layer runs with no graph break (``fullgraph=True``) and no synchronisation.
 
@@ -442,7 +442,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         if update:
             soft = q.detach()
             if sparse and self.prototype_update == "soft_ema":  # its M-step reads every code's (N, K) column
-                soft = soft.new_zeros(soft.shape[0], self.num_codes).scatter(1, chosen, soft)
+                soft = scatter_top_k(soft, chosen, self.num_codes)
             self._after_step(zf.detach(), soft, indices, entropy)
         residual = (l_q - l_ols - v).abs() / l_q.abs().clamp_min(torch.finfo(stats.dtype).tiny)
         terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual, "entropy": entropy}

@@ -22,8 +22,8 @@ class QuantizerOutput(NamedTuple):
         indices: ``(...)`` int64, the nearest code (``argmax_k probs``) of every token.
         probs: ``(..., K)`` float, the assignments; rows sum to 1. One-hot of ``indices`` for ``HardVQ``. Under
             ``DDCLQuantizer(top_k=k)`` with ``k < K``: ``(..., k)``, each token's assignments to its ``k`` nearest
-            prototypes, whose codes are ``prob_codes`` (the dense ``(N, K)`` array is what top-k saves; build it
-            with :meth:`dense_probs` where it is needed).
+            prototypes, whose codes are ``prob_codes`` (top-k never builds the dense ``(..., K)`` array;
+            :meth:`dense_probs` builds it where it is needed).
         loss: scalar, the weighted auxiliary objective the layer contributes; add it to the task loss. Exactly 0
             for a :class:`~softvq.DDCLQuantizer` with its defaults (EMA prototypes, no commitment term).
         terms: ``dict[str, Tensor]`` of detached scalar diagnostics (unweighted means). Its keys are fixed per
@@ -46,4 +46,10 @@ class QuantizerOutput(NamedTuple):
             return self.probs
         if num_codes is None:
             raise ValueError("dense_probs() of top-k assignments needs num_codes (the K they are scattered into)")
-        return self.probs.new_zeros(*self.probs.shape[:-1], num_codes).scatter(-1, self.prob_codes, self.probs)
+        return scatter_top_k(self.probs, self.prob_codes, num_codes)
+
+
+def scatter_top_k(probs: Tensor, codes: Tensor, num_codes: int) -> Tensor:
+    """Top-k assignments ``probs (..., k)`` of the codes ``codes (..., k)`` as the dense ``(..., num_codes)`` array,
+    zero elsewhere."""
+    return probs.new_zeros(*probs.shape[:-1], num_codes).scatter(-1, codes, probs)

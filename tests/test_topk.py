@@ -201,3 +201,18 @@ def test_the_stacks_and_the_readout_give_dense_probs_of_top_k_levels():
 def test_top_k_must_be_a_positive_integer(bad):
     with pytest.raises((ValueError, TypeError), match="top_k"):
         DDCLQuantizer(16, 4, top_k=bad)
+
+
+def test_soft_ema_prototypes_under_top_k_weigh_each_code_by_its_top_k_mass():
+    """The soft-EMA M-step reads every code's column of the assignments: under top-k, the (N, k) ones scattered to
+    their codes, so each code's EMA mass moves by the sum of the probs the layer returned for it."""
+    torch.manual_seed(0)
+    layer = DDCLQuantizer(16, 4, prototype_update="soft_ema", top_k=5, dead_code_threshold=0.0, init="normal")
+    layer(torch.randn(30, 4))  # the first batch initialises what it needs
+    before = layer.ema_mass.clone()
+    out = layer(torch.randn(30, 4))
+    mass = torch.zeros(16, dtype=torch.float64).index_put_((out.prob_codes.reshape(-1),),
+                                                           out.probs.detach().reshape(-1).double(), accumulate=True)
+    expected = before.double() * layer.ema_decay + mass * (1 - layer.ema_decay)
+    torch.testing.assert_close(layer.ema_mass.double(), expected, rtol=1e-5, atol=1e-6)
+    assert (mass > 0).sum() > 5  # more codes than one token's top 5 got mass
