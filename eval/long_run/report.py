@@ -1,0 +1,265 @@
+"""``--out/report.md`` of :mod:`eval.long_run`: per K the test split's table over seeds, the validation curves, the
+steps each run took to reach fixed validation PSNRs, and DDCL's per-epoch margin over the best peer against the seed
+spread.
+
+Built from the finished records in ``--out/runs/*.json`` and, for runs still training, their ``history.jsonl`` under
+``--runs`` (marked "in progress"). Reads files only; imports nothing of the runner.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from eval._provenance import ROOT, code_commit  # noqa: E402
+from eval._spread import by_seed, describe  # noqa: E402
+from eval.compare.report import _fmt, mean_std  # noqa: E402
+from eval.peers import LABELS  # noqa: E402
+from softvq.models.callbacks import read_history  # noqa: E402
+from softvq.models.files import write_atomic  # noqa: E402
+
+THRESHOLDS_DB = (23.0, 24.0, 25.0)  # validation hard-index PSNRs whose first crossing the report gives
+# CVQ-VAE (Zheng & Vedaldi, "Online Clustered Codebook", ICCV 2023), CIFAR-10 reconstruction, mean per-image PSNR of
+# 8-bit images: their own model and their VQ-VAE baseline, with their architecture and 500 epochs.
+CVQ_VAE_ANCHORS_DB = {"CVQ-VAE": 24.72, "its VQ-VAE baseline": 23.32}
+COLUMNS = (("psnr_hard", "PSNR hard (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM hard", "{:.3f}", 1.0),
+           ("psnr_8bit", "8-bit per-image PSNR (dB)", "{:.2f}", 1.0), ("utilization", "util %", "{:.1f}", 100.0),
+           ("ppl_per_k", "perplexity / K", "{:.2f}", 1.0))
+METHOD_ORDER = ("ddcl", "hard_ema", "vqp_vq", "vqp_fsq", "vqp_simvq")
+
+
+def steps_to_reach(steps: Sequence[int], psnrs: Sequence[float | None], threshold: float) -> int | None:
+    """The first of ``steps`` whose PSNR is at least ``threshold`` (a curve that falls back later still reached it
+    there); ``None`` when none is. ``psnrs[i]`` is the PSNR after ``steps[i]`` optimizer steps; ``None`` or NaN
+    entries (no validation that epoch) never count.
+
+    Raises:
+        ValueError: the two sequences differ in length.
+    """
+    if len(steps) != len(psnrs):
+        raise ValueError(f"steps and psnrs must have the same length, got {len(steps)} and {len(psnrs)}")
+    for step, psnr in zip(steps, psnrs, strict=True):
+        if psnr is not None and not math.isnan(psnr) and psnr >= threshold:
+            return int(step)
+    return None
+
+
+def load_records(out: Path) -> list[dict[str, Any]]:
+    """The finished runs' records in ``out/runs/``, sorted by K, method and seed."""
+    records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    return sorted(records, key=_order)
+
+
+def _order(run: dict[str, Any]) -> tuple[int, int, int]:
+    method = run["method"]
+    return run["num_codes"], METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), run["seed"]
+
+
+def in_progress(runs: Path, finished: set[str]) -> list[dict[str, Any]]:
+    """Runs under ``runs`` (``K<K>/<method>/seed<S>/``) with at least one epoch in ``history.jsonl`` that have no
+    finished record (named ``K<K>_<method>_seed<S>`` in ``finished``) and no ``result.json``."""
+    partial = []
+    for history in sorted(runs.glob("K*/*/seed*/history.jsonl")):
+        directory = history.parent
+        k_name, seed_name = directory.parent.parent.name[1:], directory.name[4:]
+        if not (k_name.isdigit() and seed_name.isdigit()):
+            continue  # not a run directory of the study
+        k, method, seed = int(k_name), directory.parent.name, int(seed_name)
+        rows = read_history(history)
+        if f"K{k}_{method}_seed{seed}" in finished or (directory / "result.json").exists() or not rows:
+            continue
+        settings_path = directory / "settings.json"
+        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+        partial.append({"method": method, "num_codes": k, "seed": seed, "label": LABELS.get(method, method),
+                        "history": rows, "settings": settings, "in_progress": True})
+    return sorted(partial, key=_order)
+
+
+def _groups(runs: list[dict[str, Any]]) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    out: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for run in sorted(runs, key=_order):
+        out.setdefault(run["num_codes"], {}).setdefault(run["method"], []).append(run)
+    return dict(sorted(out.items()))
+
+
+def _label(run: dict[str, Any]) -> str:
+    return run.get("label") or run["method"]
+
+
+def test_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """One row per method: mean ± sample std over its seeds (n beside) of the test figures in :data:`COLUMNS`."""
+    lines = ["| bottleneck | n | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
+    for runs in methods.values():
+        cells = []
+        for key, _, fmt, scale in COLUMNS:
+            values = np.array([np.nan if r["test"].get(key) is None else r["test"][key] for r in runs], dtype=float)
+            mean, std = mean_std(values * scale)
+            cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
+        lines.append(f"| {_label(runs[0])} | {len(runs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _curve(run: dict[str, Any], key: str = "val_psnr_hard") -> tuple[list[int], list[float | None]]:
+    return [row["step"] for row in run["history"]], [row.get(key) for row in run["history"]]
+
+
+def reach_table(runs: list[dict[str, Any]], thresholds: Sequence[float]) -> list[str]:
+    """Per method and seed the first step (epoch end) whose validation hard PSNR reaches each threshold."""
+    lines = ["| bottleneck | seed | " + " | ".join(f"≥ {t:g} dB" for t in thresholds) + " |",
+             "|---|---|" + "---|" * len(thresholds)]
+    for run in runs:
+        steps, psnrs = _curve(run)
+        cells = []
+        for t in thresholds:
+            step = steps_to_reach(steps, psnrs, t)
+            if step is not None:
+                epoch = run["history"][steps.index(step)]["epoch"]
+                cells.append(f"step {step} (epoch {epoch})")
+            else:
+                cells.append("not yet" if run.get("in_progress") else "not reached")
+        mark = f" (in progress, epoch {_progress(run)})" if run.get("in_progress") else ""
+        lines.append(f"| {_label(run)} | {run['seed']}{mark} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _progress(run: dict[str, Any]) -> str:
+    return f"{run['history'][-1]['epoch']}/{run['settings'].get('epochs', '?')}"
+
+
+def epoch_margins(methods: dict[str, list[dict[str, Any]]], ours: str = "ddcl") -> list[str]:
+    """Per epoch: DDCL's validation hard PSNR against the best peer's (best by mean over its seeds at that epoch),
+    the margin, and whether it counts beyond the seed spread (:func:`eval._spread.by_seed`, paired by seed)."""
+    if ours not in methods or len(methods) < 2:
+        return []
+    lines = ["| epoch | DDCL val PSNR hard | best peer | its val PSNR hard | margin (dB) | seed spread |",
+             "|---|---|---|---|---|---|"]
+    epochs = sorted({row["epoch"] for runs in methods.values() for r in runs for row in r["history"]})
+    for epoch in epochs:
+        at = {m: {r["seed"]: row["val_psnr_hard"] for r in runs for row in r["history"]
+                  if row["epoch"] == epoch and row.get("val_psnr_hard") is not None} for m, runs in methods.items()}
+        peers = {m: v for m, v in at.items() if m != ours and v}
+        if not at[ours] or not peers:
+            continue
+        best = max(peers, key=lambda m: float(np.mean(list(peers[m].values()))))
+        mine, theirs = float(np.mean(list(at[ours].values()))), float(np.mean(list(peers[best].values())))
+        try:
+            judged = describe(by_seed(at[ours], peers[best]))
+        except ValueError:  # no seed in common yet
+            judged = "no seed in common"
+        lines.append(f"| {epoch} | {mine:.2f} (n={len(at[ours])}) | {_label(methods[best][0])} | {theirs:.2f} "
+                     f"(n={len(peers[best])}) | {mine - theirs:+.2f} | {judged} |")
+    return lines
+
+
+def plot_curves(methods: dict[str, list[dict[str, Any]]], k: int, path: Path,
+                thresholds: Sequence[float] = THRESHOLDS_DB) -> None:
+    """Validation hard PSNR against optimizer steps: per method a thin line per seed (dashed while in progress) and
+    the mean over its seeds, drawn at the epochs every seed has reached."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, runs in enumerate(methods.values()):
+        color = f"C{i}"
+        for run in runs:
+            steps, psnrs = _curve(run)
+            ax.plot(steps, [np.nan if p is None else p for p in psnrs], color=color, lw=0.8, alpha=0.45,
+                    ls="--" if run.get("in_progress") else "-")
+        common = min(len(r["history"]) for r in runs)
+        values = np.array([[np.nan if p is None else p for p in _curve(r)[1][:common]] for r in runs], dtype=float)
+        mean, _ = mean_std(values)
+        ax.plot(_curve(runs[0])[0][:common], mean, color=color, lw=2, marker="o", ms=3,
+                label=f"{_label(runs[0])} (mean of {len(runs)})")
+    for t in thresholds:
+        ax.axhline(t, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("optimizer steps")
+    ax.set_ylabel("validation PSNR from hard indices (dB)")
+    ax.set_title(f"K = {k}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _relative(path: Path) -> str:
+    return Path(os.path.relpath(os.path.abspath(path), ROOT)).as_posix()
+
+
+def header(finished: list[dict[str, Any]], partial: list[dict[str, Any]], out: Path, runs: Path) -> list[str]:
+    every = finished + partial
+    codes = sorted({r["code"] for r in finished} | {i["code"] for r in finished for i in r.get("invocations", [])})
+    commands = sorted({r["command"] for r in finished})
+    settings = (finished or partial)[0]["settings"]
+    differ = sorted({key for r in every for key in r["settings"] if key not in ("num_codes", "threads")
+                     and r["settings"].get(key) != settings.get(key)})
+    seeds = "; ".join(f"K = {k}: " + ", ".join(f"{m} {sorted(r['seed'] for r in rs)}" for m, rs in ms.items())
+                      for k, ms in _groups(every).items())
+    test_images = settings.get("test_limit") or 10000
+    train = (f"all but the {settings.get('val_size')} held out for validation (45,000 of CIFAR-10's 50,000)"
+             if settings.get("train_subset") is None else f"{settings['train_subset']}")
+    return [
+        "# Long training: the VQ-VAE on all training images, per bottleneck, K and seed", "",
+        f"Report: `python -m eval.long_run --no-train --runs {_relative(runs)} --out {_relative(out)}`, written at "
+        f"{code_commit()}.", "",
+        "Runs trained by: " + ("; ".join(f"`{c}`" for c in commands) or "none finished yet") + ".", "",
+        f"Code commit(s) the runs trained at (a resumed run lists each): {', '.join(codes) or 'n/a'}.", "",
+        f"Setting: width {settings.get('width')}, residual blocks {settings.get('res_blocks')}, D = "
+        f"{settings.get('code_dim')}, Adam {settings.get('lr')}, batch {settings.get('batch_size')}, "
+        f"{train} training images, {settings.get('epochs')} epochs. Seeds: {seeds}.", "",
+        f"The validation split ({settings.get('val_size')} held-out training images) is scored after every epoch; the "
+        f"official test split ({test_images} images) once, at the end of each run.", "",
+        *([f"**The records differ in {', '.join(differ)}**: the tables mix settings.", ""] if differ else []),
+    ]
+
+
+def write_report(out: Path, runs: Path, planned: Sequence[str] = (),
+                 thresholds: Sequence[float] = THRESHOLDS_DB) -> dict[str, Any]:
+    """Write ``out/report.md`` and ``out/val_psnr_K<K>.png`` from the records in ``out/runs/`` and the partial runs
+    under ``runs``; ``planned``: run names (``K<K>_<method>_seed<S>``) listed as not started when neither exists.
+    Returns ``{"finished": records, "in_progress": partial runs, "not_started": names}``.
+
+    Raises:
+        FileNotFoundError: there is neither a record nor a partial run.
+    """
+    finished = load_records(out)
+    names = {f"K{r['num_codes']}_{r['method']}_seed{r['seed']}" for r in finished}
+    partial = in_progress(runs, names)
+    names |= {f"K{r['num_codes']}_{r['method']}_seed{r['seed']}" for r in partial}
+    not_started = [name for name in planned if name not in names]
+    if not finished and not partial:
+        raise FileNotFoundError(f"no finished record in {out / 'runs'} and no run in progress under {runs}")
+    out.mkdir(parents=True, exist_ok=True)
+    lines = header(finished, partial, out, runs)
+    if partial:
+        lines += ["In progress: " + ", ".join(f"{r['method']} K={r['num_codes']} seed {r['seed']} (epoch "
+                                              f"{_progress(r)})" for r in partial) + ".", ""]
+    if not_started:
+        lines += [f"Not started: {', '.join(not_started)}.", ""]
+    done, every = _groups(finished), _groups(finished + partial)
+    for k, methods in every.items():
+        lines += [f"## K = {k}", ""]
+        if k in done:
+            anchors = ", ".join(f"{name} {db:.2f} dB" for name, db in CVQ_VAE_ANCHORS_DB.items())
+            lines += ["Test split, finished runs (mean ± sample std over the seeds; n seeds):", "",
+                      *test_table(done[k]), "",
+                      f"8-bit per-image PSNR is CVQ-VAE's metric (reconstruction and image rounded to 8 bits, PSNR "
+                      f"per image, mean over images; a perfect image scores as one level off). Published anchors on "
+                      f"CIFAR-10: {anchors}; their encoder, decoder and 500 epochs differ from this study's, so they "
+                      f"place the scale and are no like-for-like comparison.", ""]
+        plot_curves(methods, k, out / f"val_psnr_K{k}.png", thresholds)
+        lines += [f"![validation PSNR, K = {k}](val_psnr_K{k}.png)", "",
+                  "Steps to reach a validation hard PSNR (first epoch end at or above it):", "",
+                  *reach_table([r for runs_ in methods.values() for r in runs_], thresholds), ""]
+        margins = epoch_margins(methods)
+        if margins:
+            lines += ["DDCL against the best peer on the validation split, per epoch:", "", *margins, ""]
+    write_atomic(out / "report.md", "\n".join(lines))
+    return {"finished": finished, "in_progress": partial, "not_started": not_started}
