@@ -38,7 +38,7 @@ from softvq.models import VQVAE
 
 # The peers of eval.peers (vector-quantize-pytorch, the benchmark-only extra), each in its recommended configuration
 # with --kwargs overriding options of it.
-PEERS = ("vqp_vq", "vqp_fsq", "vqp_simvq")
+PEERS = ("vqp_vq", "vqp_fsq", "vqp_simvq", "vqp_simvq_paper")
 KEYS = ("epoch", "utilization", "val_utilization", "val_perplexity", "val_psnr", "val_psnr_hard", "temperature",
         "restarts", "assignment_entropy", "identity_residual", "time_s", "train_mse")
 

@@ -14,6 +14,9 @@ softvq layer; ``--methods`` picks some):
                 rotation_trick=True)``, the recipe its README gives against dead codes
     vqp_fsq     vector-quantize-pytorch ``FSQ(levels=[8, 8, 8])`` (512 implicit codes) with its input/output projection
     vqp_simvq   vector-quantize-pytorch ``SimVQ``, its defaults (rotation trick, frozen codebook + learned projection)
+    vqp_simvq_paper  ``SimVQ`` as its authors' code configures it (youngsheen/SimVQ, ``taming/modules/vqvae/
+                quantize.py``): the projection ``nn.Linear(D, D)`` with a bias, straight-through gradient (no rotation
+                trick), codebook term 1 and commitment 0.25; not in the default ``--methods``
 
 Every run trains in this process (one at a time: the cores are not shared between runs, so images/s compare) into
 ``--runs/<method>/seed<S>/`` (``history.jsonl`` and ``result.json``). A run whose ``result.json`` has the same settings
@@ -57,8 +60,10 @@ LABELS = {
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
     "vqp_fsq": "vqp FSQ [8,8,8]",
     "vqp_simvq": "vqp SimVQ, defaults",
+    "vqp_simvq_paper": "vqp SimVQ as its authors configure it (biased projection, straight-through)",
 }
 METHODS = tuple(LABELS)
+DEFAULT_METHODS = ("ddcl", "hard_ema", "vqp_vq", "vqp_fsq", "vqp_simvq")  # this study's five
 
 
 def _vqp() -> Any:
@@ -144,6 +149,10 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     if method == "vqp_fsq":
         levels = fsq_levels(num_codes)
         return PeerAdapter(vqp.FSQ(levels=levels, dim=dim, **extra), "fsq", int(np.prod(levels)), dim)
+    if method == "vqp_simvq_paper":
+        options = {"codebook_transform": nn.Linear(dim, dim), "rotation_trick": False,
+                   "input_to_quantize_commit_loss_weight": 0.25, "commitment_weight": 1.0, **extra}
+        return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes, **options), "simvq", num_codes, dim)
     if method == "vqp_simvq":
         return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes, **extra), "simvq", num_codes, dim)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -284,7 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="bottlenecks to compare")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                   help="bottlenecks to compare")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of every method")
     p.add_argument("--num-codes", type=int, default=512)
     add_vqvae_arguments(p)
