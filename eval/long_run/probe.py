@@ -1,0 +1,224 @@
+"""A probe of one bottleneck setting on the full training split, scored every few hundred images: the research loop
+behind the long-training study (which setting keeps DDCL learning after the first epoch).
+
+    python -m eval.long_run.probe --data-root ../shared/data/cifar10-jpeg.tar.gz --method ddcl --seed 11 \
+        --epochs 3 --out runs/long_probe/ddcl_s11.jsonl
+    python -m eval.long_run.probe ... --method hard_ema            # the strongest hard VQ, as eval.peers builds it
+    python -m eval.long_run.probe ... --kwargs '{"commitment_weight": 0.01}'   # any option of the layer
+    python -m eval.long_run.probe ... --gradient straight_through_plus   # the encoder gets (I + J) g, not J g
+    python -m eval.long_run.probe ... --anneal-entropy 2.5 1.0    # the entropy target falls linearly over the run
+
+Trains the VQ-VAE of :func:`eval.peers.fit_run` (one torch thread) and every ``--every`` optimizer steps scores the
+first ``--val-images`` validation images (the validation split only: a probe chooses settings) in evaluation mode,
+appending one JSON line to ``--out``: ``psnr`` (mean per-image PSNR of the hard-code reconstruction, clamped to
+``[0, 1]``) and, for DDCL, what the layer's evaluation mode would give with other standardisation statistics —
+``psnr_exact_stats`` (the exact moments of those images' latents), ``psnr_used_stats`` (the shift and scale the last
+training step used) — and ``psnr_train_mode`` (a copy of the layer in training mode, batches of 128, as a training
+step would output them), with the largest offset of the running mean from the exact one (in standard deviations),
+the share of tokens whose code changes with exact statistics, the temperature and the restarts so far. The scoring
+changes nothing of the run (the copy's random draws are undone: a test checks the run bit for bit). One line per
+epoch end adds the epoch's validation summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from eval import peers
+from softvq import DDCLQuantizer, QuantizerOutput
+from softvq.data.cifar10 import CIFAR10DataModule
+from softvq.models import VQVAE
+
+GRADIENTS = ("soft_centroid", "straight_through_plus")
+
+
+class GradientProbe(nn.Module):
+    """A :class:`softvq.DDCLQuantizer` whose training output carries another gradient to its input, the value unchanged
+    (the argmax code): ``"straight_through_plus"`` adds ``zs - sg(zs)`` (``zs`` the standardised tokens, read by a hook
+    on the layer's standardiser), so the encoder gets ``(I + J) g`` instead of the soft centroid's ``J g``."""
+
+    def __init__(self, layer: DDCLQuantizer, gradient: str) -> None:
+        super().__init__()
+        if gradient not in GRADIENTS:
+            raise ValueError(f"gradient must be one of {GRADIENTS}, got {gradient!r}")
+        if not layer.hard_output or not layer.standardize:
+            raise ValueError("GradientProbe needs a layer with hard_output and standardize (the defaults)")
+        self.layer, self.gradient = layer, gradient
+        self.num_codes, self.dim = layer.num_codes, layer.dim
+        self._standardised: Tensor | None = None
+        layer.standardizer.register_forward_hook(self._keep)
+
+    def _keep(self, module: nn.Module, inputs: Any, outputs: tuple[Tensor, Tensor, Tensor]) -> None:
+        self._standardised = outputs[0]
+
+    @property
+    def codebook(self) -> Tensor:
+        return self.layer.codebook
+
+    @property
+    def restarts(self) -> int:
+        return self.layer.restarts
+
+    def decode_indices(self, indices: Tensor) -> Tensor:
+        return self.layer.decode_indices(indices)
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        out = self.layer(z)
+        if not self.training or self.gradient == "soft_centroid":
+            return out
+        zs = self._standardised.reshape(out.quantized.shape)
+        return out._replace(quantized=out.quantized + (zs - zs.detach()))
+
+
+def mean_psnr(reconstruction: Tensor, x: Tensor) -> float:
+    """Mean over images of the per-image PSNR (images in ``[0, 1]``, the reconstruction clamped)."""
+    mse = (reconstruction.clamp(0, 1) - x).square().flatten(1).mean(1)
+    return float((10 * torch.log10(1 / mse)).mean())
+
+
+def ddcl_layer(model: VQVAE) -> DDCLQuantizer | None:
+    layer = getattr(model.quantizer, "layer", model.quantizer)
+    return layer if isinstance(layer, DDCLQuantizer) else None
+
+
+class Snapshots(L.Callback):
+    """Scores ``images`` every ``every`` optimizer steps (see the module docstring) into the JSONL file ``out``;
+    with ``anneal = (start, end)`` moves a DDCL layer's ``target_entropy`` from ``start`` to ``end`` over the run."""
+
+    def __init__(self, images: Tensor, every: int, out: Path, anneal: tuple[float, float] | None = None) -> None:
+        self.images, self.every, self.out, self.anneal = images, every, out, anneal
+        self._used: tuple[Tensor, Tensor] | None = None
+        self._start = time.perf_counter()
+
+    def setup(self, trainer: L.Trainer, pl_module: VQVAE, stage: str) -> None:
+        layer = ddcl_layer(pl_module)
+        if layer is not None:
+            layer.standardizer.register_forward_hook(self._keep_used)
+
+    def _keep_used(self, module: nn.Module, inputs: Any, outputs: tuple[Tensor, Tensor, Tensor]) -> None:
+        if module.training:
+            self._used = (outputs[1].detach().clone(), outputs[2].detach().clone())
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with open(self.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: VQVAE, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        layer = ddcl_layer(pl_module)
+        if self.anneal is not None and layer is not None:
+            start, end = self.anneal
+            layer.target_entropy = start + (end - start) * trainer.global_step / trainer.estimated_stepping_batches
+        if trainer.global_step % self.every:
+            return
+        pl_module.eval()
+        record = {"step": trainer.global_step, "epoch": trainer.current_epoch + 1, **self.score(pl_module)}
+        pl_module.train()
+        record["time_s"] = round(time.perf_counter() - self._start, 1)
+        self._write(record)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: VQVAE) -> None:
+        s = pl_module.epoch_summary()
+        self._write({"epoch_end": trainer.current_epoch + 1, "step": trainer.global_step,
+                     **{k: s.get(k) for k in ("val_psnr_hard", "val_perplexity", "val_utilization", "train_mse",
+                                              "restarts")}})
+
+    @torch.no_grad()
+    def score(self, model: VQVAE) -> dict[str, Any]:
+        x = self.images.to(model.device)
+        tokens = rearrange(model.latents(x), "b d h w -> b h w d")
+        out = model.quantizer(tokens)
+        record: dict[str, Any] = {"psnr": mean_psnr(model._decode(out.quantized), x)}
+        layer = ddcl_layer(model)
+        if layer is None:
+            return record
+        st = layer.standardizer
+        running = st.running_mean.clone(), st.running_var.clone()
+        flat = tokens.reshape(-1, tokens.shape[-1])
+        mean, var = flat.mean(0), flat.var(0)
+        record["run_mean_offset"] = float(((running[0] - mean).abs() / var.sqrt()).max())
+        record["run_std_offset"] = float((running[1].sqrt() / var.sqrt() - 1).abs().max())
+        try:
+            for key, (m, v) in (("exact", (mean, var)), ("used", self._used and (self._used[0], self._used[1] ** 2))):
+                if m is None:
+                    continue
+                st.running_mean.copy_(m)
+                st.running_var.copy_(v)
+                other = layer(tokens)
+                record[f"psnr_{key}_stats"] = mean_psnr(model._decode(other.quantized), x)
+                record[f"codes_changed_{key}"] = float((other.indices != out.indices).float().mean())
+        finally:
+            st.running_mean.copy_(running[0])
+            st.running_var.copy_(running[1])
+        train_copy = copy.deepcopy(layer).train()
+        train_copy.standardizer._forward_hooks.clear()
+        state = torch.get_rng_state()  # the copy's restarts draw; the run must not see it
+        recon = [model._decode(train_copy(tokens[i:i + 128]).quantized) for i in range(0, len(tokens), 128)]
+        torch.set_rng_state(state)
+        record["psnr_train_mode"] = mean_psnr(torch.cat(recon), x)
+        record["temperature"] = layer.temperature
+        record["restarts"] = layer.restarts
+        return record
+
+
+def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str) -> VQVAE:
+    quantizer = peers.build(method, num_codes, 64, kwargs)
+    if gradient != "soft_centroid":
+        if not isinstance(quantizer, DDCLQuantizer):
+            raise ValueError(f"--gradient {gradient} probes DDCL's encoder gradient; --method is {method!r}")
+        quantizer = GradientProbe(quantizer, gradient)
+    return VQVAE(quantizer=quantizer, code_dim=64)
+
+
+def main(argv: list[str] | None = None) -> VQVAE:
+    """Run the probe; returns the trained model."""
+    p = argparse.ArgumentParser(prog="python -m eval.long_run.probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-root", type=Path, default=Path("data"))
+    p.add_argument("--method", choices=peers.METHODS, default="ddcl")
+    p.add_argument("--kwargs", type=json.loads, default={}, help="JSON options of the bottleneck")
+    p.add_argument("--gradient", choices=GRADIENTS, default="soft_centroid", help="DDCL's encoder gradient")
+    p.add_argument("--anneal-entropy", type=float, nargs=2, default=None, metavar=("START", "END"))
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--every", type=int, default=22, help="optimizer steps between two scorings")
+    p.add_argument("--val-images", type=int, default=1024)
+    p.add_argument("--train-subset", type=int, default=None, help="training images (default: all 45,000)")
+    p.add_argument("--val-size", type=int, default=5000)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--num-codes", type=int, default=512)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True, help="JSONL file the scorings are appended to")
+    args = p.parse_args(argv)
+    if args.every < 1 or args.val_images < 1:
+        p.error("--every and --val-images must be positive")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
+                             train_subset=args.train_subset, num_workers=args.num_workers, seed=args.seed)
+    data.setup("fit")
+    images = torch.stack([data.val_set[i][0] for i in range(min(args.val_images, len(data.val_set)))])
+    model = build_model(args.method, args.num_codes, args.kwargs, args.gradient)
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    with open(args.out, "a") as f:
+        f.write(json.dumps({"probe": vars(args) | {"data_root": str(args.data_root), "out": str(args.out)}}) + "\n")
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[Snapshots(images, args.every, args.out,
+                                             tuple(args.anneal_entropy) if args.anneal_entropy else None)])
+    trainer.fit(model, datamodule=data)
+    return model
+
+
+if __name__ == "__main__":
+    main()

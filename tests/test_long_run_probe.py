@@ -1,0 +1,64 @@
+"""eval.long_run.probe: its scorings change nothing of the run they watch (bit for bit), its PSNR is the hard codes'
+decode scored by hand, and the straight-through-plus gradient is (I + J) g against autograd on the plain layer."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from eval.long_run import probe
+from softvq import DDCLQuantizer
+
+TINY = ["--epochs", "1", "--train-subset", "64", "--val-size", "32", "--batch-size", "16", "--num-codes", "16",
+        "--val-images", "16", "--num-workers", "0"]
+
+
+def _run(tiny_cifar, out, *extra):
+    threads = torch.get_num_threads()
+    try:
+        return probe.main(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), *TINY, *extra])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_scoring_every_step_leaves_the_run_bit_for_bit_and_scores_the_hard_codes(tiny_cifar, tmp_path):
+    watched = _run(tiny_cifar, tmp_path / "watched.jsonl", "--every", "1")
+    alone = _run(tiny_cifar, tmp_path / "alone.jsonl", "--every", "1000")
+    for (key, a), (_, b) in zip(watched.state_dict().items(), alone.state_dict().items(), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, key
+    lines = [json.loads(line) for line in (tmp_path / "watched.jsonl").read_text().splitlines()]
+    scored = [line for line in lines if "psnr" in line]
+    assert [line["step"] for line in scored] == [1, 2, 3, 4]  # 64 images in batches of 16
+    assert all(line["psnr_exact_stats"] > 0 and 0 <= line["codes_changed_exact"] <= 1 for line in scored)
+    # the last scoring is of the final model: its PSNR is the decode of its hard codes, scored by hand
+    data = probe.CIFAR10DataModule(tiny_cifar["folder"], batch_size=16, val_size=32, train_subset=64, seed=11)
+    data.setup("fit")
+    x = torch.stack([data.val_set[i][0] for i in range(16)])
+    watched.eval()
+    with torch.no_grad():
+        rec = watched.decode_indices(watched.encode(x)).clamp(0, 1)
+    by_hand = (10 * torch.log10(1 / (rec - x).square().mean((1, 2, 3)))).mean()
+    assert abs(scored[-1]["psnr"] - float(by_hand)) < 1e-4
+
+
+def test_straight_through_plus_gives_the_identity_plus_the_soft_centroid_jacobian():
+    torch.manual_seed(0)
+    layer = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, dead_code_threshold=0.0, init="normal",
+                          renorm=False).double()
+    plain = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, dead_code_threshold=0.0, init="normal",
+                          renorm=False).double()
+    plain.load_state_dict(layer.state_dict())
+    wrapped = probe.GradientProbe(layer, "straight_through_plus")
+    z = torch.randn(20, 3, dtype=torch.float64)
+    w = torch.randn(20, 3, dtype=torch.float64)
+    z1, z2, z3 = (z.clone().requires_grad_(True) for _ in range(3))
+    out = wrapped(z1)
+    (out.quantized * w).sum().backward()
+    ref = plain(z2)
+    (ref.quantized * w).sum().backward()  # J g through the batch standardisation
+    assert torch.equal(out.quantized, ref.quantized) and torch.equal(out.indices, ref.indices)
+    mean, var = z3.mean(0), z3.var(0, unbiased=False)
+    zs = (z3 - mean) / (var + 1e-5 * var.detach().mean()).sqrt()  # the layer's eps, detached as there
+    (zs * w).sum().backward()  # the identity part, through the same standardisation
+    torch.testing.assert_close(z1.grad, z2.grad + z3.grad, rtol=1e-10, atol=1e-12)
