@@ -7,6 +7,7 @@ behind the long-training study (which setting keeps DDCL learning after the firs
     python -m eval.long_run.probe ... --kwargs '{"commitment_weight": 0.01}'   # any option of the layer
     python -m eval.long_run.probe ... --gradient straight_through_plus   # the encoder gets (I + J) g, not J g
     python -m eval.long_run.probe ... --anneal-entropy 2.5 1.0    # the entropy target falls linearly over the run
+    python -m eval.long_run.probe ... --output-scale 0.1          # the decoder sees DDCL's codes at a tenth
 
 Trains the VQ-VAE of :func:`eval.peers.fit_run` (one torch thread) and every ``--every`` optimizer steps scores the
 first ``--val-images`` validation images (the validation split only: a probe chooses settings) in evaluation mode,
@@ -45,15 +46,16 @@ GRADIENTS = ("soft_centroid", "straight_through_plus")
 class GradientProbe(nn.Module):
     """A :class:`softvq.DDCLQuantizer` whose training output carries another gradient to its input, the value unchanged
     (the argmax code): ``"straight_through_plus"`` adds ``zs - sg(zs)`` (``zs`` the standardised tokens, read by a hook
-    on the layer's standardiser), so the encoder gets ``(I + J) g`` instead of the soft centroid's ``J g``."""
+    on the layer's standardiser), so the encoder gets ``(I + J) g`` instead of the soft centroid's ``J g``. With
+    ``scale`` every output (and every decoded code) is multiplied by it: the decoder sees codes of that scale."""
 
-    def __init__(self, layer: DDCLQuantizer, gradient: str) -> None:
+    def __init__(self, layer: DDCLQuantizer, gradient: str, scale: float = 1.0) -> None:
         super().__init__()
         if gradient not in GRADIENTS:
             raise ValueError(f"gradient must be one of {GRADIENTS}, got {gradient!r}")
         if not layer.hard_output or not layer.standardize:
             raise ValueError("GradientProbe needs a layer with hard_output and standardize (the defaults)")
-        self.layer, self.gradient = layer, gradient
+        self.layer, self.gradient, self.scale = layer, gradient, scale
         self.num_codes, self.dim = layer.num_codes, layer.dim
         self._standardised: Tensor | None = None
         layer.standardizer.register_forward_hook(self._keep)
@@ -63,21 +65,22 @@ class GradientProbe(nn.Module):
 
     @property
     def codebook(self) -> Tensor:
-        return self.layer.codebook
+        return self.layer.codebook * self.scale
 
     @property
     def restarts(self) -> int:
         return self.layer.restarts
 
     def decode_indices(self, indices: Tensor) -> Tensor:
-        return self.layer.decode_indices(indices)
+        return self.layer.decode_indices(indices) * self.scale
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         out = self.layer(z)
-        if not self.training or self.gradient == "soft_centroid":
-            return out
-        zs = self._standardised.reshape(out.quantized.shape)
-        return out._replace(quantized=out.quantized + (zs - zs.detach()))
+        quantized = out.quantized
+        if self.training and self.gradient == "straight_through_plus":
+            zs = self._standardised.reshape(quantized.shape)
+            quantized = quantized + (zs - zs.detach())
+        return out._replace(quantized=quantized * self.scale if self.scale != 1.0 else quantized)
 
 
 def mean_psnr(reconstruction: Tensor, x: Tensor) -> float:
@@ -163,7 +166,8 @@ class Snapshots(L.Callback):
         train_copy = copy.deepcopy(layer).train()
         train_copy.standardizer._forward_hooks.clear()
         state = torch.get_rng_state()  # the copy's restarts draw; the run must not see it
-        recon = [model._decode(train_copy(tokens[i:i + 128]).quantized) for i in range(0, len(tokens), 128)]
+        scale = getattr(model.quantizer, "scale", 1.0)  # a GradientProbe's output scale
+        recon = [model._decode(train_copy(tokens[i:i + 128]).quantized * scale) for i in range(0, len(tokens), 128)]
         torch.set_rng_state(state)
         record["psnr_train_mode"] = mean_psnr(torch.cat(recon), x)
         record["temperature"] = layer.temperature
@@ -171,12 +175,12 @@ class Snapshots(L.Callback):
         return record
 
 
-def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str) -> VQVAE:
+def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0) -> VQVAE:
     quantizer = peers.build(method, num_codes, 64, kwargs)
-    if gradient != "soft_centroid":
+    if gradient != "soft_centroid" or scale != 1.0:
         if not isinstance(quantizer, DDCLQuantizer):
-            raise ValueError(f"--gradient {gradient} probes DDCL's encoder gradient; --method is {method!r}")
-        quantizer = GradientProbe(quantizer, gradient)
+            raise ValueError(f"--gradient and --output-scale probe DDCL's output; --method is {method!r}")
+        quantizer = GradientProbe(quantizer, gradient, scale)
     return VQVAE(quantizer=quantizer, code_dim=64)
 
 
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> VQVAE:
     p.add_argument("--method", choices=peers.METHODS, default="ddcl")
     p.add_argument("--kwargs", type=json.loads, default={}, help="JSON options of the bottleneck")
     p.add_argument("--gradient", choices=GRADIENTS, default="soft_centroid", help="DDCL's encoder gradient")
+    p.add_argument("--output-scale", type=float, default=1.0, help="multiply DDCL's codes (the decoder input)")
     p.add_argument("--anneal-entropy", type=float, nargs=2, default=None, metavar=("START", "END"))
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--epochs", type=int, default=3)
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> VQVAE:
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=args.seed)
     data.setup("fit")
     images = torch.stack([data.val_set[i][0] for i in range(min(args.val_images, len(data.val_set)))])
-    model = build_model(args.method, args.num_codes, args.kwargs, args.gradient)
+    model = build_model(args.method, args.num_codes, args.kwargs, args.gradient, args.output_scale)
     L.seed_everything(args.seed, workers=True, verbose=False)
     with open(args.out, "a") as f:
         f.write(json.dumps({"probe": vars(args) | {"data_root": str(args.data_root), "out": str(args.out)}}) + "\n")
