@@ -66,7 +66,7 @@ class InLayerRecipe:
         temperature: float | str | None,
         *,
         standardize: bool | None,
-        output_scale: str,
+        output_scale: str | float,
         hard_output: bool | None,
         prototype_update: str | None,
         ema_decay: float,
@@ -80,7 +80,10 @@ class InLayerRecipe:
         recipe's, and store them; ``None`` (and ``target_entropy="auto"``) means the recipe's value."""
         num_codes = self.num_codes
         self.standardize = check_bool("standardize", auto if standardize is None else standardize)
-        self.output_scale = check_choice("output_scale", output_scale, ("input", "standardized"))
+        if isinstance(output_scale, str):
+            self.output_scale: str | float = check_choice("output_scale", output_scale, ("input", "standardized"))
+        else:  # a number: the standardised code times it
+            self.output_scale = check_float("output_scale", output_scale)
         self.hard_output = check_bool("hard_output", auto if hard_output is None else hard_output)
         self.prototype_update = check_choice("prototype_update", prototype_update or ("ema" if auto else "gradient"),
                                              ("ema", "soft_ema", "gradient"))

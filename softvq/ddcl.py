@@ -142,9 +142,10 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         standardize: standardise tokens inside the layer (``recipe`` default: on for ``"auto"``).
         output_scale: with ``standardize``, return codes in the standardised space the codebook lives in
             (``"standardized"``, the default: unit variance per dimension, whatever the encoder's scale) or on the
-            input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them). Measured in the
-            project's VQ-VAE (reports/peers/probes.md): a decoder fed unit-scale codes learned faster (train MSE
-            0.025 against 0.036 after one epoch) because a fresh encoder's outputs are ~100x smaller.
+            input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them), or a number
+            ``s``: the standardised code times ``s`` (the decoder sees codes of standard deviation ``s``). The scale
+            the decoder sees sets how fast its first layer moves under Adam; docs/design.md, "Training to the end",
+            has what each scale measured.
         renorm: with ``standardize``, train with batch renormalisation (the default;
             :class:`softvq.norm.TokenStandardizer`): tokens are standardised *in value* with the running statistics
             evaluation uses, with batch standardisation's gradient, so that an encoder drifting faster than the
@@ -217,7 +218,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         target_entropy: float | Literal["auto"] | None = "auto",
         temperature_rate: float = 0.01,
         standardize: bool | None = None,
-        output_scale: Literal["input", "standardized"] = "standardized",
+        output_scale: Literal["input", "standardized"] | float = "standardized",
         renorm: bool = True,  # +0.31 dB at K = 512, +0.32 at 4096, level in a foreign model (docs/design.md)
         renorm_clip: tuple[float, float] = (1.1, 0.1),  # Ioffe's (3, 5) lost 0.7 dB in a foreign autoencoder
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
@@ -325,6 +326,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         p = self._unit_codebook()
         if self.standardize and self.output_scale == "input":
             p = p * self.standardizer.running_std().to(p.dtype) + self.standardizer.running_mean.to(p.dtype)
+        elif self.standardize and not isinstance(self.output_scale, str):
+            p = p * self.output_scale
         return p
 
     def decode_indices(self, indices: Tensor) -> Tensor:
@@ -436,6 +439,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
                     loss = loss + self.commitment_weight * F.mse_loss(zf, codes)
             if std is not None and self.output_scale == "input":
                 out = out * std + mean
+            elif std is not None and not isinstance(self.output_scale, str):
+                out = out * self.output_scale
         l_q, l_ols, v, entropy = stats.unbind()
         # top-k: ``q`` is (N, k), the assignments of the prototypes ``chosen``; kept so (the caller asks for dense)
         sparse = chosen.numel() > 0

@@ -337,3 +337,25 @@ def test_auto_usage_decay_at_its_floor_trains_bit_for_bit_as_a_decay_of_0_9():
     (a, sa, ra), (b, sb, rb) = runs
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) and ra == rb
     assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+
+
+def test_a_numeric_output_scale_multiplies_the_standardised_code_and_its_gradient():
+    """``output_scale=s``: the standardised layer's output and input gradient times ``s``, bit for bit in value; in
+    evaluation the output is still the decode of the indices (``codebook`` scaled alike)."""
+    base, scaled = layer(standardize=True), layer(standardize=True, output_scale=0.2)
+    scaled.load_state_dict(base.state_dict())
+    z = torch.randn(20, 3, dtype=torch.float64) * 3 + 1
+    w = torch.randn(20, 3, dtype=torch.float64)
+    za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    a, b = base(za), scaled(zb)
+    (a.quantized * w).sum().backward()
+    (b.quantized * w).sum().backward()
+    assert torch.equal(b.indices, a.indices)
+    torch.testing.assert_close(b.quantized, 0.2 * a.quantized, rtol=1e-15, atol=0)
+    torch.testing.assert_close(zb.grad, 0.2 * za.grad, rtol=1e-12, atol=1e-15)
+    scaled.eval()
+    out = scaled(z)
+    assert torch.equal(out.quantized, scaled.decode_indices(out.indices))
+    torch.testing.assert_close(scaled.codebook, 0.2 * scaled.prototypes.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="output_scale"):
+        layer(output_scale=-1.0)
