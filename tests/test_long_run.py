@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from eval import long_run
+from eval import long_run, reports
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
 from eval.long_run.report import steps_to_reach
 from softvq.models.callbacks import read_history
@@ -115,6 +115,8 @@ def test_the_record_holds_the_test_figures_and_the_report_tables_them(studies):
                  "python -m eval.long_run", f"{test['psnr_hard']:.2f}"):
         assert part in text, part
     assert (out / "val_psnr_K16.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    header = reports.read_header(out / "report.md")  # the header every committed report has (eval.reports)
+    assert header.command.startswith("python -m eval.long_run --no-train") and header.commits
 
 
 def test_a_record_holds_no_absolute_path(studies):

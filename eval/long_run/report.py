@@ -207,10 +207,11 @@ def header(finished: list[dict[str, Any]], partial: list[dict[str, Any]], out: P
              if settings.get("train_subset") is None else f"{settings['train_subset']}")
     return [
         "# Long training: the VQ-VAE on all training images, per bottleneck, K and seed", "",
-        f"Report: `python -m eval.long_run --no-train --runs {_relative(runs)} --out {_relative(out)}`, written at "
-        f"{code_commit()}.", "",
+        f"Regenerate: `python -m eval.long_run --no-train --runs {_relative(runs)} --out {_relative(out)}` (the "
+        f"report from the records in `{_relative(out)}/runs/` and the runs in progress under `{_relative(runs)}`)", "",
+        f"Code: runs trained at {', '.join(codes) or 'none finished yet'} (a resumed run lists each); report written "
+        f"at {code_commit()}.", "",
         "Runs trained by: " + ("; ".join(f"`{c}`" for c in commands) or "none finished yet") + ".", "",
-        f"Code commit(s) the runs trained at (a resumed run lists each): {', '.join(codes) or 'n/a'}.", "",
         f"Setting: width {settings.get('width')}, residual blocks {settings.get('res_blocks')}, D = "
         f"{settings.get('code_dim')}, Adam {settings.get('lr')}, batch {settings.get('batch_size')}, "
         f"{train} training images, {settings.get('epochs')} epochs. Seeds: {seeds}.", "",
