@@ -62,3 +62,18 @@ def test_straight_through_plus_gives_the_identity_plus_the_soft_centroid_jacobia
     zs = (z3 - mean) / (var + 1e-5 * var.detach().mean()).sqrt()  # the layer's eps, detached as there
     (zs * w).sum().backward()  # the identity part, through the same standardisation
     torch.testing.assert_close(z1.grad, z2.grad + z3.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_ratio_scores_every_few_steps_on_both_methods(tiny_cifar):
+    from eval.long_run import gradient_ratio
+
+    threads = torch.get_num_threads()
+    try:
+        for method in ("hard_ema", "ddcl"):
+            records = gradient_ratio.main(["--data-root", str(tiny_cifar["folder"]), "--method", method, "--steps",
+                                           "3", "--every", "2", "--train-subset", "64", "--batch-size", "16",
+                                           "--val-size", "32"])
+            assert [r["step"] for r in records] == [0, 2]
+            assert all(0 < r["ratio"] < float("inf") and r["token_std"] > 0 for r in records)
+    finally:
+        torch.set_num_threads(threads)
