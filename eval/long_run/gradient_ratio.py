@@ -5,8 +5,8 @@ at the quantizer, for HardVQ (beta 0.25 on its raw tokens) and for DDCL (weight 
     python -m eval.long_run.gradient_ratio --data-root ../shared/data/cifar10-jpeg.tar.gz --method hard_ema
     python -m eval.long_run.gradient_ratio --data-root ../shared/data/cifar10-jpeg.tar.gz --method ddcl
 
-The DDCL weight that gives the encoder HardVQ's balance is HardVQ's ratio over DDCL's (docs/design.md, "Training to
-the end"). One JSON line per scoring on standard output.
+The DDCL weight that gives the encoder HardVQ's balance is HardVQ's ratio over DDCL's
+(docs/design.md, "Training to the end"). One JSON line per scoring on standard output.
 """
 
 from __future__ import annotations
