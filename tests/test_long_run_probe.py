@@ -77,3 +77,13 @@ def test_gradient_ratio_scores_every_few_steps_on_both_methods(tiny_cifar):
             assert all(0 < r["ratio"] < float("inf") and r["token_std"] > 0 for r in records)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_every_score_of_a_scaled_probe_decodes_the_scaled_codes(tiny_cifar, tmp_path):
+    """--output-scale: the decoder is scored on the codes it trains on in every variant (exact and last-used
+    statistics, training mode), not on the layer's unscaled codes."""
+    _run(tiny_cifar, tmp_path / "scaled.jsonl", "--every", "4", "--output-scale", "0.05")
+    last = [json.loads(line) for line in (tmp_path / "scaled.jsonl").read_text().splitlines()][-2]
+    assert last["step"] == 4
+    for key in ("psnr_exact_stats", "psnr_used_stats", "psnr_train_mode"):
+        assert abs(last[key] - last["psnr"]) < 0.5, (key, last)  # 2.6 dB apart when the scale was left out

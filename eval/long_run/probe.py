@@ -145,6 +145,7 @@ class Snapshots(L.Callback):
         layer = ddcl_layer(model)
         if layer is None:
             return record
+        scale = getattr(model.quantizer, "scale", 1.0)  # a GradientProbe's output scale: the layer's codes times it
         st = layer.standardizer
         running = st.running_mean.clone(), st.running_var.clone()
         flat = tokens.reshape(-1, tokens.shape[-1])
@@ -158,7 +159,7 @@ class Snapshots(L.Callback):
                 st.running_mean.copy_(m)
                 st.running_var.copy_(v)
                 other = layer(tokens)
-                record[f"psnr_{key}_stats"] = mean_psnr(model._decode(other.quantized), x)
+                record[f"psnr_{key}_stats"] = mean_psnr(model._decode(other.quantized * scale), x)
                 record[f"codes_changed_{key}"] = float((other.indices != out.indices).float().mean())
         finally:
             st.running_mean.copy_(running[0])
@@ -166,7 +167,6 @@ class Snapshots(L.Callback):
         train_copy = copy.deepcopy(layer).train()
         train_copy.standardizer._forward_hooks.clear()
         state = torch.get_rng_state()  # the copy's restarts draw; the run must not see it
-        scale = getattr(model.quantizer, "scale", 1.0)  # a GradientProbe's output scale
         recon = [model._decode(train_copy(tokens[i:i + 128]).quantized * scale) for i in range(0, len(tokens), 128)]
         torch.set_rng_state(state)
         record["psnr_train_mode"] = mean_psnr(torch.cat(recon), x)
