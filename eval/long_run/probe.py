@@ -153,9 +153,10 @@ class Snapshots(L.Callback):
         record["run_mean_offset"] = float(((running[0] - mean).abs() / var.sqrt()).max())
         record["run_std_offset"] = float((running[1].sqrt() / var.sqrt() - 1).abs().max())
         try:
-            for key, (m, v) in (("exact", (mean, var)), ("used", self._used and (self._used[0], self._used[1] ** 2))):
-                if m is None:
-                    continue
+            variants = [("exact", (mean, var))]
+            if self._used is not None:  # the shift and scale of the last training step (a variance: scale squared)
+                variants.append(("used", (self._used[0], self._used[1] ** 2)))
+            for key, (m, v) in variants:
                 st.running_mean.copy_(m)
                 st.running_var.copy_(v)
                 other = layer(tokens)
