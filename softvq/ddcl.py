@@ -249,7 +249,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         self.commitment_weight = check_float("commitment_weight", commitment_weight, allow_zero=True)
         self.init = check_choice("init", init, ("data", "normal"))
         init_scale = check_float("init_scale", init_scale)
-        self.check_finite = bool(check_finite)
+        self.check_finite = check_bool("check_finite", check_finite)
         self.top_k = None if top_k is None else check_positive_int("top_k", top_k)
         self.channel_first = check_bool("channel_first", channel_first)
         self._set_recipe_options(recipe == "auto", temperature, standardize=standardize, output_scale=output_scale,

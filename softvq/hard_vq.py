@@ -12,9 +12,11 @@ from softvq.types import QuantizerOutput
 from softvq.utils import (
     all_reduce_sum_,
     apply_keeping_precision,
+    check_bool,
     check_float,
     check_indices,
     check_positive_int,
+    check_unit,
     compute_dtype,
     empty_output,
     flatten_tokens,
@@ -70,12 +72,15 @@ class HardVQ(nn.Module):
         self.num_codes = check_positive_int("num_codes", num_codes)
         self.dim = check_positive_int("dim", dim)
         self.beta = check_float("beta", beta, allow_zero=True)
-        if ema_decay is not None and not (0.0 < float(ema_decay) < 1.0):
-            raise ValueError(f"ema_decay must be None or in (0, 1), got {ema_decay!r}")
-        self.ema_decay = None if ema_decay is None else float(ema_decay)
+        if ema_decay is not None:
+            try:
+                ema_decay = check_unit("ema_decay", ema_decay)
+            except ValueError:
+                raise ValueError(f"ema_decay must be None or in (0, 1), got {ema_decay!r}") from None
+        self.ema_decay = ema_decay
         self.dead_code_threshold = check_float("dead_code_threshold", dead_code_threshold, allow_zero=True)
         self.epsilon = check_float("epsilon", epsilon)
-        self.check_finite = bool(check_finite)
+        self.check_finite = check_bool("check_finite", check_finite)
         num_codes, dim = self.num_codes, self.dim
         init = torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes)  # VQ-VAE's init
         if self.ema_decay is None:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from softvq.ddcl import DDCLQuantizer
-from softvq.utils import compute_dtype
+from softvq.utils import check_bool, compute_dtype
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 # The readout is the plain layer: where its defaults differ from DDCLQuantizer's.
@@ -109,7 +109,7 @@ class DDCLReadout(nn.Module):
         # The plain layer: a readout pools soft assignments of tokens, it is not a discrete bottleneck.
         # The inner quantizer only ever sees real tokens, which forward checks itself.
         self.quantizer = DDCLQuantizer(num_codes, dim, **{**_DEFAULTS, **quantizer_kwargs}, check_finite=False)
-        self.check_finite = bool(check_finite)
+        self.check_finite = check_bool("check_finite", check_finite)
 
     @classmethod
     def from_quantizer(cls, quantizer: DDCLQuantizer, freeze: bool = False) -> DDCLReadout:
@@ -121,9 +121,19 @@ class DDCLReadout(nn.Module):
         (the default recipe) is then copied with its running statistics frozen, so the readout assigns tokens as the
         trained quantizer does in evaluation. The readout itself is the plain layer: its prototypes learn by the
         gradient (no EMA), at a fixed temperature.
+
+        Raises:
+            TypeError: ``quantizer`` is not a :class:`~softvq.DDCLQuantizer`.
+            ValueError: its temperature is not calibrated yet (``temperature="auto"`` before the first training
+                batch).
         """
         if not isinstance(quantizer, DDCLQuantizer):
             raise TypeError(f"from_quantizer needs a softvq.DDCLQuantizer, got {type(quantizer).__name__}")
+        if quantizer.temperature is None:  # "auto": set on the first training batch, which it has not seen
+            raise ValueError(f"from_quantizer reuses a trained codebook, but this DDCLQuantizer has seen no training "
+                             f"batch: its temperature is not calibrated yet (temperature='auto'); train it first, or "
+                             f"build DDCLReadout({quantizer.num_codes}, {quantizer.dim}, ...) to train a readout from "
+                             f"scratch")
         readout = cls(quantizer.num_codes, quantizer.dim, temperature=quantizer.temperature,
                       distance=quantizer.distance, codebook_term=quantizer.codebook_term,
                       codebook_weight=quantizer.codebook_weight, commitment_term=quantizer.commitment_term,

@@ -26,7 +26,14 @@ from softvq.ddcl import DDCLQuantizer
 from softvq.hard_vq import HardVQ
 from softvq.norm import TokenStandardizer
 from softvq.types import QuantizerOutput
-from softvq.utils import check_choice, check_feature_maps, check_indices, check_positive_int, compute_dtype
+from softvq.utils import (
+    check_choice,
+    check_feature_maps,
+    check_indices,
+    check_positive_int,
+    compute_dtype,
+    flatten_tokens,
+)
 
 
 def is_residual(module: object) -> bool:
@@ -109,7 +116,10 @@ class ResidualQuantizer(nn.Module):
             shape = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
             raise ValueError(f"expected tokens of shape (..., {self.dim}), got {shape}")
         lead = z.shape[:-1]
-        x = z.reshape(-1, self.dim)
+        # The whole input is checked here, before the shared standardiser or any level moves its state: a batch a
+        # level would refuse must leave the stack as it was (and the error counts the input's bad values, not those
+        # of a residual that one NaN spread over after standardisation).
+        x = flatten_tokens(z, self.dim, check_finite=any(getattr(level, "check_finite", True) for level in self.levels))
         update = self.training and not in_backward()
         if self.standardizer is not None and x.shape[0] > 0:
             x, _, _ = self.standardizer(x.to(compute_dtype(z.dtype)), update=update)

@@ -134,6 +134,50 @@ def test_archive_with_a_symlink_out_is_unsafe(tmp_path):
         extract_archive(archive, tmp_path / "cache")
 
 
+@pytest.mark.parametrize("member", ["relative_link", "absolute_name", "hard_link"])
+def test_archive_members_that_data_filter_would_let_through_are_refused(tmp_path, member):
+    """``filter="data"`` alone re-roots an absolute name and keeps links that stay inside the cache: an image archive
+    holds neither, so both are refused before anything is extracted, as the docstring says."""
+    archive = tmp_path / f"{member}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        payload = b"x"
+        info = tarfile.TarInfo("train/cat/0000.jpg")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+        if member == "absolute_name":
+            info = tarfile.TarInfo("/train/cat/0001.jpg")
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+        else:
+            info = tarfile.TarInfo("train/cat/0001.jpg")
+            info.type = tarfile.SYMTYPE if member == "relative_link" else tarfile.LNKTYPE
+            info.linkname = "0000.jpg" if member == "relative_link" else "train/cat/0000.jpg"
+            tar.addfile(info)
+    expected = "outside the archive's folder" if member == "absolute_name" else "is a link"
+    with pytest.raises(UnsafeArchiveError, match=f"unsafe to extract: member .*0001.jpg.* {expected}"):
+        extract_archive(archive, tmp_path / "cache")
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_an_archive_whose_splits_have_other_classes_leaves_the_cache(tmp_path):
+    root = write_image_folder(tmp_path / "data", per_class_train=1, per_class_test=1)
+    shutil.rmtree(root / "test" / "truck")
+    archive = tmp_path / "uneven.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(root, arcname="cifar10")
+    cache = tmp_path / "cache"
+    expected = rf"{archive}: test/ has other classes .*only in .*train/: \['truck'\]"
+    with pytest.raises(ClassMismatchError, match=expected):
+        svdata.resolve_cifar10(archive, cache_dir=cache)
+    assert not list(cache.iterdir())  # neither the entry nor a temporary folder stays behind
+    # an entry cached before the check existed goes as soon as it is reused
+    entry = extract_archive(archive, cache)  # no validate: cached as before
+    assert entry.parent.parent == cache
+    with pytest.raises(ClassMismatchError):
+        svdata.resolve_cifar10(archive, cache_dir=cache)
+    assert not list(cache.iterdir())
+
+
 # ---- classes: hidden entries are ignored, train/ and test/ must agree, checkpoints record them (issue 18) ---------
 def test_hidden_folders_and_files_are_neither_classes_nor_images(tmp_path):
     root = write_image_folder(tmp_path / "data", per_class_train=2, per_class_test=1)

@@ -2,7 +2,9 @@
 
 A corrupt or truncated archive raises :class:`CorruptArchiveError` and leaves nothing behind in the cache (extraction
 goes to a temporary directory that is renamed only when complete); a member that would land outside the extraction
-folder, a link or a device file raises :class:`UnsafeArchiveError`.
+folder (an absolute name or one with ``..``), a link (symbolic or hard, wherever it points) or a device file raises
+:class:`UnsafeArchiveError` before anything is extracted. An archive whose ``train/`` and ``test/`` fail a caller's
+check (``validate``, e.g. other class folders in the two splits) is removed from the cache too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import shutil
 import tarfile
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -66,30 +69,40 @@ def find_image_folder(root: Path) -> Path | None:
 
 
 def _safe_extractall(tar: tarfile.TarFile, dest: Path, archive: Path) -> None:
-    """``extractall`` that refuses members escaping ``dest`` (absolute paths, ``..``, links, devices) with an
-    :class:`UnsafeArchiveError` naming the member."""
+    """``extractall`` that refuses, before extracting anything, every member that is not a plain file or folder
+    inside ``dest``: an absolute name, a name with ``..``, a link (symbolic or hard, even one pointing inside) or a
+    device, with an :class:`UnsafeArchiveError` naming the member.
+
+    Why not ``filter="data"`` alone: it re-roots absolute names and keeps links that stay inside ``dest``, which is
+    safe but extracts what an image archive never holds; it still runs after the check, as a second guard."""
     def unsafe(what: str) -> UnsafeArchiveError:
         return UnsafeArchiveError(f"{archive} is unsafe to extract: {what}; refused, nothing extracted into the cache "
                                   f"(a CIFAR-10 archive holds only folders and image files under train/ and test/)")
 
+    for member in tar.getmembers():
+        name = Path(member.name)
+        if name.is_absolute() or member.name.startswith(("/", "\\")) or ".." in name.parts:
+            raise unsafe(f"member {member.name!r} would land outside the archive's folder")
+        if not (member.isfile() or member.isdir()):
+            kind = "a link" if member.issym() or member.islnk() else "a device or special file"
+            raise unsafe(f"member {member.name!r} is {kind}")
     if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
         try:
             tar.extractall(dest, filter="data")
-        except tarfile.FilterError as err:  # an absolute or '..' path, a link out of dest, a device, ...
+        except tarfile.FilterError as err:
             raise unsafe(str(err)) from err
         return
-    for member in tar.getmembers():
-        name = Path(member.name)
-        if name.is_absolute() or ".." in name.parts or not (member.isfile() or member.isdir()):
-            raise unsafe(f"member {member.name!r} is a link, a device or outside the archive's folder")
     tar.extractall(dest)
 
 
-def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                    validate: Callable[[Path], object] | None = None) -> Path:
     """Extract an ImageFolder archive into the cache once and return the folder holding ``train/`` and ``test/``.
 
     The cache entry is keyed by the archive's SHA-256, so a changed archive is extracted anew and a reused one
-    costs one hash. When ``<archive>.sha256`` exists beside the archive its digest is checked first.
+    costs one hash. When ``<archive>.sha256`` exists beside the archive its digest is checked first. ``validate``
+    (called with the folder holding ``train/`` and ``test/``) checks the tree before it enters the cache, and again
+    when a cached entry is reused; whatever it raises propagates, and the entry is removed from the cache.
 
     Raises:
         FileNotFoundError: ``archive`` does not exist.
@@ -111,6 +124,12 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
     if (target / _MARKER).is_file():
         found = find_image_folder(target)
         if found is not None:
+            if validate is not None:
+                try:
+                    validate(found)
+                except BaseException:  # an entry cached before the check existed: it goes, as a new one would
+                    shutil.rmtree(target, ignore_errors=True)
+                    raise
             return found
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=cache))
@@ -124,8 +143,11 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
         except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
             raise CorruptArchiveError(f"cannot extract {archive}: {type(err).__name__}: {err}. The archive is "
                                       f"corrupt or truncated; copy or download it again") from err
-        if find_image_folder(tmp) is None:
+        found = find_image_folder(tmp)
+        if found is None:
             raise CorruptArchiveError(f"{archive} holds no train/ and test/ folders (ImageFolder layout expected)")
+        if validate is not None:
+            validate(found)  # before the marker: a tree that fails it never enters the cache
         (tmp / _MARKER).write_text(digest + "\n")
         if target.exists():  # an incomplete earlier attempt, or a concurrent extraction that finished first
             if (target / _MARKER).is_file():

@@ -115,7 +115,7 @@ def resolve_cifar10(
     """
     root = Path(data_root).expanduser()
     if is_archive(root):
-        return "imagefolder", extract_archive(root, cache_dir)
+        return "imagefolder", extract_archive(root, cache_dir, validate=_same_classes_in(root))
     if root.is_dir():
         if (root / "cifar-10-batches-py").is_dir():
             return "torchvision", root
@@ -124,7 +124,7 @@ def resolve_cifar10(
             return "imagefolder", folder
         archives = sorted(p for p in root.iterdir() if is_archive(p))
         if len(archives) == 1:
-            return "imagefolder", extract_archive(archives[0], cache_dir)
+            return "imagefolder", extract_archive(archives[0], cache_dir, validate=_same_classes_in(archives[0]))
         if len(archives) > 1:
             names = ", ".join(p.name for p in archives)
             raise DataNotFoundError(f"{root} holds several archives ({names}); pass one of them as the data root")
@@ -186,6 +186,15 @@ def check_same_classes(expected: Sequence[str], found: Sequence[str], expected_w
         diff = f"same names in another order: {list(expected)} vs {list(found)}"
     raise ClassMismatchError(f"{found_what} has other classes than {expected_what} ({len(found)} vs "
                              f"{len(expected)}; {diff}), so its labels would mean other classes")
+
+
+def _same_classes_in(archive: Path) -> Callable[[Path], None]:
+    """The check :func:`extract_archive` runs on an archive's extracted tree before caching it: ``train/`` and
+    ``test/`` hold the same class folders (a :class:`ClassMismatchError` naming the archive otherwise)."""
+    def check(folder: Path) -> None:
+        check_same_classes(folder_classes(folder / "train"), folder_classes(folder / "test"), f"{archive}: train/",
+                           f"{archive}: test/")
+    return check
 
 
 def split_classes(source: str, root: Path) -> tuple[str, ...]:

@@ -82,10 +82,15 @@ def _json_value(value: Any) -> Any:
 
 
 def format_record(record: dict[str, Any]) -> str:
-    """One human-readable line for an epoch record."""
-    parts = [f"epoch {record['epoch']:>3}", f"{record['quantizer']:<5}",
-             f"util {100 * record['utilization']:5.1f}%", f"dead {record['dead_codes']:>4}",
-             f"ppl {record['perplexity']:7.1f}", f"train_mse {record['train_mse']:.4f}"]
+    """One human-readable line for an epoch record. The codebook figures on held-out images (``val ...``) lead when
+    the epoch was validated; the training epoch's (``train ...``) count restarted codes as used, so they are labelled
+    and come second."""
+    parts = [f"epoch {record['epoch']:>3}", f"{record['quantizer']:<5}"]
+    if record.get("val_utilization") is not None:
+        parts.append(f"val util {100 * record['val_utilization']:5.1f}% dead {record['val_dead_codes']:>4} "
+                     f"ppl {record['val_perplexity']:7.1f}")
+    parts += [f"train util {100 * record['utilization']:5.1f}% dead {record['dead_codes']:>4} "
+              f"ppl {record['perplexity']:7.1f}", f"train_mse {record['train_mse']:.4f}"]
     if record.get("val_psnr") is not None:
         parts.append(f"val_psnr {record['val_psnr']:.2f} (hard {record['val_psnr_hard']:.2f})")
         parts.append(f"ssim {record['val_ssim']:.3f}")

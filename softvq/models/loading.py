@@ -10,7 +10,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from softvq.models.checkpoint_io import UnsafeCheckpointError, checkpoint_classes, load_torch_file
+from softvq.models.checkpoint_io import UnsafeCheckpointError, _one_line, checkpoint_classes, load_torch_file
 
 
 def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str,
@@ -32,12 +32,13 @@ def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str
     except UnsafeCheckpointError:
         raise
     except ValueError as err:
+        cause = err.__cause__ or err  # torch's text is many lines advising weights_only=False: only its reason
         raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
-                         f"checkpoint ({err.__cause__.__class__.__name__}: {err.__cause__})") from err
+                         f"checkpoint ({type(cause).__name__}: {_one_line(cause)})") from err
     try:
         module = cls.load_from_checkpoint(path, map_location=map_location, weights_only=True)
     except Exception as err:  # missing keys, another model's checkpoint, ...
         raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
-                         f"checkpoint ({type(err).__name__}: {' '.join(str(err).split())[:300]})") from err
+                         f"checkpoint ({type(err).__name__}: {_one_line(err)})") from err
     module.class_names = checkpoint_classes(checkpoint)
     return module.eval()
