@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from softvq.norm import TokenStandardizer
-from softvq.utils import apply_keeping_precision, check_float
+from softvq.utils import apply_keeping_precision, check_finite_state, check_float
 
 
 class LayerState:
@@ -97,6 +97,7 @@ class LayerState:
             state_dict.setdefault(prefix + "ema_sum", prototypes.detach().clone())
             for name, value in TokenStandardizer(self.dim).state_dict().items():  # a fresh one: never used by v1
                 state_dict.setdefault(f"{prefix}standardizer.{name}", value)
+        check_finite_state(state_dict, prefix, "DDCLQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn: Any, recurse: bool = True) -> LayerState:

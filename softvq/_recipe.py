@@ -15,6 +15,7 @@ state.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -41,6 +42,32 @@ USAGE_DECAY_FLOOR = 0.9
 # ... and at most 0.97's memory (33 batches): longer left dead codes unrestarted for epochs at K = 16384 (0.992 there:
 # 92.5% of the codes used on held-out images, against 98.2% at 0.97, PSNR level).
 USAGE_DECAY_CEILING = 0.97
+
+
+@functools.lru_cache(maxsize=64)
+def max_varentropy(num_codes: int) -> float:
+    """The largest variance of ``-log q`` under ``q`` over distributions ``q`` on ``num_codes`` outcomes (0 for one).
+
+    It is attained by one outcome of mass ``p`` and ``K - 1`` of mass ``(1 - p) / (K - 1)``, where it is
+    ``p (1 - p) log((K - 1) p / (1 - p))^2``; maximised over ``p`` on a grid of its logit (0.44 for K = 2, 10.7 for
+    K = 512, 24.5 for K = 16384)."""
+    if num_codes < 2:
+        return 0.0
+    logit = torch.linspace(-40.0, 40.0, 200_001, dtype=torch.float64)
+    p = torch.sigmoid(logit)
+    return float((p * (1 - p) * (logit + math.log(num_codes - 1)).square()).max())
+
+
+def max_stable_rate(num_codes: int) -> float:
+    """The largest ``temperature_rate`` for which the entropy control is stable whatever the codebook and tokens.
+
+    The control is ``log T <- log T + rate (H* - H(T))``. Near its fixed point an error ``e`` in ``log T`` becomes
+    ``(1 - rate s) e`` with ``s = dH/dlog T``, which for Boltzmann assignments ``q ∝ exp(-d / T)`` is the variance of
+    ``d / T`` under ``q`` (the heat capacity), that is the varentropy of ``q``, averaged over tokens. It is stable
+    for ``0 < rate < 2 / s`` and ``s`` never exceeds :func:`max_varentropy` ``(K)``: the bound is ``2 / max_varentropy``
+    (0.19 at K = 512, 0.082 at K = 16384); above it a codebook can make ``T`` oscillate with a growing amplitude."""
+    v = max_varentropy(num_codes)
+    return math.inf if v == 0 else 2.0 / v
 
 
 class InLayerRecipe:
@@ -88,13 +115,21 @@ class InLayerRecipe:
         self.prototype_update = check_choice("prototype_update", prototype_update or ("ema" if auto else "gradient"),
                                              ("ema", "soft_ema", "gradient"))
         self.ema_decay = check_unit("ema_decay", ema_decay)
-        if target_entropy == "auto":
-            target_entropy = min(2.5, 0.5 * math.log(num_codes)) if auto else None
+        if target_entropy == "auto":  # one code has no entropy to control: T is fixed, as for "plain"
+            target_entropy = min(2.5, 0.5 * math.log(num_codes)) if auto and num_codes > 1 else None
+        elif target_entropy is not None and num_codes == 1:
+            raise ValueError(f"target_entropy={target_entropy!r} cannot be held with num_codes=1: one code takes every "
+                             f"token, so the assignment entropy is always 0; leave target_entropy at 'auto' (a fixed "
+                             f"temperature) or None")
         self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
         if self.target_entropy is not None and not self.target_entropy < math.log(num_codes):
             raise ValueError(f"target_entropy must be below log(num_codes) = {math.log(num_codes):.4g} nats (uniform "
                              f"assignments), got {target_entropy!r}")
         self.temperature_rate = check_float("temperature_rate", temperature_rate)
+        if self.target_entropy is not None and not self.temperature_rate < max_stable_rate(num_codes):
+            raise ValueError(f"temperature_rate={temperature_rate!r} is too large for the entropy control to be stable "
+                             f"with num_codes={num_codes}: it must be below 2 / (the largest varentropy over "
+                             f"{num_codes} codes) = {max_stable_rate(num_codes):.4g} (the default 0.01 is well below)")
         temperature = None if isinstance(temperature, str) and temperature == "auto" else temperature
         dead_code_threshold = None if isinstance(dead_code_threshold, str) and dead_code_threshold == "auto" \
             else dead_code_threshold

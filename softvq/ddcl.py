@@ -22,6 +22,7 @@ training-mode updates (temperature, EMA prototypes, dead-code restart) are the m
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ from softvq._soft_centroid import _SoftCentroid
 from softvq.norm import TokenStandardizer
 from softvq.types import QuantizerOutput, scatter_top_k
 from softvq.utils import (
+    all_reduce_sum_,
     broadcast_,
     check_bool,
     check_choice,
@@ -268,6 +270,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         # get_extra_state.
         self._initialized = init != "data"
         self._has_temperature = self._initial_temperature is not None
+        self._warned_start = False  # a batch that could not start the codebook has been reported
         # Tensor state that training steps change (so that a step never waits on the host): the temperature and the
         # restart count. Not state-dict entries of their own: get_extra_state saves them as numbers, as before. The
         # temperature is float64 (the precision a Python float had; the distances see it in their compute dtype) and
@@ -407,8 +410,11 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         recompute = eager and in_backward()
         replay = self._records.replay() if recompute else None
         update = self.training and not recompute
+        # a batch that cannot start the codebook (initialise it, calibrate T) is used for its output only
+        start = update and not (self._initialized and self._has_temperature)
+        deferred = start and not self._can_start(flat)
         with torch.autocast(device_type=z.device.type, enabled=False):
-            zf, mean, std = self._codebook_space(flat.to(ctype), update)
+            zf, mean, std = self._codebook_space(flat.to(ctype), update, update and not deferred)
             p_raw = self.prototypes.to(ctype)
             if replay is not None:
                 p_raw = replayed_prototypes(p_raw, replay)
@@ -419,7 +425,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
                 temperature = self.temperature_t
             else:  # set by the first training batch; evaluation before it calibrates, keeps nothing
                 temperature = self._calibrate_temperature(zf.detach(), p.detach())
-                if update:
+                if update and not deferred:
                     self.temperature_t = temperature
                     self._has_temperature = True
             record = self._records.push(p_raw, temperature) if eager and update else None
@@ -444,7 +450,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         l_q, l_ols, v, entropy = stats.unbind()
         # top-k: ``q`` is (N, k), the assignments of the prototypes ``chosen``; kept so (the caller asks for dense)
         sparse = chosen.numel() > 0
-        if update:
+        if update and not deferred:
             soft = q.detach()
             if sparse and self.prototype_update == "soft_ema":  # its M-step reads every code's (N, K) column
                 soft = scatter_top_k(soft, chosen, self.num_codes)
@@ -460,25 +466,56 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             prob_codes=chosen.reshape(*lead, chosen.shape[-1]) if sparse else None,
         )
 
-    def _codebook_space(self, zf: Tensor, update: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def _codebook_space(self, zf: Tensor, update: bool, update_codebook: bool) -> tuple[Tensor, Tensor | None,
+                                                                                      Tensor | None]:
         """Tokens ``(N, D)`` in the compute dtype -> the tokens the distances see (standardised; L2-normalised for
         cosine) and the standardiser's ``mean`` and ``std`` (``None`` without ``standardize``). With ``update`` (a
-        training step, not a recomputation), first initialises the prototypes from data and restarts dead codes, both
-        on the standardised tokens, and moves the standardiser's running statistics."""
+        training step, not a recomputation) moves the standardiser's running statistics; with ``update_codebook``
+        (such a step on a batch that can start the codebook) first initialises the prototypes from data and restarts
+        dead codes, both on the standardised tokens."""
         mean = std = None
         if self.standardize:
             zf, mean, std = self.standardizer(zf, update=update)
         if not self._initialized:
-            if update:
+            if update_codebook:
                 self._init_from_tokens(zf.detach())
             elif not self.training:
                 warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
                               "its prototypes: it is using random placeholder prototypes", stacklevel=4)
-        if update and self.dead_code_threshold > 0:
+        if update_codebook and self.dead_code_threshold > 0:
             self._restart_dead_codes(zf.detach())
         if self.distance == "cosine":
             zf = F.normalize(zf, dim=-1)
         return zf, mean, std
+
+    def _can_start(self, flat: Tensor) -> bool:
+        """Whether a training batch ``flat (N, D)`` (every process's, together) can start the codebook: initialise
+        the prototypes from its tokens and calibrate the temperature to ``target_entropy``.
+
+        It cannot when it holds too few tokens for ``K`` codes at the target entropy: with ``N e^H <= K`` the data
+        initialisation puts ``K / N >= e^H`` jittered copies of each token in the codebook, and the entropy target is
+        met among a token's own copies, at a temperature of the jitter's scale (1e-5 instead of about 1 for 32 tokens
+        and K = 512; a one-token "shape check" in training mode). A count, so no synchronisation. With
+        ``check_finite`` it also cannot when its tokens are all equal (nothing to initialise from, a temperature near
+        0): that reads one number on the host, as the finite check does; with ``check_finite=False`` (a step that
+        never synchronises) an all-equal first batch is the caller's to avoid."""
+        n = flat.shape[0] * (torch.distributed.get_world_size() if is_distributed() else 1)
+        why = None
+        if self.target_entropy is not None and n * math.exp(self.target_entropy) <= self.num_codes:
+            needed = self.num_codes * math.exp(-self.target_entropy)
+            why = (f"{n} token(s) are too few for {self.num_codes} codes at the target entropy of "
+                   f"{self.target_entropy:g} nats (more than K e^-H = {needed:.1f} are needed)")
+        elif self.check_finite and not torch.compiler.is_compiling():
+            tokens = flat.detach()  # nothing recorded for autograd: a checkpoint's recomputation skips this test
+            spread = (tokens.amax(0) - tokens.amin(0)).amax().to(torch.float64)  # N > 0 here
+            if not float(all_reduce_sum_(spread)) > 0:  # every process decides alike
+                why = f"its {n} token(s) are all equal"
+        if why is not None and not self._warned_start:
+            self._warned_start = True
+            warnings.warn(f"DDCLQuantizer(num_codes={self.num_codes}): a training batch cannot start the codebook: "
+                          f"{why}. It was used for its output only; the prototypes and the temperature start on the "
+                          f"first training batch that can", stacklevel=4)
+        return why is None
 
     def _soft_commitment(self) -> tuple[str, float]:
         """The commitment term the autograd function computes (``"hard"`` is added outside it)."""

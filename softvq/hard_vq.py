@@ -13,6 +13,7 @@ from softvq.utils import (
     all_reduce_sum_,
     apply_keeping_precision,
     check_bool,
+    check_finite_state,
     check_float,
     check_indices,
     check_positive_int,
@@ -118,6 +119,10 @@ class HardVQ(nn.Module):
         # resolution); device moves and float32 / float64 casts apply as usual
         apply_keeping_precision(self, lambda: super(HardVQ, self)._apply(fn, recurse))
         return self
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        check_finite_state(state_dict, prefix, "HardVQ")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"num_codes={self.num_codes}, dim={self.dim}, beta={self.beta:g}, ema_decay={self.ema_decay}, "

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from softvq.ddcl import DDCLQuantizer
 from softvq.types import QuantizerOutput
-from softvq.utils import check_positive_int
+from softvq.utils import check_finite_state, check_positive_int
 
 Window = int | tuple[int, ...]
 
@@ -163,6 +163,11 @@ class HierarchicalDDCL(nn.Module):
     def restarts(self) -> int:
         """Dead-code restarts so far, summed over the levels (per level: ``levels[l].restarts``)."""
         return sum(level.restarts for level in self.levels)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
+        check_finite_state(state_dict, prefix, "HierarchicalDDCL")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"num_codes={self.num_codes}, dim={self.dim}, pool={self.pool}"

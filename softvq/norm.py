@@ -71,7 +71,8 @@ class TokenStandardizer(nn.Module):
     produces).
 
     Training mode uses the batch's statistics (with their gradient, as batch normalisation does) and updates the
-    running ones: the first training batch sets them whole (momentum 1), later batches move them by ``momentum``.
+    running ones: the first training batch sets them whole (momentum 1), later batches move them by ``momentum``; a
+    batch of one token, or of tokens that are all equal, cannot estimate a variance and moves neither.
     Evaluation uses the running statistics. :meth:`forward` returns the mean and standard deviation it used, so a
     caller can map codes back to the input's scale (``codes * std + mean``). With ``frozen = True`` the running
     statistics are used in training mode too, and never change (a trained codebook reused as a fixed feature map).
@@ -138,13 +139,18 @@ class TokenStandardizer(nn.Module):
     @torch.no_grad()
     def _track(self, mean: Tensor, var: Tensor, count: Tensor) -> None:
         """Move the running statistics toward a training batch's (the first batch sets them whole); tensor tests,
-        not ``int()``: no device sync."""
+        not ``int()``: no device sync.
+
+        A batch that cannot estimate a variance (fewer than two tokens, or tokens that are all equal: zero variance
+        in every dimension) moves no statistic and does not count as tracked, so the next batch that can is still
+        the first. Running variances of zero would make evaluation divide by ``sqrt(eps * 0)``."""
+        estimable = (count >= 2) & (var.amax() > 0)
         first = (self.num_batches_tracked == 0).to(self.running_mean.dtype)
-        momentum = first + (1.0 - first) * self.momentum
+        momentum = (first + (1.0 - first) * self.momentum) * estimable.to(self.running_mean.dtype)
         unbiased = var.to(torch.float64) * bessel(count)
         self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
-        self.num_batches_tracked.add_(1)
+        self.num_batches_tracked.add_(estimable.to(self.num_batches_tracked.dtype))
 
     @torch.no_grad()
     def standardize(self, z: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from softvq.ddcl import DDCLQuantizer
-from softvq.utils import check_bool, compute_dtype
+from softvq.utils import check_bool, check_finite_state, compute_dtype
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 # The readout is the plain layer: where its defaults differ from DDCLQuantizer's.
@@ -244,6 +244,11 @@ class DDCLReadout(nn.Module):
             loss=out.loss,
             terms={name: out.terms[name] for name in _TERM_NAMES},
         )
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
+        check_finite_state(state_dict, prefix, "DDCLReadout")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"check_finite={self.check_finite}"

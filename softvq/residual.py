@@ -29,6 +29,7 @@ from softvq.types import QuantizerOutput
 from softvq.utils import (
     check_choice,
     check_feature_maps,
+    check_finite_state,
     check_indices,
     check_positive_int,
     compute_dtype,
@@ -185,6 +186,11 @@ class ResidualQuantizer(nn.Module):
             codes = self.levels[q].decode_indices(idx.clamp_min(0)) * (idx >= 0).unsqueeze(-1)
             total = codes if total is None else total + codes
         return total.movedim(-1, 1) if self.channel_first and total.ndim > 2 else total
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
+        check_finite_state(state_dict, prefix, "ResidualQuantizer")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"num_quantizers={self.num_quantizers}, num_codes={self.num_codes}, dim={self.dim}, "

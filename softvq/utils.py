@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,6 +111,19 @@ def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True, temperature: 
             raise ValueError(f"z has a value of magnitude {largest:.3g}, above {limit:.3g}, the largest whose squared "
                              f"distances over {dim} dimensions fit in {compute_dtype(z.dtype)}; rescale the tokens")
     return z.reshape(-1, dim)
+
+
+def check_finite_state(state_dict: dict[str, Any], prefix: str, layer: str) -> None:
+    """A ValueError naming the first floating-point tensor under ``prefix`` in a state dict being loaded that holds
+    NaN or Inf (a layer's state is finite after any sequence of finite training batches, so such a file is corrupt:
+    loading it would make evaluation return NaN codes and index 0 everywhere). Loading is not a training step: the
+    check's host read costs nothing per step."""
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, Tensor) and value.is_floating_point() and value.numel() > 0:
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                raise ValueError(f"{layer} state {key!r} holds {bad} non-finite value(s) (NaN or Inf) out of "
+                                 f"{value.numel()}; the checkpoint is corrupt, refused")
 
 
 def check_indices(indices: Tensor, num_codes: int) -> None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import softvq
 from softvq.cli import evaluate
@@ -116,3 +119,180 @@ def test_the_epoch_line_leads_with_held_out_codebook_figures():
     assert line.index("val util") < line.index("train util")
     del record["val_utilization"]  # an epoch without validation: the training figures alone, labelled
     assert "val util" not in format_record(record) and "train util 100.0%" in format_record(record)
+
+
+# ---- training state a batch cannot break ---------------------------------------------------------------------------
+def _after_twenty_normal_batches(first: torch.Tensor | None, num_codes: int, dim: int) -> tuple[float, float, float]:
+    """T, H(Q) and the encoder's gradient norm after ``first`` (if any) and 20 normal batches of 256 tokens."""
+    torch.manual_seed(0)
+    layer = softvq.DDCLQuantizer(num_codes, dim).train()
+    if first is not None:
+        with pytest.warns(UserWarning, match="cannot start the codebook"):
+            layer(first)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        z = torch.randn(256, dim, generator=g).requires_grad_(True)
+        out = layer(z)
+    out.quantized.sum().backward()
+    return layer.temperature, float(out.terms["entropy"]), float(z.grad.norm())
+
+
+@pytest.mark.parametrize("num_codes, dim, first", [
+    (512, 8, torch.randn(32, 8)),  # too few tokens for K at the target entropy: T was 1.5e-5
+    (512, 8, torch.randn(1, 8)),  # a one-token "shape check" in training mode
+    (16, 4, torch.zeros(64, 4)),  # all equal: T was 1e-18 and the gradient 1e12
+])
+def test_a_first_batch_that_cannot_start_the_codebook_does_not_fool_it(num_codes, dim, first):
+    t, h, grad = _after_twenty_normal_batches(first, num_codes, dim)
+    t_ref, h_ref, grad_ref = _after_twenty_normal_batches(None, num_codes, dim)
+    assert t_ref / 1.5 < t < t_ref * 1.5  # within a factor 1.5 of a layer whose first batch was normal
+    assert abs(h - h_ref) < 0.25
+    assert grad_ref / 1.5 < grad < grad_ref * 1.5
+
+
+def test_a_zero_initialised_encoder_output_trains():
+    """An encoder whose output layer starts at zero gives all-equal tokens at first: the codebook waits for tokens
+    with a spread, while the layer's output still passes a gradient to the encoder, which then spreads them."""
+    torch.manual_seed(0)
+    encoder, decoder = torch.nn.Linear(16, 8), torch.nn.Linear(8, 16)
+    torch.nn.init.zeros_(encoder.weight)
+    torch.nn.init.zeros_(encoder.bias)
+    layer = softvq.DDCLQuantizer(32, 8).train()
+    optimizer = torch.optim.Adam([*encoder.parameters(), *decoder.parameters()], lr=1e-2)
+    x = torch.randn(512, 16)
+    with pytest.warns(UserWarning, match="all equal"):
+        for _ in range(30):
+            loss = (decoder(layer(encoder(x)).quantized) - x).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert float(encoder.weight.detach().abs().sum()) > 0 and layer.initialized and layer.temperature > 1e-3
+    used = layer.eval()(encoder(x)).indices.unique().numel()
+    assert used >= 16  # half the codebook or more (HardVQ: every code but restarts alike); it was 1
+
+
+def test_the_temperature_rate_is_bounded_where_the_control_is_stable():
+    from softvq._recipe import max_stable_rate, max_varentropy
+    # the bound's varentropy against a brute-force search over two-level and random distributions on 4 codes
+    qs = torch.distributions.Dirichlet(torch.full((4,), 0.3)).sample((20000,)).double()
+    varentropy = (qs * (-qs.clamp_min(1e-300).log()).square()).sum(1) - (qs * -qs.clamp_min(1e-300).log()).sum(1) ** 2
+    assert float(varentropy.max()) <= max_varentropy(4) + 1e-9 and float(varentropy.max()) > 0.9 * max_varentropy(4)
+    with pytest.raises(ValueError, match=r"temperature_rate=100 is too large .* below .* = 0.187"):
+        softvq.DDCLQuantizer(512, 8, temperature_rate=100)
+    torch.manual_seed(0)
+    layer = softvq.DDCLQuantizer(64, 4, temperature_rate=0.99 * max_stable_rate(64), dead_code_threshold=0).train()
+    z = torch.randn(1024, 4)
+    layer(z)
+    layer.set_temperature(layer.temperature * 30, keep_control=True)  # far from the target: H near log K
+    entropies = [float(layer(z).terms["entropy"]) for _ in range(120)]
+    assert abs(entropies[-1] - layer.target_entropy) < 1e-3  # at the bound's edge the control still converges
+
+
+@pytest.mark.parametrize("build, key", [
+    (lambda: softvq.DDCLQuantizer(8, 4), "prototypes"),
+    (lambda: softvq.DDCLQuantizer(8, 4), "standardizer.running_var"),
+    (lambda: softvq.HardVQ(8, 4, ema_decay=0.9), "embedding"),
+    (lambda: softvq.ResidualDDCL(2, 8, 4), "levels.1.ema_sum"),
+])
+def test_a_state_dict_with_a_non_finite_value_is_refused(build, key):
+    layer = build().train()
+    layer(torch.randn(64, 4))
+    state = layer.state_dict()
+    state[key].view(-1)[0] = float("nan")
+    fresh = build()
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(ValueError, match=rf"state '{key}' holds 1 non-finite value"):
+        fresh.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items() if isinstance(v, torch.Tensor))
+
+
+def test_one_code_works_as_hard_vq_does():
+    layer = softvq.DDCLQuantizer(1, 4).train()
+    z = torch.randn(64, 4)
+    out = layer(z)
+    assert layer.target_entropy is None and layer.temperature == 1.0  # nothing to control
+    assert torch.equal(out.indices, torch.zeros(64, dtype=torch.long))
+    assert torch.equal(layer.eval()(z).indices, softvq.HardVQ(1, 4)(z).indices)
+    with pytest.raises(ValueError, match="target_entropy=0.5 cannot be held with num_codes=1"):
+        softvq.DDCLQuantizer(1, 4, target_entropy=0.5)
+
+
+# ---- a property over random batch sequences (Hypothesis) -----------------------------------------------------------
+_KINDS = ("normal", "equal", "spike", "nan")
+
+
+@st.composite
+def batch_sequences(draw):
+    """Up to 8 batches: a size (0-40 tokens), a kind (normal, all equal, one large token among small ones, or with
+    a NaN), a scale 1e-3..1e3, and the mode it is passed in."""
+    return [(draw(st.integers(0, 40)), draw(st.sampled_from(_KINDS)), 10.0 ** draw(st.integers(-3, 3)),
+             draw(st.booleans())) for _ in range(draw(st.integers(1, 8)))]
+
+
+def _tokens(size: int, kind: str, scale: float, g: torch.Generator) -> torch.Tensor:
+    z = torch.randn(size, 4, generator=g, dtype=torch.float64) * scale
+    if kind == "equal" and size:
+        z = z[:1].expand(size, 4).clone()
+    elif kind == "spike" and size:
+        z[0] *= 1e3
+    elif kind == "nan" and size:
+        z[size // 2, 1] = float("nan")
+    return z
+
+
+PROPERTY_LAYERS = {
+    "DDCLQuantizer": lambda: softvq.DDCLQuantizer(16, 4),
+    "ResidualDDCL": lambda: softvq.ResidualDDCL(2, 16, 4),
+    "HardVQ": lambda: softvq.HardVQ(16, 4, ema_decay=0.99, dead_code_threshold=1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(PROPERTY_LAYERS))
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(sequence=batch_sequences())
+def test_no_sequence_of_batches_breaks_a_layer(name, sequence):
+    """Whatever the batches: finite batches give finite outputs, ``L_q = L_OLS + V`` holds, a refused batch changes
+    no state, and evaluation afterwards is finite."""
+    torch.manual_seed(0)
+    layer = PROPERTY_LAYERS[name]().double()  # float64: the identity then holds to rounding even at 1e6 spikes
+    g = torch.Generator().manual_seed(len(sequence))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "cannot start the codebook", "eval before training"
+        for size, kind, scale, training in sequence:
+            z = _tokens(size, kind, scale, g)
+            layer.train(training)
+            if kind == "nan" and size:
+                before = copy.deepcopy(layer.state_dict())
+                with pytest.raises(ValueError, match="non-finite"):
+                    layer(z)
+                assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items() if torch.is_tensor(v))
+                continue
+            out = layer(z)
+            assert torch.isfinite(out.quantized).all() and torch.isfinite(out.loss)
+            for key, l_q in out.terms.items():
+                if key.startswith("l_q") and size:  # L_q = L_OLS + V to float64 rounding (l_q may be ~0: absolute)
+                    level = key[len("l_q"):]
+                    gap = float(l_q - out.terms["l_ols" + level] - out.terms["v" + level])
+                    assert abs(gap) <= 1e-9 * max(1.0, float(l_q)), key
+            assert all(torch.isfinite(v).all() for v in layer.state_dict().values()
+                       if torch.is_tensor(v) and v.is_floating_point())
+        layer.eval()
+        out = layer(torch.randn(32, 4, generator=g, dtype=torch.float64))
+        assert torch.isfinite(out.quantized).all() and all(torch.isfinite(v).all() for v in out.terms.values())
+
+
+def test_a_batch_that_cannot_estimate_a_variance_moves_no_statistic():
+    from softvq.norm import TokenStandardizer
+    s = TokenStandardizer(4).train()
+    for degenerate in (torch.randn(1, 4), torch.ones(16, 4) * 3.0):  # one token; all equal
+        s(degenerate)
+        assert int(s.num_batches_tracked) == 0 and torch.equal(s.running_var, torch.ones(4))
+    z = torch.randn(64, 4) * 2 + 1
+    s(z)  # still the first batch: it sets the statistics whole
+    torch.testing.assert_close(s.running_mean, z.mean(0))
+    torch.testing.assert_close(s.running_var, z.var(0))
+    before = s.running_mean.clone(), s.running_var.clone()
+    for degenerate in (torch.randn(1, 4), torch.ones(16, 4) * 3.0):
+        s(degenerate)
+    assert torch.equal(s.running_mean, before[0]) and torch.equal(s.running_var, before[1])
+    assert int(s.num_batches_tracked) == 1
