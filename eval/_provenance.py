@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,3 +31,29 @@ def code_commit() -> str:
 def study_command(module: str, argv: list[str] | None) -> str:
     """The command line that reruns ``python -m <module>`` with ``argv`` (this process's own when ``None``)."""
     return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def repo_relative(path: str | os.PathLike) -> str:
+    """``path`` relative to the repository root (``../`` for one beside it): no record holds an absolute path, which
+    would name the machine it ran on."""
+    return Path(os.path.relpath(os.path.abspath(path), ROOT)).as_posix()
+
+
+# An absolute path inside a text: after its start, a space or "=" (``--out=/x``), at least two parts, up to a space
+# or a quote.
+_ABSOLUTE_WORD = re.compile(r"(?:(?<=^)|(?<=[\s=]))(/[^\s'\"/]+/[^\s'\"]*)")
+
+
+def portable(value: Any) -> Any:
+    """A JSON-able record with every absolute path made :func:`repo_relative`: string values that are absolute paths,
+    and absolute paths inside texts (a command line's ``--data-root /x/y`` or ``--out=/x/y``, a note quoting one);
+    anything else unchanged."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v) for v in value]
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        return value
+    return _ABSOLUTE_WORD.sub(lambda m: repo_relative(m.group(1)), value)

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe
 from eval.peers.report import test_table, values
 from softvq.cli.common import run_command
@@ -312,7 +312,7 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "report.md", "\n".join(lines))
     summary = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}
-    write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
+    write_atomic(args.out / "results.json", json.dumps(portable(summary), indent=1))
     return summary
 
 

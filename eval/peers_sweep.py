@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval import peers  # noqa: E402
-from eval._provenance import code_commit  # noqa: E402
+from eval._provenance import code_commit, portable  # noqa: E402
 from eval._spread import by_seed, describe  # noqa: E402
 from eval.compare.report import _fmt, mean_std  # noqa: E402
 from softvq.cli.common import run_command  # noqa: E402
@@ -204,7 +204,7 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     ]
     write_atomic(out / "report.md", "\n".join(lines))
     summary = {"settings": settings, "runs": runs}
-    write_atomic(out / "results.json", json.dumps(summary, indent=1, default=float))
+    write_atomic(out / "results.json", json.dumps(portable(summary), indent=1, default=float))
     return summary
 
 

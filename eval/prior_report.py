@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eval._provenance import code_commit, study_command
+from eval._provenance import code_commit, portable, study_command
 from softvq.cli.common import run_command
 from softvq.models.callbacks import read_history
 from softvq.models.files import write_atomic
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     header = (f"Regenerate: `{study_command('eval.prior_report', argv)}` (the table of [report.md](report.md))\n\n"
               f"Code: {code_commit()}\n\n")
     write_atomic(args.out / "table.md", header + text)
-    write_atomic(args.out / "results.json", json.dumps({"runs": runs}, indent=2) + "\n")
+    write_atomic(args.out / "results.json", json.dumps(portable({"runs": runs}), indent=2) + "\n")
     position_figure(runs, args.out / "position_bits.png")
     write_atomic(args.out / "report.md", render(runs, argv, sample_grids(args.out)))
     print(text)

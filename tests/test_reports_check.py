@@ -101,3 +101,39 @@ def test_a_report_goes_stale_when_its_study_or_the_library_changes(repo, capsys)
     write_report(repo, "peers", "deadbee")
     reports.main(["--check"], root=repo)
     assert "unknown commit deadbee (not in this clone)" in capsys.readouterr().out
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_no_committed_results_file_holds_an_absolute_path():
+    """A record names paths relative to the repository: an absolute one names the machine it ran on."""
+    import json
+    import re
+
+    absolute = re.compile(r"(?:^|[\s=])/[^\s'\"/]+/")
+    files = sorted((reports.ROOT / "reports").rglob("*.json"))
+    assert len(files) > 10
+    offending = [f"{path.relative_to(reports.ROOT)}: {text[:80]}" for path in files
+                 for text in _strings(json.loads(path.read_text())) if absolute.search(text)]
+    assert offending == []
+
+
+def test_portable_makes_paths_relative_and_leaves_other_text():
+    from eval._provenance import ROOT, portable
+
+    record = {"data": str(ROOT.parent / "shared" / "x.tar.gz"), "runs": ROOT / "runs" / "a",
+              "command": f"python -m eval.x --out={ROOT}/runs/b --data-root {ROOT.parent}/d/e --seeds 0 1",
+              "note": "mean / K, 1/2 of it, a ratio a/b", "values": [1.5, None, {"p": f"{ROOT}/reports/x"}]}
+    assert portable(record) == {
+        "data": "../shared/x.tar.gz", "runs": "runs/a",
+        "command": "python -m eval.x --out=runs/b --data-root ../d/e --seeds 0 1",
+        "note": "mean / K, 1/2 of it, a ratio a/b", "values": [1.5, None, {"p": "reports/x"}]}

@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe
 from softvq.models.files import write_atomic  # noqa: E402
 
@@ -377,5 +377,5 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
                                     epochs, out)
     write_atomic(out / "report.md", "\n".join(lines))
     results = {"settings": settings, "seconds": seconds, "runs": runs_for_json(runs)}
-    write_atomic(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
+    write_atomic(out / "results.json", json.dumps(portable(results), indent=1, default=str) + "\n")
     return results

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from eval._provenance import portable
 from eval.clustering import cluster_owners, clustering_accuracy, contingency_matrix
 from eval.debris.data import REGIMES, make_orbital_debris
 from eval.debris.report import MAIN, Fit, plot, render
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "direct": asdict(direct), "encoder": asdict(encoder), "seconds": seconds, "results": results,
                "torch": torch.__version__}
-    (args.out / "results.json").write_text(json.dumps(summary, indent=1))
+    (args.out / "results.json").write_text(json.dumps(portable(summary), indent=1))
     (args.out / "report.md").write_text(render(summary, argv))
     log.info("wrote %s in %.0f s", args.out / "report.md", seconds)
     return summary

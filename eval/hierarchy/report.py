@@ -10,7 +10,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval.compare import report as rep
 from softvq.models.files import write_atomic
 
@@ -217,5 +217,5 @@ def write_report(runs: list[dict[str, Any]], checks: list[dict[str, Any]], setti
              *_per_epoch(groups, labels, epochs)]
     write_atomic(out / "report.md", "\n".join(lines))
     results = {"settings": settings, "seconds": seconds, "claim": checks, "runs": rep.runs_for_json(runs)}
-    write_atomic(out / "results.json", json.dumps(results, indent=1, default=str) + "\n")
+    write_atomic(out / "results.json", json.dumps(portable(results), indent=1, default=str) + "\n")
     return results

@@ -37,7 +37,6 @@ import datetime
 import importlib.util
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ from typing import Any, NamedTuple
 import lightning as L
 
 from eval import peers
-from eval._provenance import ROOT, code_commit, git, study_command
+from eval._provenance import code_commit, git, repo_relative, study_command
 from eval.long_run.metrics import EightBitPSNR, psnr_8bit
 from eval.long_run.report import write_report
 from softvq.cli.common import run_command
@@ -111,11 +110,6 @@ def select_runs(num_codes: Sequence[int] | None = None, methods: Sequence[str] |
         raise ValueError(f"the plan has no run with K in {ks}, methods {names} and seeds {wanted_seeds}; "
                          f"--off-plan runs those combinations anyway")
     return runs
-
-
-def repo_relative(path: str | os.PathLike) -> str:
-    """``path`` relative to the repository root (``../`` for one beside it): no record holds an absolute path."""
-    return Path(os.path.relpath(os.path.abspath(path), ROOT)).as_posix()
 
 
 def relative_argv(argv: Sequence[str]) -> list[str]:

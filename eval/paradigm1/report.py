@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval._spread import beyond_spread, verdict
 from softvq.models.files import write_atomic
 
@@ -221,6 +221,6 @@ def render(results: dict[str, Any]) -> str:
 def write_report(results: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     text = render(results)
-    write_atomic(out / "results.json", json.dumps(results, indent=1, default=str))
+    write_atomic(out / "results.json", json.dumps(portable(results), indent=1, default=str))
     write_atomic(out / "report.md", text)
     print(text)

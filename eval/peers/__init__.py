@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import softvq
+from eval._provenance import repo_relative
 from eval.peers.report import write_report
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
@@ -349,7 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 (runs.append(run) if run is not None else missing.append(f"{method} seed {seed}"))
     if not runs:
         raise FileNotFoundError(f"no finished run in {args.runs} for these settings, and --no-train forbids training")
-    settings = {**settings_of(args), "seeds": args.seeds, "command": args.command, "missing": missing}
+    settings = {**settings_of(args), "seeds": args.seeds, "command": args.command, "missing": missing,
+                "runs": repo_relative(args.runs)}
     return write_report(runs, settings, args.out, LABELS)
 
 

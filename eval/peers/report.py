@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe
 from eval.compare.report import _finish, _fmt, draw_panels, mean_std, series  # noqa: E402
 from softvq.models.files import write_atomic  # noqa: E402
@@ -165,7 +165,8 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     lines = [
         "# DDCL against its peers in the project's VQ-VAE",
         "",
-        f"Regenerate: `{settings['command']}` (runs are kept in `runs/peers/`; finished ones are read).",
+        f"Regenerate: `{settings['command']}` (runs are kept in `{settings.get('runs', 'runs/peers')}/`; finished "
+        f"ones are read).",
         "", f"Code: {settings.get('code') or code_commit()}", "",
         f"Same encoder/decoder (width {settings['width']}, {settings['res_blocks']} residual blocks), K = "
         f"{settings['num_codes']} codes of D = {settings['code_dim']}, Adam {settings['lr']:g}, batch "
@@ -202,5 +203,5 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     ]
     write_atomic(out / "report.md", "\n".join(lines))
     summary = {"settings": settings, "runs": runs}
-    write_atomic(out / "results.json", json.dumps(summary, indent=1, default=float))
+    write_atomic(out / "results.json", json.dumps(portable(summary), indent=1, default=float))
     return summary

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval._spread import beyond_spread
 from softvq.models.files import write_atomic
 
@@ -328,5 +328,5 @@ def write_report(results: list[dict[str, Any]], settings: dict[str, Any], out: P
     plot(groups, results, labels, out / "rate_distortion.png")
     write_atomic(out / "report.md", "\n".join(lines))
     summary = {"settings": settings, "matched": rows, "results": results, "missing": missing or []}
-    write_atomic(out / "results.json", json.dumps(summary, indent=1, default=float))
+    write_atomic(out / "results.json", json.dumps(portable(summary), indent=1, default=float))
     return summary

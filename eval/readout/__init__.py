@@ -40,7 +40,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from eval._provenance import code_commit, study_command
+from eval._provenance import code_commit, portable, study_command
 from eval.readout.heads import LABELS, READOUTS, build_readout, fit
 from softvq import DDCLQuantizer, assignment_entropy
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, default_cache_dir, sha256_file
@@ -294,6 +294,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     text = report(results)
     (args.out / "report.md").write_text(text)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    (args.out / "results.json").write_text(json.dumps(portable(results), indent=2))
     print(text)
     return results

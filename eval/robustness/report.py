@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval.robustness.grid import ALPHA, BASE, COLLAPSE, CONFIGS, OPTIMIZERS, SETTINGS, constructor
 from softvq.models.files import write_atomic
 
@@ -133,7 +133,7 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: f
     write_atomic(args.out / "report.md", "\n".join(lines))
     summary = {"command": args.command, "steps": args.steps, "seeds": args.seeds, "wall_s": wall_s,
                "regret": regret, "worst_case": worst, "runs": runs}
-    write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
+    write_atomic(args.out / "results.json", json.dumps(portable(summary), indent=1))
     return summary
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from eval import rate_distortion as rd
-from eval._provenance import code_commit
+from eval._provenance import code_commit, portable
 from eval._spread import MIN_SEEDS
 from eval.peers import study_run
 from eval.sample_quality import classifier as clf
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "validation_fd": {str(t): v for t, v in val_fd.items()}}, "rows": rows,
         "conditional": conditional}
     args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
+    write_atomic(args.out / "results.json", json.dumps(portable(summary), indent=1))
     write_atomic(args.out / "report.md", report(summary))
     return summary
 
