@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             data.setup("fit")
             history = stored["history"]
         else:
-            model, data, result = peers.fit_run(args.method, args.seed, args, out, quantizer=build(args.method, args))
+            model, data, result = peers.fit_run(args.method, args.seed, args, out,
+                                                quantizer=lambda: build(args.method, args))
             torch.save(model.state_dict(), out / "vqvae.pt")
             write_atomic(out / "result.json", json.dumps({**result, "settings": settings,
                                                           "commit": code_commit()}, indent=1))

@@ -173,3 +173,24 @@ def test_a_probe_of_a_peer_overrides_one_option_of_its_recommended_configuration
     assert build_quantizer("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
     with pytest.raises(ValueError, match="level-gradient"):
         build_quantizer("vqp_vq", 16, 4, {}, level_gradient="straight_through")
+
+
+def _numbers(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in ("time_s", "train_images_per_s")} for row in history]
+
+
+def test_same_seed_same_numbers_for_every_method(tmp_path, tiny_cifar):
+    """eval.peers is deterministic at a fixed seed, commit and thread count, for every method; and the bottleneck is
+    built after seeding whoever calls fit_run (the rate-distortion and residual studies pass a builder): HardVQ draws
+    its codebook at construction, so a module built beforehand started from the caller's random state."""
+    args = peers.parse_args(["--data-root", str(tiny_cifar["folder"]), *TINY, "--train-subset", "32",
+                             "--test-limit", "16", "--epochs", "1"])
+    for method in peers.LABELS:
+        first = peers.fit_run(method, 3, args, tmp_path / method / "a")[2]
+        torch.rand(7)  # another random state at the call: it must not matter
+        builder = None if method != "hard_ema" else (lambda: peers.build("hard_ema", args.num_codes, args.code_dim))
+        second = peers.fit_run(method, 3, args, tmp_path / method / "b", quantizer=builder)[2]
+        assert first["test"] == second["test"], method
+        assert _numbers(first["history"]) == _numbers(second["history"]), method
+    with pytest.raises(TypeError, match="a function that builds the bottleneck"):
+        peers.fit_run("hard_ema", 3, args, tmp_path / "module", quantizer=peers.build("hard_ema", 8, 8))

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,18 +216,21 @@ def train_run(method: str, seed: int, args: argparse.Namespace, out: Path) -> di
 
 
 def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
-            quantizer: nn.Module | None = None) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
-    """Train one VQ-VAE (bottleneck ``quantizer``, by default ``build(method, ...)``) in ``out`` and test it: the
-    trained model, its data module and the run's record (settings, per-epoch history, test figures, wall time).
-    The study of rate against distortion (``eval/rate_distortion/``) trains through this too, so both train
-    exactly the same model."""
+            quantizer: Callable[[], nn.Module] | None = None) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
+    """Train one VQ-VAE (bottleneck built by ``quantizer()``, by default ``build(method, ...)``) in ``out`` and test
+    it: the trained model, its data module and the run's record (settings, per-epoch history, test figures, wall
+    time). The study of rate against distortion (``eval/rate_distortion/``) trains through this too, so both train
+    exactly the same model: the bottleneck is built here, after seeding, because a layer that draws its codebook at
+    construction (HardVQ's uniform initialisation) would otherwise start from whatever the caller's random state was
+    (the two studies' HardVQ runs differed for that reason, while data-initialised codebooks agreed)."""
+    if isinstance(quantizer, nn.Module):
+        raise TypeError("fit_run takes a function that builds the bottleneck (called after seeding), not a module")
     out.mkdir(parents=True, exist_ok=True)
     (out / "history.jsonl").unlink(missing_ok=True)
     L.seed_everything(seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=seed)
-    if quantizer is None:
-        quantizer = build(method, args.num_codes, args.code_dim)
+    quantizer = build(method, args.num_codes, args.code_dim) if quantizer is None else quantizer()
     # The same encoder and decoder weights for every method: the bottlenecks draw different amounts of randomness.
     L.seed_everything(seed, workers=True, verbose=False)
     model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,

@@ -171,8 +171,8 @@ def run_point(method: str, k: int, seed: int, target: float | None, args: argpar
     print(f"[rate_distortion] {method} K={k} seed {seed}" + (f" target {target}" if target else "") + f" -> {out}",
           flush=True)
     vargs = vqvae_args(args, k)
-    quantizer = build_quantizer(method, k, args.code_dim, target)
-    model, data, result = peers.fit_run(method, seed, vargs, out, quantizer=quantizer)
+    model, data, result = peers.fit_run(method, seed, vargs, out,
+                                        quantizer=lambda: build_quantizer(method, k, args.code_dim, target))
     model.eval()
     splits = {"train": data.train_set, "val": data.val_set, "test": data.test_set}
     if args.test_limit:

@@ -194,8 +194,8 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | No
     if args.no_train:
         return None
     print(f"[residual] training {method} seed {seed} -> {out}", flush=True)
-    quantizer = build(method, args.num_quantizers, args.num_codes, args.code_dim)
-    model, data, result = peers.fit_run(method, seed, args, out, quantizer=quantizer)
+    model, data, result = peers.fit_run(method, seed, args, out, quantizer=lambda: build(
+        method, args.num_quantizers, args.num_codes, args.code_dim))
     levels = getattr(model, "num_quantizers", 1)
     result.update(settings=settings, commit=args.commit, bits_per_position=bits_per_position(method, args),
                   levels=levels, psnr_by_levels=psnr_by_levels(model, data.test_dataloader(), levels,
