@@ -15,7 +15,7 @@ exactly every size: it runs at the FSQ paper's nearest one (:func:`eval.peers.fs
 table gives in brackets. Runs live in ``--runs/K<K>/<method>/seed<S>/`` (those of :mod:`eval.peers`); the report
 (``--out``) has, per K and method, the test split's hard-index PSNR, utilization, perplexity / K, the codes restarted
 per training epoch and training images/s, DDCL's margin over the best peer under the reports' one seed-spread rule
-(:mod:`eval._spread`), the issue's targets checked, and ``psnr_vs_k.png``.
+(:mod:`eval._spread`), the study's targets checked, and ``psnr_vs_k.png``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from softvq.models.files import write_atomic  # noqa: E402
 SIZES = (512, 1024, 4096, 16384)
 FULL = (512, 4096)
 LABELS = {**peers.LABELS, "vqp_fsq": "vqp FSQ (levels of the FSQ paper)"}
-# The issue's targets (docs/studies.md, "Large codebooks"): dB over the best peer at 4096, beyond the seed spread.
+# The study's targets (docs/studies.md, "Large codebooks"): dB over the best peer at 4096, beyond the seed spread.
 LEAD_DB = {4096: 0.3}
 MIN_UTILIZATION, MIN_PPL_PER_K = 0.99, 0.8
 

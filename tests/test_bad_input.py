@@ -297,7 +297,7 @@ def test_truncated_archive_in_the_data_module(tmp_path, tiny_cifar, monkeypatch)
         softvq.data.CIFAR10DataModule(archive).setup()
 
 
-# ---- issue 18, item 6: integer types, bools, windows, probabilities, tokens too large for their squared distances --
+# ---- integer types, bools, windows, probabilities, tokens too large for their squared distances --
 @pytest.mark.parametrize("make, message", [
     (lambda: DDCLQuantizer(16, 8, temperature=True), "temperature must be a positive finite number, got True"),
     (lambda: DDCLQuantizer(16, 8, temperature=np.bool_(True)), "temperature must be a positive finite number"),
@@ -348,7 +348,7 @@ def test_tokens_too_large_for_squared_distances(make):
     assert torch.equal(out.indices, reference)
 
 
-# ---- issue 18, item 5: classes -----------------------------------------------------------------------------------
+# ---- classes -----------------------------------------------------------------------------------
 def test_a_class_missing_from_test_is_refused_before_training(capsys, tmp_path):
     write_image_folder(tmp_path / "data", per_class_train=12, per_class_test=1)
     shutil.rmtree(tmp_path / "data" / "test" / "ship")

@@ -178,7 +178,7 @@ def test_an_archive_whose_splits_have_other_classes_leaves_the_cache(tmp_path):
     assert not list(cache.iterdir())
 
 
-# ---- classes: hidden entries are ignored, train/ and test/ must agree, checkpoints record them (issue 18) ---------
+# ---- classes: hidden entries are ignored, train/ and test/ must agree, checkpoints record them ---------
 def test_hidden_folders_and_files_are_neither_classes_nor_images(tmp_path):
     root = write_image_folder(tmp_path / "data", per_class_train=2, per_class_test=1)
     for split in ("train", "test"):

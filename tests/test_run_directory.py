@@ -1,4 +1,4 @@
-"""Issue 18, items 2-4: one run per directory, honest exit codes on SIGTERM/SIGINT, resume only with the run's settings.
+"""One run per directory, honest exit codes on SIGTERM/SIGINT, resume only with the run's settings.
 
 - Two runs started together into one ``--out``: one is refused at once naming the other's pid, and the one that ran
   ends exactly like a run that was alone. A lock left by a SIGKILLed process is stale and taken over.

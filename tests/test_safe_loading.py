@@ -1,4 +1,4 @@
-"""Issue 18, item 1: no file this project loads runs code, even with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``.
+"""No file this project loads runs code, even with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``.
 
 A pickle payload that creates a marker file when unpickled is fed to every entry point that loads a ``torch.save``
 file: resuming training (a ``--resume FILE`` and a planted ``last.ckpt``), the NaN-stop message, the evaluation, the

@@ -119,7 +119,7 @@ def plot_test(groups: dict[str, list], labels: dict[str, str], path: Path) -> No
 
 
 def targets(groups: dict[str, list], settings: dict[str, Any]) -> list[str]:
-    """The issue's targets, checked on the measured numbers."""
+    """The study's targets, checked on the measured numbers."""
     if "ddcl" not in groups:
         return []
     k = settings["num_codes"]

@@ -192,7 +192,7 @@ def matched_lines(rows: list[dict[str, Any]], labels: dict[str, str]) -> list[st
 
 
 def target_lines(rows: list[dict[str, Any]], small: int) -> list[str]:
-    """The issue's target, per DDCL size: >= 5% fewer bits than every peer at matched PSNR (beyond the spread at the
+    """The study's target, per DDCL size: >= 5% fewer bits than every peer at matched PSNR (beyond the spread at the
     small size, the figure alone at the large one)."""
     lines = []
     for k in sorted({r["num_codes"] for r in rows}):

@@ -165,7 +165,7 @@ def plot_regret(regret: dict[str, dict[str, float]], settings: list[str], config
 
 
 def targets(regret, worst, cell, settings, configs) -> list[str]:
-    """The issue's three targets for DDCL's defaults, each stated with its numbers, true or false."""
+    """The study's three targets for DDCL's defaults, each stated with its numbers, true or false."""
     if "ddcl" not in configs:
         return ["- DDCL was not run."]
     others = {c: w for c, w in worst.items() if c != "ddcl"}
