@@ -9,9 +9,13 @@ A report (any ``reports/**/*.md``) starts with a header of two lines:
     Regenerate: `python -m eval.<study> ...`     (or ``Regenerate:`` followed by the command, indented)
     Code: <commit> ...                          (every commit the numbers came from: the runs', the report's)
 
-A report is **stale** when ``softvq/`` or its study's own modules (every file of the package ``eval/<study>/`` when the
-study is one, else ``eval/<study>.py``) changed in a commit that is not an ancestor of (or equal to) every commit its
-``Code:`` line names: its numbers may not be what today's code gives. A commit this clone does not have (a shallow
+A report with fingerprints (``reports/fingerprints.json``, :mod:`eval.fingerprint`: per report, a hash of a tiny
+fixed training run of each method its numbers come from, taken at its commits) is **stale** exactly when today's code
+gives one of those methods another fingerprint: a refactor that changes no number flags nothing, a new default flags
+the reports of the methods that use it. Any other report is **stale** when ``softvq/`` or its study's own modules
+(every file of the package ``eval/<study>/`` when the study is one, else ``eval/<study>.py``) changed in a commit
+that is not an ancestor of (or equal to) every commit its ``Code:`` line names: its numbers may not be what today's
+code gives. A commit this clone does not have (a shallow
 clone, another repository) is reported as unknown, not stale. ``+`` after a commit (uncommitted changes when the
 study ran) is read as that commit.
 """
@@ -93,12 +97,24 @@ def is_ancestor(older: str, newer: str, root: Path) -> bool:
     return subprocess.run(["git", "merge-base", "--is-ancestor", older, newer], cwd=root).returncode == 0
 
 
-def status(header: Header, root: Path = ROOT) -> str:
-    """``"fresh"``, ``"no header: ..."``, ``"unknown commit ..."`` or ``"stale: ..."``."""
+def status(header: Header, root: Path = ROOT, prints: dict[str, list[str]] | None = None,
+           current: dict[str, str] | None = None) -> str:
+    """``"fresh"``, ``"no header: ..."``, ``"unknown commit ..."`` or ``"stale: ..."``.
+
+    With ``prints`` (the report's stored fingerprints, :mod:`eval.fingerprint`) and ``current`` (today's), the
+    report is judged by its methods' numerics: stale exactly when one of them changed, whatever else did. Without,
+    by the code's history (the module docstring's rule)."""
     if not header.command:
         return "no header: no 'Regenerate:' line"
     if not header.commits:
         return "no header: no commit on a 'Code:' line"
+    if prints and current is not None:
+        from eval.fingerprint import stale_methods
+
+        changed = stale_methods(prints, current)
+        if changed:
+            return f"stale: the numerics of {', '.join(changed)} changed (fingerprints)"
+        return f"fresh: the numerics of {', '.join(sorted(prints))} are unchanged (fingerprints)"
     missing = [c for c in header.commits if not known(c, root)]
     if missing:
         return f"unknown commit {', '.join(missing)} (not in this clone)"
@@ -112,7 +128,7 @@ def status(header: Header, root: Path = ROOT) -> str:
     return "fresh"
 
 
-def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+def main(argv: list[str] | None = None, root: Path = ROOT, store: Path | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     mode = p.add_mutually_exclusive_group()
@@ -124,13 +140,20 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
         print(f"error: no reports under {root / 'reports'}", file=sys.stderr)
         return 1
     bad = []
+    stored, current = {}, None
+    if not args.headers:  # the numerics' fingerprints: stored per report, today's computed once
+        from eval import fingerprint
+
+        stored = fingerprint.load(store or root / "reports" / "fingerprints.json")
+        if stored:
+            current = fingerprint.today(sorted({m for prints in stored.values() for m in prints}))
     print("| report | commit(s) | command | status |\n|---|---|---|---|")
     for path in reports:
         header = read_header(path)
         if args.headers:
             state = "header present" if header.complete else status(header, root)
         else:
-            state = status(header, root)
+            state = status(header, root, stored.get(path.relative_to(root).as_posix()), current)
         failing = not header.complete if args.headers else not state.startswith(("fresh", "unknown commit"))
         bad += [path] if failing else []
         command = (header.command or "-").replace("|", "\\|")

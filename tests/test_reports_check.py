@@ -137,3 +137,29 @@ def test_portable_makes_paths_relative_and_leaves_other_text():
         "data": "../shared/x.tar.gz", "runs": "runs/a",
         "command": "python -m eval.x --out=runs/b --data-root ../d/e --seeds 0 1",
         "note": "mean / K, 1/2 of it, a ratio a/b", "values": [1.5, None, {"p": "reports/x"}]}
+
+
+def test_fingerprints_flag_exactly_the_reports_whose_methods_numerics_changed(tmp_path, monkeypatch, capsys):
+    """A refactor that changes no number flags nothing; a toy new default of DDCL flags the DDCL report only."""
+    import softvq
+    from eval import fingerprint
+
+    for name in ("a", "b"):
+        (tmp_path / "reports" / name).mkdir(parents=True)
+        (tmp_path / "reports" / name / "report.md").write_text(
+            f"# R\n\nRegenerate: `python -m eval.{name} --seeds 0`\n\nCode: abc1234\n")
+    store = tmp_path / "reports" / "fingerprints.json"
+    prints = fingerprint.today(["ddcl", "hard_ema"])
+    assert prints == fingerprint.today(["ddcl", "hard_ema"])  # the same code, the same fingerprint
+    fingerprint.record("reports/a/report.md", {"ddcl": [prints["ddcl"]]}, store)
+    fingerprint.record("reports/b/report.md", {"hard_ema": [prints["hard_ema"]]}, store)
+    assert reports.main(["--check"], root=tmp_path, store=store) == 0
+    assert capsys.readouterr().out.count("fresh: the numerics of") == 2
+
+    builders = fingerprint._builders()
+    toy = {**builders, "ddcl": lambda: softvq.DDCLQuantizer(16, 8, ema_decay=0.98)}  # "a new default"
+    monkeypatch.setattr(fingerprint, "_builders", lambda: toy)
+    assert reports.main(["--check"], root=tmp_path, store=store) == 1
+    table = capsys.readouterr().out
+    assert "| reports/a/report.md | abc1234 |" in table and "stale: the numerics of ddcl changed" in table
+    assert "fresh: the numerics of hard_ema are unchanged" in table
