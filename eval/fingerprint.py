@@ -122,6 +122,16 @@ def record(report: str, fingerprints: dict[str, list[str]], store: Path = STORE)
     store.write_text(json.dumps(portable(dict(sorted(data.items()))), indent=1) + "\n")
 
 
+def add(report: str, method: str, store: Path = STORE) -> None:
+    """Add today's fingerprint of ``method`` (if it has one) to ``report``'s: a study that finishes one run at a time
+    (``eval.long_run``) records each run's numerics as it publishes it."""
+    name = canonical(method)
+    if name is None:
+        return
+    prints = load(store).get(report, {})
+    record(report, {**prints, name: [*prints.get(name, []), fingerprint(name)]}, store)
+
+
 def stale_methods(stored: dict[str, list[str]], current: dict[str, str]) -> list[str]:
     """The methods whose numerics changed: today's fingerprint is not the one (each one) the report was made with."""
     return sorted(m for m, prints in stored.items() if m in current and any(p != current[m] for p in prints))

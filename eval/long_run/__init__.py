@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from eval import peers
+from eval import fingerprint, peers
 from eval._provenance import code_commit, git, repo_relative, study_command
 from eval.long_run.metrics import EightBitPSNR, psnr_8bit
 from eval.long_run.report import write_report
@@ -229,11 +229,16 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     write_atomic(path, text)
     if not commit:
         return
+    # the numerics this run was made with, for eval.reports --check (the committed report's fingerprints)
+    inside = fingerprint.STORE.parent in out.resolve().parents or out.resolve() == fingerprint.STORE.parent
+    store = fingerprint.STORE if inside else out / "fingerprints.json"  # a study written elsewhere keeps its own
+    fingerprint.add(repo_relative(out / "report.md"), run.method, store)
     message = (f"long_run: {run.method} K={run.num_codes} seed {run.seed}: test hard PSNR "
                f"{record['test']['psnr_hard']:.2f} dB after {record['settings']['epochs']} epochs")
     try:
-        git("add", "--", str(path.resolve()))
-        git("commit", "--only", "-m", message, "--", str(path.resolve()))
+        files = [str(path.resolve()), str(store)]
+        git("add", "--", *files)
+        git("commit", "--only", "-m", message, "--", *files)
     except (OSError, subprocess.CalledProcessError) as err:
         log.warning("git commit of %s failed (%s); the file is written", path,
                     getattr(err, "stderr", None) or err)
