@@ -34,6 +34,10 @@ def test_scoring_every_step_leaves_the_run_bit_for_bit_and_scores_the_hard_codes
     assert all(line["psnr_exact_stats"] > 0 and 0 <= line["codes_changed_exact"] <= 1 for line in scored)
     for key in ("psnr_exact_stats", "psnr_used_stats", "psnr_train_mode"):  # 2.6 dB apart when the scale was left out
         assert abs(scored[-1][key] - scored[-1]["psnr"]) < 0.5, (key, scored[-1])
+    # the running averages of the applied statistics start from the first step's: then they are the last-used ones
+    for m in probe.APPLIED_MOMENTA:
+        assert scored[0][f"psnr_applied_m{m:g}_stats"] == scored[0]["psnr_used_stats"]
+    assert len({scored[-1][f"psnr_applied_m{m:g}_stats"] for m in probe.APPLIED_MOMENTA}) > 1  # and then differ
     # the last scoring is of the final model: its PSNR is the decode of its hard codes, scored by hand
     data = probe.CIFAR10DataModule(tiny_cifar["folder"], batch_size=16, val_size=32, train_subset=64, seed=11)
     data.setup("fit")

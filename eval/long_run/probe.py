@@ -83,6 +83,9 @@ class GradientProbe(nn.Module):
         return out._replace(quantized=quantized * self.scale if self.scale != 1.0 else quantized)
 
 
+APPLIED_MOMENTA = (0.1, 0.3, 0.5)  # the running averages of the applied statistics that are scored
+
+
 def mean_psnr(reconstruction: Tensor, x: Tensor) -> float:
     """Mean over images of the per-image PSNR (images in ``[0, 1]``, the reconstruction clamped)."""
     mse = (reconstruction.clamp(0, 1) - x).square().flatten(1).mean(1)
@@ -101,6 +104,9 @@ class Snapshots(L.Callback):
     def __init__(self, images: Tensor, every: int, out: Path, anneal: tuple[float, float] | None = None) -> None:
         self.images, self.every, self.out, self.anneal = images, every, out, anneal
         self._used: tuple[Tensor, Tensor] | None = None
+        # running averages of the shift and scale (squared) training applied, one per momentum: evaluation statistics
+        # that follow what training saw, scored beside the running moments
+        self._applied: dict[float, tuple[Tensor, Tensor]] = {}
         self._start = time.perf_counter()
 
     def setup(self, trainer: L.Trainer, pl_module: VQVAE, stage: str) -> None:
@@ -111,6 +117,10 @@ class Snapshots(L.Callback):
     def _keep_used(self, module: nn.Module, inputs: Any, outputs: tuple[Tensor, Tensor, Tensor]) -> None:
         if module.training:
             self._used = (outputs[1].detach().clone(), outputs[2].detach().clone())
+            shift, var = self._used[0], self._used[1] ** 2
+            for m in APPLIED_MOMENTA:
+                old = self._applied.get(m)
+                self._applied[m] = (shift, var) if old is None else (old[0].lerp(shift, m), old[1].lerp(var, m))
 
     def _write(self, record: dict[str, Any]) -> None:
         with open(self.out, "a") as f:
@@ -156,6 +166,7 @@ class Snapshots(L.Callback):
             variants = [("exact", (mean, var))]
             if self._used is not None:  # the shift and scale of the last training step (a variance: scale squared)
                 variants.append(("used", (self._used[0], self._used[1] ** 2)))
+            variants += [(f"applied_m{m:g}", stats) for m, stats in sorted(self._applied.items())]
             for key, (m, v) in variants:
                 st.running_mean.copy_(m)
                 st.running_var.copy_(v)
