@@ -7,8 +7,9 @@ changes no number leaves every fingerprint as it was; a new default changes the 
 it, and only theirs.
 
 ``reports/fingerprints.json`` holds, per report, the fingerprints of the methods its numbers come from, taken at the
-commits its runs were trained at. ``python -m eval.reports --check`` compares them with today's code and names the
-reports whose methods' numerics changed (:func:`stale_methods`).
+commits its runs were trained at (``python -m eval.reports --backfill-fingerprints WORKDIR`` takes them for every
+report, from git worktrees of those commits). ``python -m eval.reports --check`` compares them with today's code and
+names the reports whose methods' numerics changed (:func:`stale_methods`).
 
     python -m eval.fingerprint                                  # today's fingerprint of every method
     python -m eval.fingerprint --record reports/x/report.md ddcl hard_ema   # after re-running a study
@@ -193,36 +194,12 @@ def at_commit(commit: str, names: Sequence[str], work: Path) -> dict[str, str | 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def backfill(work: Path, store: Path = STORE) -> None:
-    """Record, for every committed report with fingerprinted methods, their fingerprints at the commits on its
-    ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with."""
-    from eval.reports import find_reports, known, read_header
-
-    for report in find_reports(ROOT):
-        names = report_methods(report)
-        commits = [c for c in read_header(report).commits if known(c, ROOT)]
-        if not names or not commits:
-            continue
-        prints: dict[str, list[str]] = {m: [] for m in names}
-        for commit in dict.fromkeys(commits):
-            for m, value in at_commit(commit, names, work).items():
-                if value is not None:
-                    prints[m].append(value)
-        record(report.relative_to(ROOT).as_posix(), {m: v for m, v in prints.items() if v}, store)
-        print(f"{report.relative_to(ROOT)}: {len(commits)} commit(s), {names}", flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.fingerprint", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--record", metavar="REPORT", help="store today's fingerprints of METHODS for this report")
-    p.add_argument("--backfill", metavar="WORKDIR", type=Path,
-                   help="record every report's fingerprints at its own commits (git worktrees under WORKDIR)")
     p.add_argument("methods", nargs="*", help="methods (default: all)")
     args = p.parse_args(argv)
-    if args.backfill:
-        backfill(args.backfill)
-        return 0
     names = [canonical(m) or m for m in args.methods] or methods()
     unknown = [m for m in names if m not in methods()]
     if unknown:

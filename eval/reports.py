@@ -128,13 +128,39 @@ def status(header: Header, root: Path = ROOT, prints: dict[str, list[str]] | Non
     return "fresh"
 
 
+def backfill_fingerprints(work: Path, store: Path | None = None) -> None:
+    """Record, for every committed report with fingerprinted methods, their fingerprints at the commits on its
+    ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with."""
+    from eval import fingerprint
+
+    store = store or fingerprint.STORE
+    for report in find_reports(ROOT):
+        names = fingerprint.report_methods(report)
+        commits = [c for c in read_header(report).commits if known(c, ROOT)]
+        if not names or not commits:
+            continue
+        prints: dict[str, list[str]] = {m: [] for m in names}
+        for commit in dict.fromkeys(commits):
+            for m, value in fingerprint.at_commit(commit, names, work).items():
+                if value is not None:
+                    prints[m].append(value)
+        fingerprint.record(report.relative_to(ROOT).as_posix(), {m: v for m, v in prints.items() if v}, store)
+        print(f"{report.relative_to(ROOT)}: {len(commits)} commit(s), {names}", flush=True)
+
+
 def main(argv: list[str] | None = None, root: Path = ROOT, store: Path | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="exit 1 on a missing header or a stale report")
     mode.add_argument("--headers", action="store_true", help="exit 1 on a missing header only (no git history read)")
+    mode.add_argument("--backfill-fingerprints", metavar="WORKDIR", type=Path,
+                      help="record every report's fingerprints at the commits on its Code: line (git worktrees of "
+                           "them under WORKDIR) in reports/fingerprints.json")
     args = p.parse_args(argv)
+    if args.backfill_fingerprints:
+        backfill_fingerprints(args.backfill_fingerprints)
+        return 0
     reports = find_reports(root)
     if not reports:
         print(f"error: no reports under {root / 'reports'}", file=sys.stderr)
