@@ -78,3 +78,15 @@ def running_moments(batches, momentum: float = 0.1) -> list[tuple[torch.Tensor, 
         mean, var = (m, v) if mean is None else (mean + momentum * (m - mean), var + momentum * (v - var))
         out.append((mean, var))
     return out
+
+
+def json_strings(node: object):
+    """Every string value of a parsed JSON document, depth first."""
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from json_strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from json_strings(value)
+    elif isinstance(node, str):
+        yield node

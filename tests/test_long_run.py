@@ -13,6 +13,7 @@ import re
 import lightning as L
 import pytest
 import torch
+from helpers import json_strings
 
 from eval import long_run, reports
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
@@ -123,17 +124,7 @@ def test_a_record_holds_no_absolute_path(studies):
     base = studies["resumed"]
     text = (base / "out" / "runs" / "K16_hard_ema_seed0.json").read_text()
 
-    def strings(node):
-        if isinstance(node, dict):
-            for value in node.values():
-                yield from strings(value)
-        elif isinstance(node, list):
-            for value in node:
-                yield from strings(value)
-        elif isinstance(node, str):
-            yield node
-
-    for value in strings(json.loads(text)):
+    for value in json_strings(json.loads(text)):
         for token in value.split():
             assert not os.path.isabs(token.partition("=")[2] or token), value
     # the tmp directory appears only inside repository-relative paths ("../../tmp/..."), never as an absolute one

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import json_strings
 
 from eval import reports
 
@@ -103,17 +104,6 @@ def test_a_report_goes_stale_when_its_study_or_the_library_changes(repo, capsys)
     assert "unknown commit deadbee (not in this clone)" in capsys.readouterr().out
 
 
-def _strings(value):
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
-    elif isinstance(value, str):
-        yield value
-
-
 def test_no_committed_results_file_holds_an_absolute_path():
     """A record names paths relative to the repository: an absolute one names the machine it ran on."""
     import json
@@ -123,7 +113,7 @@ def test_no_committed_results_file_holds_an_absolute_path():
     files = sorted((reports.ROOT / "reports").rglob("*.json"))
     assert len(files) > 10
     offending = [f"{path.relative_to(reports.ROOT)}: {text[:80]}" for path in files
-                 for text in _strings(json.loads(path.read_text())) if absolute.search(text)]
+                 for text in json_strings(json.loads(path.read_text())) if absolute.search(text)]
     assert offending == []
 
 

@@ -32,7 +32,7 @@ def load_module(cls: type[L.LightningModule], path: str | os.PathLike, what: str
     except UnsafeCheckpointError:
         raise
     except ValueError as err:
-        cause = err.__cause__ or err  # torch's text is many lines advising weights_only=False: only its reason
+        cause = err.__cause__ or err  # torch's text is many lines of advice around the reason: keep the reason
         raise ValueError(f"{what} checkpoint {path} is truncated, corrupt or not a models.{cls.__name__} "
                          f"checkpoint ({type(cause).__name__}: {_one_line(cause)})") from err
     try:
