@@ -22,7 +22,6 @@ training-mode updates (temperature, EMA prototypes, dead-code restart) are the m
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 from typing import Any, Literal
 
@@ -37,7 +36,6 @@ from softvq._soft_centroid import _SoftCentroid
 from softvq.norm import TokenStandardizer
 from softvq.types import QuantizerOutput, scatter_top_k
 from softvq.utils import (
-    all_reduce_sum_,
     broadcast_,
     check_bool,
     check_choice,
@@ -487,35 +485,6 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         if self.distance == "cosine":
             zf = F.normalize(zf, dim=-1)
         return zf, mean, std
-
-    def _can_start(self, flat: Tensor) -> bool:
-        """Whether a training batch ``flat (N, D)`` (every process's, together) can start the codebook: initialise
-        the prototypes from its tokens and calibrate the temperature to ``target_entropy``.
-
-        It cannot when it holds too few tokens for ``K`` codes at the target entropy: with ``N e^H <= K`` the data
-        initialisation puts ``K / N >= e^H`` jittered copies of each token in the codebook, and the entropy target is
-        met among a token's own copies, at a temperature of the jitter's scale (1e-5 instead of about 1 for 32 tokens
-        and K = 512; a one-token "shape check" in training mode). A count, so no synchronisation. With
-        ``check_finite`` it also cannot when its tokens are all equal (nothing to initialise from, a temperature near
-        0): that reads one number on the host, as the finite check does; with ``check_finite=False`` (a step that
-        never synchronises) an all-equal first batch is the caller's to avoid."""
-        n = flat.shape[0] * (torch.distributed.get_world_size() if is_distributed() else 1)
-        why = None
-        if self.target_entropy is not None and n * math.exp(self.target_entropy) <= self.num_codes:
-            needed = self.num_codes * math.exp(-self.target_entropy)
-            why = (f"{n} token(s) are too few for {self.num_codes} codes at the target entropy of "
-                   f"{self.target_entropy:g} nats (more than K e^-H = {needed:.1f} are needed)")
-        elif self.check_finite and not torch.compiler.is_compiling():
-            tokens = flat.detach()  # nothing recorded for autograd: a checkpoint's recomputation skips this test
-            spread = (tokens.amax(0) - tokens.amin(0)).amax().to(torch.float64)  # N > 0 here
-            if not float(all_reduce_sum_(spread)) > 0:  # every process decides alike
-                why = f"its {n} token(s) are all equal"
-        if why is not None and not self._warned_start:
-            self._warned_start = True
-            warnings.warn(f"DDCLQuantizer(num_codes={self.num_codes}): a training batch cannot start the codebook: "
-                          f"{why}. It was used for its output only; the prototypes and the temperature start on the "
-                          f"first training batch that can", stacklevel=4)
-        return why is None
 
     def _soft_commitment(self) -> tuple[str, float]:
         """The commitment term the autograd function computes (``"hard"`` is added outside it)."""
