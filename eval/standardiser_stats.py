@@ -6,7 +6,9 @@ faster than the running averages follow, evaluation sees codes the decoder was n
 VQ-VAE exactly as ``eval.peers`` / ``eval.residual`` do (``eval.peers.fit_run``), keeps its weights, and scores the
 **validation** split's hard-index PSNR with the standardiser's statistics taken three ways:
 
-    running    the running averages (what ``model.eval()`` uses)
+    running    the running moments (``eval_statistics="running"``)
+    applied    the running average of the shift and scale training applied (``eval_statistics="applied"``, what
+               ``model.eval()`` uses by default)
     batch      each validation batch's own moments (what plain batch standardisation trains with; batch
                renormalisation is off for this pass), updating nothing
     precise    the moments of every training image's tokens under the final encoder (one pass, no gradient)
@@ -39,7 +41,7 @@ from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.files import write_atomic
 from softvq.norm import TokenStandardizer, bessel
 
-MODES = ("running", "batch", "precise")
+MODES = ("running", "applied", "batch", "precise")
 
 
 def standardisers(model: VQVAE) -> list[TokenStandardizer]:
@@ -73,7 +75,9 @@ def val_psnr(model: VQVAE, loader: Any, mode: str) -> float:
     """Validation PSNR (per image, averaged) of the hard-index reconstruction, the standardisers in ``mode``."""
     model.eval()
     found = standardisers(model)
-    renorm = [s.renorm for s in found]
+    renorm, kinds = [s.renorm for s in found], [s.eval_statistics for s in found]
+    for s in found:
+        s.eval_statistics = "applied" if mode == "applied" else "running"
     if mode == "batch":  # training-mode statistics; the quantizer is in eval mode, so nothing is updated
         for s in found:  # batch renormalisation would standardise with the running statistics in value: off here
             s.train()
@@ -83,15 +87,15 @@ def val_psnr(model: VQVAE, loader: Any, mode: str) -> float:
         for x, _ in loader:
             metric.update(model(x).reconstruction.clamp(0, 1), x)
     finally:
-        for s, flag in zip(found, renorm, strict=True):
-            s.renorm = flag
+        for s, flag, kind in zip(found, renorm, kinds, strict=True):
+            s.renorm, s.eval_statistics = flag, kind
         model.eval()
     return float(metric.compute())
 
 
 def study(model: VQVAE, data: CIFAR10DataModule) -> dict[str, float]:
     """The three validation PSNRs (``precise`` replaces the running statistics on a copy of the state, restored)."""
-    figures = {mode: val_psnr(model, data.val_dataloader(), mode) for mode in ("running", "batch")}
+    figures = {mode: val_psnr(model, data.val_dataloader(), mode) for mode in ("running", "applied", "batch")}
     found = standardisers(model)
     if len(found) != 1:
         raise ValueError(f"the precise pass needs one standardiser on the encoder's tokens, found {len(found)}")

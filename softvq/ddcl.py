@@ -326,7 +326,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         """``(K, D)``, the codes as the layer outputs them in evaluation (see ``output_scale``)."""
         p = self._unit_codebook()
         if self.standardize and self.output_scale == "input":
-            p = p * self.standardizer.running_std().to(p.dtype) + self.standardizer.running_mean.to(p.dtype)
+            mean, std = self.standardizer.evaluation_statistics()
+            p = p * std.to(p.dtype) + mean.to(p.dtype)
         elif self.standardize and not isinstance(self.output_scale, str):
             p = p * self.output_scale
         return p

@@ -73,9 +73,23 @@ class TokenStandardizer(nn.Module):
     Training mode uses the batch's statistics (with their gradient, as batch normalisation does) and updates the
     running ones: the first training batch sets them whole (momentum 1), later batches move them by ``momentum``; a
     batch of one token, or of tokens that are all equal, cannot estimate a variance and moves neither.
-    Evaluation uses the running statistics. :meth:`forward` returns the mean and standard deviation it used, so a
-    caller can map codes back to the input's scale (``codes * std + mean``). With ``frozen = True`` the running
-    statistics are used in training mode too, and never change (a trained codebook reused as a fixed feature map).
+    Evaluation uses the statistics named by ``eval_statistics`` (:meth:`evaluation_statistics`). :meth:`forward`
+    returns the mean and standard deviation it used, so a caller can map codes back to the input's scale
+    (``codes * std + mean``). With ``frozen = True`` the evaluation statistics are used in training mode too, and
+    never change (a trained codebook reused as a fixed feature map).
+
+    Which statistics evaluation uses (``eval_statistics``, an attribute that can be switched at any time: both kinds
+    are kept in every training step):
+
+    - ``"applied"`` (the default): a running average, with weight ``eval_momentum`` per step, of the shift and scale
+      training *applied* (the batch's own, or batch renormalisation's clipped ones). With batch statistics the
+      encoder can move its tokens' per-dimension shift and scale faster than the running moments (``momentum``)
+      follow; evaluation then standardises with statistics no training step used, and codes that training never
+      saw are picked. Averaging what training applied over the last few steps follows the encoder.
+    - ``"running"``: the running moments (weight ``momentum``), as batch normalisation evaluates; they are also
+      the reference batch renormalisation clips to.
+
+    docs/design.md, "Which evaluation statistics", has the measurements behind the default.
 
     With ``renorm=True`` training mode standardises *in value* with the running statistics (just moved by the batch),
     as evaluation does, while the gradient is batch standardisation's (batch renormalisation, Ioffe 2017:
@@ -90,10 +104,14 @@ class TokenStandardizer(nn.Module):
         eps: added to the variance, relative to the mean variance over dimensions.
         renorm: batch renormalisation in training (see above).
         renorm_clip: ``(r_max, d_max)``, the clipping of ``r`` and ``d``.
+        eval_statistics: ``"applied"`` or ``"running"`` (see above).
+        eval_momentum: weight of each training step's applied shift and scale in the ``"applied"`` statistics, in
+            ``(0, 1]``.
     """
 
     def __init__(self, dim: int, momentum: float = 0.1, eps: float = 1e-5, renorm: bool = False,
-                 renorm_clip: tuple[float, float] = (3.0, 5.0)) -> None:
+                 renorm_clip: tuple[float, float] = (3.0, 5.0), eval_statistics: str = "applied",
+                 eval_momentum: float = 0.5) -> None:
         super().__init__()
         self.dim = check_positive_int("dim", dim)
         self.momentum = check_float("momentum", momentum)
@@ -107,69 +125,122 @@ class TokenStandardizer(nn.Module):
         if r_max < 1.0:
             raise ValueError(f"renorm_clip[0] (r_max) must be >= 1, got {r_max!r}")
         self.renorm_clip = (r_max, d_max)
+        self.eval_statistics = eval_statistics
+        self.eval_momentum = check_float("eval_momentum", eval_momentum)
+        if self.eval_momentum > 1.0:
+            raise ValueError(f"eval_momentum must be in (0, 1], got {eval_momentum!r}")
         self.register_buffer("running_mean", torch.zeros(dim))
         self.register_buffer("running_var", torch.ones(dim))
+        # the running average of the shift and of the squared scale training applied (the scale includes eps)
+        self.register_buffer("applied_mean", torch.zeros(dim))
+        self.register_buffer("applied_var", torch.ones(dim))
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
         self.frozen = False
+
+    @property
+    def eval_statistics(self) -> str:
+        """Which statistics evaluation (and ``frozen`` training) uses: ``"applied"`` or ``"running"``."""
+        return self._eval_statistics
+
+    @eval_statistics.setter
+    def eval_statistics(self, value: str) -> None:
+        if value not in ("applied", "running"):
+            raise ValueError(f"eval_statistics must be 'applied' or 'running', got {value!r}")
+        self._eval_statistics = value
 
     def forward(self, z: Tensor, update: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         """``z (N, D)`` -> ``(standardised z, mean (D,), std (D,))`` in ``z``'s dtype. ``update=False``: training
         mode's batch statistics without moving the running ones (a recomputed forward pass)."""
-        if self.training and not self.frozen:
-            mean, var, count = batch_moments(z)
-            if update:
-                self._track(mean.detach(), var.detach(), count)
-            if self.renorm:
-                return self._renormalise(z, mean, var)
+        if not self.training or self.frozen:
+            mean, std = (s.to(z.dtype) for s in self.evaluation_statistics())
+            return (z - mean) / std, mean, std
+        mean, var, count = batch_moments(z)
+        weight = self._weight(var.detach(), count) if update else None
+        if weight is not None:
+            self._track(mean.detach(), var.detach(), count, weight)
+        if self.renorm:
+            shift, scale = self._renormalise(mean, var)
         else:
-            mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
-        std = self._std(var)
-        return (z - mean) / std, mean, std
-
-    def _renormalise(self, z: Tensor, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Batch renormalisation: ``(z - m) / s`` with ``s = std_B / r``, ``m = mean_B - d s``, which equal the running
-        statistics in value (unless clipped) and carry the batch statistics' gradient."""
-        std = self._std(var)
-        r, d = renorm_factors(mean.detach(), std.detach(), self.running_mean.to(z.dtype),
-                              self._std(self.running_var.to(z.dtype)), *self.renorm_clip)
-        scale = std / r
-        shift = mean - d * scale
+            shift, scale = mean, self._std(var)
+        if weight is not None:
+            self._track_applied(shift.detach(), scale.detach(), weight)
+            self.num_batches_tracked.add_((weight > 0).to(self.num_batches_tracked.dtype))
         return (z - shift) / scale, shift, scale
 
-    @torch.no_grad()
-    def _track(self, mean: Tensor, var: Tensor, count: Tensor) -> None:
-        """Move the running statistics toward a training batch's (the first batch sets them whole); tensor tests,
-        not ``int()``: no device sync.
+    def _renormalise(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+        """Batch renormalisation's shift and scale: ``s = std_B / r``, ``m = mean_B - d s``, which equal the running
+        statistics in value (unless clipped) and carry the batch statistics' gradient."""
+        std = self._std(var)
+        r, d = renorm_factors(mean.detach(), std.detach(), self.running_mean.to(mean.dtype),
+                              self._std(self.running_var.to(var.dtype)), *self.renorm_clip)
+        scale = std / r
+        return mean - d * scale, scale
 
-        A batch that cannot estimate a variance (fewer than two tokens, or tokens that are all equal: zero variance
-        in every dimension) moves no statistic and does not count as tracked, so the next batch that can is still
-        the first. Running variances of zero would make evaluation divide by ``sqrt(eps * 0)``."""
-        estimable = (count >= 2) & (var.amax() > 0)
-        first = (self.num_batches_tracked == 0).to(self.running_mean.dtype)
-        momentum = (first + (1.0 - first) * self.momentum) * estimable.to(self.running_mean.dtype)
+    @torch.no_grad()
+    def _weight(self, var: Tensor, count: Tensor) -> Tensor:
+        """A training batch's weight in the statistics, as a ``()`` tensor (tensor tests, not ``int()``: no device
+        sync): 1 for the first batch, which sets them whole, 0 for a batch that cannot estimate a variance (fewer
+        than two tokens, or tokens that are all equal: zero variance in every dimension), else 1 (the momenta are
+        applied by :meth:`_track` and :meth:`_track_applied`). A batch of weight 0 moves no statistic and does not
+        count as tracked, so the next batch that can is still the first: running variances of zero would make
+        evaluation divide by ``sqrt(eps * 0)``."""
+        return ((count >= 2) & (var.amax() > 0)).to(self.running_mean.dtype)
+
+    def _momentum(self, weight: Tensor, momentum: float) -> Tensor:
+        first = (self.num_batches_tracked == 0).to(weight.dtype)
+        return (first + (1.0 - first) * momentum) * weight
+
+    @torch.no_grad()
+    def _track(self, mean: Tensor, var: Tensor, count: Tensor, weight: Tensor) -> None:
+        """Move the running moments toward a training batch's (the variance unbiased, as batch normalisation's)."""
+        momentum = self._momentum(weight, self.momentum)
         unbiased = var.to(torch.float64) * bessel(count)
         self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
-        self.num_batches_tracked.add_(estimable.to(self.num_batches_tracked.dtype))
+
+    @torch.no_grad()
+    def _track_applied(self, shift: Tensor, scale: Tensor, weight: Tensor) -> None:
+        """Move the ``"applied"`` evaluation statistics toward the shift and scale this step used."""
+        momentum = self._momentum(weight, self.eval_momentum)
+        self.applied_mean.lerp_(shift.to(self.applied_mean.dtype), momentum)
+        self.applied_var.lerp_(scale.to(self.applied_var.dtype).square(), momentum)
+
+    def evaluation_statistics(self) -> tuple[Tensor, Tensor]:
+        """The ``(mean, std)`` evaluation standardises with (``eval_statistics``), in the buffers' dtype."""
+        if self.eval_statistics == "applied":
+            return self.applied_mean, self.applied_var.sqrt()
+        return self.running_mean, self._std(self.running_var)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        # A state dict saved before the applied statistics were kept has none: evaluation starts from the running
+        # moments it used then (so the loaded layer evaluates as it did when saved) and follows training from there.
+        running_mean, running_var = state_dict.get(prefix + "running_mean"), state_dict.get(prefix + "running_var")
+        if prefix + "applied_mean" not in state_dict and running_mean is not None:
+            state_dict[prefix + "applied_mean"] = running_mean.clone()
+        if prefix + "applied_var" not in state_dict and running_var is not None:
+            state_dict[prefix + "applied_var"] = self._std(running_var.to(self.running_var.dtype)).square()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
     def standardize(self, z: Tensor) -> Tensor:
-        """``z (N, D)`` standardised as the codebook sees it, without changing any statistic: with the running
+        """``z (N, D)`` standardised as the codebook sees it, without changing any statistic: with the evaluation
         statistics once a training batch has set them (or when ``frozen``), else with ``z``'s own moments (as the
         first training batch will be)."""
         if self.frozen or int(self.num_batches_tracked) > 0:
-            mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
-        else:
-            mean, var, _ = batch_moments(z)
+            mean, std = (s.to(z.dtype) for s in self.evaluation_statistics())
+            return (z - mean) / std
+        mean, var, _ = batch_moments(z)
         return (z - mean) / self._std(var)
 
     def _std(self, var: Tensor) -> Tensor:
         return (var + self.eps * var.detach().mean().clamp_min(torch.finfo(var.dtype).tiny)).sqrt()
 
     def running_std(self) -> Tensor:
-        """The scale evaluation uses (from the running variance)."""
+        """The scale of the running moments (the reference batch renormalisation clips to)."""
         return self._std(self.running_var)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, momentum={self.momentum:g}, eps={self.eps:g}" + (
-            f", renorm={self.renorm_clip}" if self.renorm else "")
+        return (f"dim={self.dim}, momentum={self.momentum:g}, eps={self.eps:g}"
+                + (f", renorm={self.renorm_clip}" if self.renorm else "")
+                + f", eval_statistics={self.eval_statistics!r}"
+                + (f", eval_momentum={self.eval_momentum:g}" if self.eval_statistics == "applied" else ""))

@@ -89,12 +89,15 @@ def test_hard_output_jacobian_per_token_is_two_over_t_times_the_assignment_covar
     torch.testing.assert_close(jac, 2.0 / 0.8 * cov, rtol=1e-10, atol=1e-12)
 
 
-def test_in_layer_standardisation_matches_float64_by_hand():
-    quantizer = layer(standardize=True, output_scale="input")
+@pytest.mark.parametrize("renorm", [True, False])
+def test_in_layer_standardisation_matches_float64_by_hand(renorm):
+    quantizer = layer(standardize=True, output_scale="input", renorm=renorm)
     sd = quantizer.standardizer
-    batches = [torch.randn(30, 3, dtype=torch.float64) * torch.tensor([0.01, 2.0, 5.0], dtype=torch.float64) + 3
-               for _ in range(3)]
+    batches = [torch.randn(30, 3, dtype=torch.float64) * torch.tensor([0.01, 2.0, 5.0], dtype=torch.float64) + 3 * k
+               for k in range(4)]  # a drifting encoder: the renormalisation clips bind from the second batch on
     mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    applied_mean, applied_var = mean.clone(), var.clone()
+    r_max, d_max = sd.renorm_clip
     for step, x in enumerate(batches):
         quantizer(x)
         m = 1.0 if step == 0 else 0.1  # the first batch sets the running statistics whole
@@ -102,15 +105,32 @@ def test_in_layer_standardisation_matches_float64_by_hand():
         var = (1 - m) * var + m * x.var(0, unbiased=True)
         torch.testing.assert_close(sd.running_mean, mean, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(sd.running_var, var, rtol=1e-12, atol=1e-14)
-    quantizer.eval()  # evaluation: the running statistics
-    x = torch.randn(7, 3, dtype=torch.float64)
-    out = quantizer(x)
-    std = (var + 1e-5 * var.mean()).sqrt()
-    zs = (x - mean) / std
-    d = ((zs[:, None] - quantizer.prototypes.detach()[None]) ** 2).sum(-1)
-    assert torch.equal(out.indices, d.argmin(1))
-    codes = quantizer.prototypes.detach()[out.indices] * std + mean
-    torch.testing.assert_close(out.quantized, codes, rtol=1e-12, atol=1e-12)
+        # what the step applied: the batch's own moments, or renormalisation's clipped ones toward the running
+        b_var = x.var(0, unbiased=False)
+        b_std, run_std = (b_var + 1e-5 * b_var.mean()).sqrt(), (var + 1e-5 * var.mean()).sqrt()
+        shift, scale = x.mean(0), b_std
+        if renorm:
+            r = (b_std / run_std).clamp(1 / r_max, r_max)
+            scale = b_std / r
+            shift = x.mean(0) - ((x.mean(0) - mean) / run_std).clamp(-d_max, d_max) * scale
+        a = 1.0 if step == 0 else 0.5
+        applied_mean = (1 - a) * applied_mean + a * shift
+        applied_var = (1 - a) * applied_var + a * scale**2
+        torch.testing.assert_close(sd.applied_mean, applied_mean, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(sd.applied_var, applied_var, rtol=1e-12, atol=1e-14)
+    assert renorm is False or not torch.allclose(applied_mean, mean)  # the clip bound: the two kinds differ
+    quantizer.eval()
+    x = torch.randn(7, 3, dtype=torch.float64) + 6
+    for kind, (m, std) in {"applied": (applied_mean, applied_var.sqrt()),
+                           "running": (mean, (var + 1e-5 * var.mean()).sqrt())}.items():
+        sd.eval_statistics = kind
+        out = quantizer(x)
+        zs = (x - m) / std
+        d = ((zs[:, None] - quantizer.prototypes.detach()[None]) ** 2).sum(-1)
+        assert torch.equal(out.indices, d.argmin(1))
+        codes = quantizer.prototypes.detach()[out.indices] * std + m
+        torch.testing.assert_close(out.quantized, codes, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(quantizer.codebook, quantizer.prototypes.detach() * std + m, rtol=1e-12, atol=0)
     # scale-free: the codebook sees the same tokens whatever scale the encoder gives them
     quantizer.train()
     a, b = layer(standardize=True), layer(standardize=True)

@@ -76,7 +76,9 @@ def _recipe_steps(batches: list[torch.Tensor], rows: slice, seed_offset: int = 0
         out[f"q{step}"], out[f"grad{step}"] = result.quantized.detach(), x.grad
     sd = quantizer.standardizer
     out.update(prototypes=quantizer.prototypes.detach().clone(), mean=sd.running_mean.clone(),
-               var=sd.running_var.clone(), temperature=torch.tensor(quantizer.temperature, dtype=torch.float64),
+               var=sd.running_var.clone(), applied_mean=sd.applied_mean.clone(), applied_var=sd.applied_var.clone(),
+               evaluated=quantizer.eval()(torch.linspace(-2, 2, 40, dtype=torch.float64).reshape(10, 4)).quantized,
+               temperature=torch.tensor(quantizer.temperature, dtype=torch.float64),
                restarts=torch.tensor(quantizer.restarts))
     return out
 

@@ -44,6 +44,9 @@ def test_three_modes_against_hand_computations():
                                                 .square().mean())) for x, _ in batches for i in range(len(x))]
         return sum(values) / len(values)
 
+    assert s.eval_statistics == "applied"  # the default: model(x) in eval mode is the applied mode
+    assert abs(ss.val_psnr(model, batches, "applied") - by_hand()) < 1e-3
+    s.eval_statistics = "running"
     assert abs(ss.val_psnr(model, batches, "running") - by_hand()) < 1e-3
     running = s.running_mean.clone(), s.running_var.clone()
     one = batches[:1]

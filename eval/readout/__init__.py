@@ -113,12 +113,13 @@ def standardize(train: Split, test: Split, quantizer: nn.Module) -> tuple[Split,
     scale = scale if scale > 0 else 1.0
     mapped = copy.deepcopy(quantizer)
     if isinstance(mapped, DDCLQuantizer) and mapped.standardize:
-        # The layer standardises its tokens itself: map its running statistics, and the prototypes (which live in the
-        # standardised space) and T stay as they are.
+        # The layer standardises its tokens itself: map its statistics (both kinds), and the prototypes (which live
+        # in the standardised space) and T stay as they are.
         sd = mapped.standardizer
         with torch.no_grad():
-            sd.running_mean.sub_(center.to(sd.running_mean.dtype)).div_(scale)
-            sd.running_var.div_(scale**2)
+            for mean, var in ((sd.running_mean, sd.running_var), (sd.applied_mean, sd.applied_var)):
+                mean.sub_(center.to(mean.dtype)).div_(scale)
+                var.div_(scale**2)
     elif isinstance(mapped, DDCLQuantizer):
         with torch.no_grad():
             mapped.prototypes.sub_(center.to(mapped.prototypes.dtype)).div_(scale)
