@@ -59,6 +59,9 @@ LABELS = {"ddcl": "softvq DDCLQuantizer(K, D), defaults", "hard": "softvq HardVQ
           "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults",
           "rddcl": "softvq ResidualDDCL(Q, K, D), defaults", "vqp_rvq": "vqp ResidualVQ(Q, K, D), defaults"}
 METHODS = tuple(LABELS)
+TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0),
+                ("utilization", "test util %", "{:.1f}", 100.0), ("dead_codes", "dead", "{:.0f}", 1.0),
+                ("perplexity", "perplexity", "{:.0f}", 1.0), ("num_codes", "K", "{:.0f}", 1.0))
 SINGLE = ("ddcl", "hard", "vqp_vq", "vqp_fsq", "vqp_simvq")
 RESIDUAL = ("rddcl", "vqp_rvq")  # indices (B, h, w, Q)
 DIM = 32
@@ -274,9 +277,6 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     groups: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault(run["method"], []).append(run)
-    columns = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0),
-               ("utilization", "test util %", "{:.1f}", 100.0), ("dead_codes", "dead", "{:.0f}", 1.0),
-               ("perplexity", "perplexity", "{:.0f}", 1.0), ("num_codes", "K", "{:.0f}", 1.0))
     verdict = []
     for ours, kind in (("ddcl", SINGLE), ("rddcl", RESIDUAL)):  # a residual stack against residual stacks only
         if ours not in groups:
@@ -308,7 +308,7 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
                  f"perplexity, every level's dead codes" if set(groups) & set(RESIDUAL) else "")
              + ". See the module docstring of `eval/dropin.py` for each constructor. A margin counts beyond the seed "
              "spread when it exceeds the sum of the two sample stds over >= 3 paired seeds, with one sign on "
-             "every seed.", "", *test_table(groups, LABELS, columns), "", *verdict, ""]
+             "every seed.", "", *test_table(groups, LABELS, TEST_COLUMNS), "", *verdict, ""]
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "report.md", "\n".join(lines))
     summary = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}

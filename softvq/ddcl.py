@@ -65,8 +65,9 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
     collapse-free as the bottleneck of any model under any optimizer, with nothing else to set:
 
     - *token scale*: tokens are standardised per dimension (:class:`softvq.norm.TokenStandardizer`: batch statistics
-      in training, over every process under DDP; running statistics in evaluation), so the encoder cannot shrink
-      what the codebook sees. Codes are returned in that standardised space (``output_scale``).
+      in training, over every process under DDP; in evaluation a running average of the shift and scale training
+      applied, ``TokenStandardizer.eval_statistics``), so the encoder cannot shrink what the codebook sees. Codes
+      are returned in that standardised space (``output_scale``).
     - *temperature*: ``T`` is set on the first training batch so that the mean assignment entropy H(Q) equals
       ``target_entropy``, and after every training step ``T <- T exp(temperature_rate (target - H(Q)))`` keeps it
       there (checkpointed with the layer), so ``T`` follows the distance scale and nobody tunes it.
@@ -147,9 +148,9 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             the decoder sees sets how fast its first layer moves under Adam; docs/design.md, "Training to the end",
             has what each scale measured.
         renorm: with ``standardize``, train with batch renormalisation (the default;
-            :class:`softvq.norm.TokenStandardizer`): tokens are standardised *in value* with the running statistics
-            evaluation uses, with batch standardisation's gradient, so that an encoder drifting faster than the
-            running averages follow does not make evaluation standardise with statistics training never used. The
+            :class:`softvq.norm.TokenStandardizer`): tokens are standardised *in value* with the running moments
+            (momentum 0.1), with batch standardisation's gradient, so that the per-dimension shift and scale of the
+            tokens is not wholly invisible to the loss. The
             corrections are clipped tightly (``renorm_clip``), so that while the encoder moves fast training stays
             close to batch standardisation. On validation: +0.31 dB (K = 512) and +0.32 dB (K = 4096) in the
             project's VQ-VAE, level (-0.01 dB) in a foreign autoencoder (docs/design.md, "Batch renormalisation").
@@ -219,7 +220,7 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         temperature_rate: float = 0.01,
         standardize: bool | None = None,
         output_scale: Literal["input", "standardized"] | float = "standardized",
-        renorm: bool = True,  # training standardises in value with the running statistics evaluation uses
+        renorm: bool = True,  # training standardises in value with the running moments, clipped to the batch's
         renorm_clip: tuple[float, float] = (1.1, 0.1),  # within 10% in scale, 0.1 std in shift of the batch's own
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
         ema_decay: float = 0.99,
@@ -343,8 +344,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
     def init_from_data(self, z: Tensor) -> None:
         """Set the prototypes to ``K`` random tokens of ``z (..., D)``, the tokens as the layer takes them (the
         encoder's output): with ``standardize`` they are first standardised as the codebook will see them
-        (:meth:`softvq.norm.TokenStandardizer.standardize`: the running statistics once a training batch has set them,
-        else ``z``'s own moments, as the first training batch will be standardised; no statistic changes).
+        (:meth:`softvq.norm.TokenStandardizer.standardize`: the evaluation statistics once a training batch has set
+        them, else ``z``'s own moments, as the first training batch will be standardised; no statistic changes).
 
         With fewer than ``K`` tokens, tokens are drawn with replacement and jittered by 1e-3 of their standard
         deviation so no two prototypes coincide. Under ``torch.distributed`` the tokens are drawn from every process's

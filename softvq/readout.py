@@ -118,7 +118,7 @@ class DDCLReadout(nn.Module):
         The copy is independent: training the readout never changes ``quantizer``. With ``freeze=True`` the
         prototypes do not require gradients and dead-code restart is off (the codebook is a fixed feature map;
         ``loss`` then only reaches the tokens, through the commitment term); a quantizer that standardises its tokens
-        (the default recipe) is then copied with its running statistics frozen, so the readout assigns tokens as the
+        (the default recipe) is then copied with its evaluation statistics frozen, so the readout assigns tokens as the
         trained quantizer does in evaluation. The readout itself is the plain layer: its prototypes learn by the
         gradient (no EMA), at a fixed temperature.
 

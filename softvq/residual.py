@@ -55,7 +55,7 @@ class ResidualQuantizer(nn.Module):
         standardize: standardise the input once at the top (:class:`~softvq.norm.TokenStandardizer`) and work and
             sum in that space; the output is then in that standardised space, as a single DDCL layer's default.
         renorm: that standardisation with batch renormalisation (``TokenStandardizer(renorm=True)``): training
-            standardises with the running statistics in value, as evaluation does.
+            standardises with the running moments in value, within the standardiser's clip of the batch's own.
         quantize_dropout: in training, run only the first ``n`` levels, ``n`` drawn uniformly from
             ``[quantize_dropout_min_levels, Q]`` per step, so one model serves several bitrates (SoundStream).
             The draw depends only on ``seed`` and the step count, so every DDP process draws the same ``n`` (the
@@ -210,9 +210,10 @@ class ResidualDDCL(ResidualQuantizer):
             standardised space. ``"per_level"``: every level standardises its own residual and maps its codes back
             to the residual's scale (``standardize=True, output_scale="input"``); the output is on the input's scale.
         renorm: standardise with batch renormalisation (:class:`~softvq.norm.TokenStandardizer`): in training the
-            tokens are standardised *in value* with the running statistics that evaluation uses, with the batch
-            statistics' gradient. Without it, evaluation standardised with running averages that lagged the
-            encoder and lost up to 0.68 dB of validation PSNR (docs/design.md, "Residual codebooks").
+            tokens are standardised *in value* with the running moments (within the standardiser's clip of the
+            batch's own), with the batch statistics' gradient. Without it, evaluation standardised with running
+            averages that lagged the encoder and lost up to 0.68 dB of validation PSNR (docs/design.md, "Residual
+            codebooks").
         quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
         **ddcl_options: passed to every level's :class:`~softvq.DDCLQuantizer` (the layer's defaults otherwise:
             the same restart threshold and entropy target at every level, no per-level tuning).

@@ -1,0 +1,53 @@
+"""README.md and docs/ numbers rendered from results files (eval.render): the committed blocks equal what their
+sources give, and a block that drifts from its source is found."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval import render
+
+
+def test_every_committed_block_is_what_its_source_gives():
+    assert render.differing() == []
+    assert any(render.BLOCK.search(p.read_text()) for p in render.markdown_files())  # the README has blocks
+
+
+def _toy(root: Path, psnr: tuple[float, float]) -> Path:
+    study = root / "reports" / "toy"
+    study.mkdir(parents=True)
+    (study / "report.md").write_text("# toy\n\nRegenerate: `python -m eval.peers --toy`\n\nCode: abc1234\n")
+    settings = {"num_codes": 8, "epochs": 2, "train_subset": 100, "seeds": [0, 1]}
+    runs = [{"method": "ddcl", "seed": s, "test": {"psnr_hard": p, "ssim_hard": 0.5, "utilization": 1.0,
+                                                   "dead_codes": 0, "perplexity": 7.0}} for s, p in enumerate(psnr)]
+    (study / "results.json").write_text(json.dumps({"settings": settings, "runs": runs}))
+    readme = root / "README.md"
+    readme.write_text("intro\n<!-- render: peers_test reports/toy/results.json -->\nold\n<!-- /render -->\nend\n")
+    return readme
+
+
+def test_a_block_is_filled_from_its_source_and_a_drifted_one_is_named(tmp_path):
+    readme = _toy(tmp_path, (20.0, 21.0))
+    assert render.differing(tmp_path) == ["README.md: peers_test reports/toy/results.json"]
+    assert render.main([], root=tmp_path) == 0
+    text = readme.read_text()
+    assert "| softvq DDCL, defaults | 2 | 20.50 ± 0.71 |" in text  # mean and sample std of 20 and 21, by hand
+    assert "(code abc1234; K = 8, 2 epochs on 100 training images, seeds 0, 1; test split)" in text
+    assert text.startswith("intro\n") and text.endswith("<!-- /render -->\nend\n")
+    assert render.main(["--check"], root=tmp_path) == 0
+    readme.write_text(text.replace("20.50", "20.60"))  # a number typed by hand
+    assert render.main(["--check"], root=tmp_path) == 1
+
+
+@pytest.mark.parametrize("spec,match", [("nope reports/toy/results.json", "needs one of"),
+                                        ("peers_test", "needs one of"),
+                                        ("peers_test reports/missing.json", "not an existing path"),
+                                        ("peers_test ../outside.json", "not an existing path inside")])
+def test_bad_blocks_name_the_problem(tmp_path, spec, match):
+    _toy(tmp_path, (20.0, 21.0))
+    (tmp_path.parent / "outside.json").write_text("{}")
+    with pytest.raises(ValueError, match=match):
+        render.render_block(spec, tmp_path)
