@@ -211,9 +211,7 @@ class ResidualDDCL(ResidualQuantizer):
             to the residual's scale (``standardize=True, output_scale="input"``); the output is on the input's scale.
         renorm: standardise with batch renormalisation (:class:`~softvq.norm.TokenStandardizer`): in training the
             tokens are standardised *in value* with the running moments (within the standardiser's clip of the
-            batch's own), with the batch statistics' gradient. Without it, evaluation standardised with running
-            averages that lagged the encoder and lost up to 0.68 dB of validation PSNR (docs/design.md, "Residual
-            codebooks").
+            batch's own), with the batch statistics' gradient; measured in docs/design.md, "Residual codebooks".
         quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
         **ddcl_options: passed to every level's :class:`~softvq.DDCLQuantizer` (the layer's defaults otherwise:
             the same restart threshold and entropy target at every level, no per-level tuning).
