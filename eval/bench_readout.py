@@ -16,7 +16,7 @@ stand-in task loss on the summary):
   attention readout, for scale.
 
 Every ``T`` times the methods in interleaved rounds and reports medians, then the peak extra memory of one step
-(``eval/_bench.py``). The check the issue asks for: DDCL's time must grow linearly, ``t(4096) / t(512) <= 9``
+(``eval/_bench.py``). The check it makes: DDCL's time must grow linearly, ``t(4096) / t(512) <= 9``
 (8 would be exactly linear); the script prints PASS or FAIL and exits with status 1 on FAIL.
 """
 

@@ -352,7 +352,7 @@ def test_a_checkpoint_from_before_the_in_layer_recipe_loads_and_evaluates_as_tra
     model = load_vqvae(path)
     layer = model.quantizer
     assert layer.recipe == "plain" and not layer.standardize and not layer.hard_output
-    assert model.target_entropy == 2.5  # the issue-4 control of T, as the run was trained
+    assert model.target_entropy == 2.5  # the model-side control of T the run was trained with
     x = torch.rand(3, 3, 32, 32)
     trained.eval()
     with torch.no_grad():
