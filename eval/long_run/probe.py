@@ -12,10 +12,12 @@ behind the long-training study (which setting keeps DDCL learning after the firs
 Trains the VQ-VAE of :func:`eval.peers.fit_run` (one torch thread) and every ``--every`` optimizer steps scores the
 first ``--val-images`` validation images (the validation split only: a probe chooses settings) in evaluation mode,
 appending one JSON line to ``--out``: ``psnr`` (mean per-image PSNR of the hard-code reconstruction, clamped to
-``[0, 1]``) and, for DDCL, what the layer's evaluation mode would give with other standardisation statistics —
-``psnr_exact_stats`` (the exact moments of those images' latents), ``psnr_used_stats`` (the shift and scale the last
-training step used) — and ``psnr_train_mode`` (a copy of the layer in training mode, batches of 128, as a training
-step would output them), with the largest offset of the running mean from the exact one (in standard deviations),
+``[0, 1]``, the layer's evaluation statistics as they are) and, for DDCL, what its evaluation mode would give with
+other standardisation statistics — ``psnr_running_stats`` (the running moments), ``psnr_exact_stats`` (the exact
+moments of those images' latents), ``psnr_used_stats`` (the shift and scale the last training step used),
+``psnr_applied_m<m>_stats`` (running averages of the applied ones at momenta :data:`APPLIED_MOMENTA`) — and
+``psnr_train_mode`` (a copy of the layer in training mode, batches of 128, as a training step would output them),
+with the largest offset of the running mean from the exact one (in standard deviations),
 the share of tokens whose code changes with exact statistics, the temperature and the restarts so far. The scoring
 changes nothing of the run (the copy's random draws are undone: a test checks the run bit for bit). One line per
 epoch end adds the epoch's validation summary.
@@ -162,8 +164,10 @@ class Snapshots(L.Callback):
         mean, var = flat.mean(0), flat.var(0)
         record["run_mean_offset"] = float(((running[0] - mean).abs() / var.sqrt()).max())
         record["run_std_offset"] = float((running[1].sqrt() / var.sqrt() - 1).abs().max())
+        kind = st.eval_statistics
+        st.eval_statistics = "running"  # the variants below are scored as running moments set by hand
         try:
-            variants = [("exact", (mean, var))]
+            variants = [("running", running), ("exact", (mean, var))]
             if self._used is not None:  # the shift and scale of the last training step (a variance: scale squared)
                 variants.append(("used", (self._used[0], self._used[1] ** 2)))
             variants += [(f"applied_m{m:g}", stats) for m, stats in sorted(self._applied.items())]
@@ -176,6 +180,7 @@ class Snapshots(L.Callback):
         finally:
             st.running_mean.copy_(running[0])
             st.running_var.copy_(running[1])
+            st.eval_statistics = kind
         train_copy = copy.deepcopy(layer).train()
         train_copy.standardizer._forward_hooks.clear()
         state = torch.get_rng_state()  # the copy's restarts draw; the run must not see it
