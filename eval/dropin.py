@@ -54,6 +54,7 @@ from eval.peers.report import test_table, values
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
+from softvq.norm import TokenStandardizer
 
 LABELS = {"ddcl": "softvq DDCLQuantizer(K, D), defaults", "hard": "softvq HardVQ(K, D), defaults",
           "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults",
@@ -159,6 +160,25 @@ class SmallAutoencoder(nn.Module):
         return self.up(quantized), indices, loss
 
 
+def _score(model: nn.Module, method: str, args: argparse.Namespace, data: CIFAR10DataModule
+           ) -> tuple[float, Tensor, int]:
+    """Hard-index PSNR (per image, averaged) over the scored split, the per-level code counts and the images seen."""
+    psnr = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))
+    levels = args.num_quantizers if method in RESIDUAL else 1
+    counts = torch.zeros(levels, model.num_codes, dtype=torch.long)
+    seen = 0
+    with torch.no_grad():
+        for x, _ in data.val_dataloader() if args.split == "validation" else data.test_dataloader():
+            _, indices, _ = model(x)
+            psnr.update(model.decode_indices(indices).clamp(0.0, 1.0), x)
+            for q, level in enumerate(indices.reshape(-1, levels).long().unbind(-1)):
+                counts[q] += torch.bincount(level, minlength=model.num_codes)
+            seen += x.shape[0]
+            if args.test_limit and seen >= args.test_limit:
+                break
+    return float(psnr.compute()), counts, seen
+
+
 def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
     quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **args.ddcl_kwargs),
@@ -183,23 +203,23 @@ def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFA
                 break
     train_s = time.perf_counter() - start
     model.eval()
-    psnr = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))  # per image, then averaged
-    levels = args.num_quantizers if method in RESIDUAL else 1
-    counts = torch.zeros(levels, model.num_codes, dtype=torch.long)
-    seen = 0
-    with torch.no_grad():
-        for x, _ in data.val_dataloader() if args.split == "validation" else data.test_dataloader():
-            _, indices, _ = model(x)
-            psnr.update(model.decode_indices(indices).clamp(0.0, 1.0), x)
-            for q, level in enumerate(indices.reshape(-1, levels).long().unbind(-1)):
-                counts[q] += torch.bincount(level, minlength=model.num_codes)
-            seen += x.shape[0]
-            if args.test_limit and seen >= args.test_limit:
-                break
+    psnr, counts, seen = _score(model, method, args, data)
+    # a standardising layer's evaluation with the running moments, beside its default (the applied statistics)
+    standardisers = [m for m in model.modules() if isinstance(m, TokenStandardizer)]
+    running = None
+    if standardisers:
+        kinds = [m.eval_statistics for m in standardisers]
+        for m in standardisers:
+            m.eval_statistics = "running"
+        running = _score(model, method, args, data)[0]
+        for m, kind in zip(standardisers, kinds, strict=True):
+            m.eval_statistics = kind
     usage = [{k: float(v) for k, v in softvq.functional.usage_from_counts(c).items()} for c in counts]
-    test = {"psnr_hard": float(psnr.compute()), "utilization": min(u["utilization"] for u in usage),
+    test = {"psnr_hard": psnr, "utilization": min(u["utilization"] for u in usage),
             "dead_codes": int(sum(u["dead_codes"] for u in usage)), "perplexity": min(u["perplexity"] for u in usage),
             "num_codes": model.num_codes, "images": seen}
+    if running is not None:
+        test["psnr_hard_running_stats"] = running
     if method in RESIDUAL:
         test["levels"] = usage
     return {"method": method, "seed": seed, "train_s": train_s, "test": test}

@@ -4,6 +4,7 @@ report's statistics by hand, and reuse of finished runs."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -121,6 +122,9 @@ def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_opt
     assert "split" not in test_run["settings"] and "ddcl_kwargs" not in test_run["settings"]
     assert built[0]["renorm"] is True and "renorm" not in built[-1]
     assert "validation split (24 held-out training images" in (tmp_path / "val" / "report.md").read_text()
+    # the layer's evaluation with the running moments is scored beside its default, the applied statistics
+    assert math.isfinite(run["test"]["psnr_hard_running_stats"])
+    assert run["test"]["psnr_hard_running_stats"] != run["test"]["psnr_hard"]
 
 
 def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_path, tiny_cifar):
