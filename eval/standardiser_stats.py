@@ -93,10 +93,21 @@ def val_psnr(model: VQVAE, loader: Any, mode: str) -> float:
     return float(metric.compute())
 
 
-def study(model: VQVAE, data: CIFAR10DataModule) -> dict[str, float]:
-    """The three validation PSNRs (``precise`` replaces the running statistics on a copy of the state, restored)."""
+def study(model: VQVAE, data: CIFAR10DataModule, trajectory: dict[str, torch.Tensor] | None = None
+          ) -> dict[str, float]:
+    """The validation PSNRs of :data:`MODES` (``precise`` replaces the running statistics on a copy of the state,
+    restored) and, given the training ``trajectory``, of every rule of :func:`policies` (as ``policy_<name>``)."""
     figures = {mode: val_psnr(model, data.val_dataloader(), mode) for mode in ("running", "applied", "batch")}
     found = standardisers(model)
+    if trajectory is not None and len(found) == 1:
+        (s,) = found
+        saved = s.applied_mean.clone(), s.applied_var.clone()
+        for name, (mean, std) in policies(trajectory, s.eval_momentum).items():
+            s.applied_mean.copy_(mean.to(s.applied_mean.dtype))
+            s.applied_var.copy_((std**2).to(s.applied_var.dtype))
+            figures[f"policy_{name}"] = val_psnr(model, data.val_dataloader(), "applied")
+        s.applied_mean.copy_(saved[0])
+        s.applied_var.copy_(saved[1])
     if len(found) != 1:
         raise ValueError(f"the precise pass needs one standardiser on the encoder's tokens, found {len(found)}")
     (s,) = found
@@ -111,6 +122,52 @@ def study(model: VQVAE, data: CIFAR10DataModule) -> dict[str, float]:
     figures["running_var_ratio_max"] = float((saved[1].double() / var).max())
     figures["running_var_ratio_min"] = float((saved[1].double() / var).min())
     return figures
+
+
+class Trajectory:
+    """What a standardiser saw and applied at every training step (a forward hook): the batch's moments (biased
+    variance), the shift and scale the step applied, and its token count; float64 on the CPU."""
+
+    KEYS = ("batch_mean", "batch_var", "shift", "scale", "count")
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[torch.Tensor, ...]] = []
+
+    def hook(self, module: TokenStandardizer, inputs: tuple, outputs: tuple) -> None:
+        if module.training and not module.frozen:
+            z = inputs[0].detach().double()
+            self.steps.append((z.mean(0), z.var(0, unbiased=False), outputs[1].detach().double(),
+                               outputs[2].detach().double(), torch.tensor(float(z.shape[0]), dtype=torch.float64)))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: torch.stack([step[i] for step in self.steps]) for i, k in enumerate(self.KEYS)}
+
+
+def _ema(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``x <- x + w_t (v_t - x)`` over the rows of ``values``, from the first row (weight 1)."""
+    x = values[0].clone()
+    for v, w in zip(values[1:], weights[1:], strict=True):
+        x += w * (v - x)
+    return x
+
+
+def policies(traj: dict[str, torch.Tensor], momentum: float = 0.5) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Evaluation statistics ``(mean, std)`` computed from a training trajectory, one per rule: the applied shift and
+    scale averaged with ``momentum`` per step (the layer's default), per token (a batch of ``n`` tokens weighs
+    ``1 - (1 - momentum)^(n / n_max)``: an epoch's short last batch counts for its size), without short batches, and
+    the batches' own moments averaged the same ways (what training would apply without renormalisation's clip)."""
+    n = traj["count"]
+    per_step = torch.full_like(n, momentum)
+    per_token = 1 - (1 - momentum) ** (n / n.max())
+    full = n == n.max()
+    eps = 1e-5
+    batch_std = (traj["batch_var"] + eps * traj["batch_var"].mean(1, keepdim=True)).sqrt()
+    out = {}
+    for name, weights, rows in (("step", per_step, slice(None)), ("token", per_token, slice(None)),
+                                ("full_batches", per_step[full], full)):
+        out[f"applied_{name}"] = (_ema(traj["shift"][rows], weights), _ema(traj["scale"][rows] ** 2, weights).sqrt())
+        out[f"batch_{name}"] = (_ema(traj["batch_mean"][rows], weights), _ema(batch_std[rows] ** 2, weights).sqrt())
+    return out
 
 
 def build(method: str, args: argparse.Namespace) -> torch.nn.Module:
@@ -146,13 +203,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             data.setup("fit")
             history = stored["history"]
         else:
-            model, data, result = peers.fit_run(args.method, args.seed, args, out,
-                                                quantizer=lambda: build(args.method, args))
+            recorder = Trajectory()
+
+            def watched() -> torch.nn.Module:
+                bottleneck = build(args.method, args)
+                found = [m for m in bottleneck.modules() if isinstance(m, TokenStandardizer)]
+                if len(found) == 1:
+                    found[0].register_forward_hook(recorder.hook)
+                return bottleneck
+
+            model, data, result = peers.fit_run(args.method, args.seed, args, out, quantizer=watched)
+            if recorder.steps:
+                torch.save(recorder.state(), out / "trajectory.pt")
             torch.save(model.state_dict(), out / "vqvae.pt")
             write_atomic(out / "result.json", json.dumps({**result, "settings": settings,
                                                           "commit": code_commit()}, indent=1))
             history = result["history"]
-        figures = study(model, data)
+        trajectory = (load_torch_file(out / "trajectory.pt", "standardiser trajectory")
+                      if (out / "trajectory.pt").is_file() else None)
+        figures = study(model, data, trajectory)
     summary = {"method": args.method, "seed": args.seed, "split": "validation", "settings": settings,
                "history_last_val_psnr_hard": history[-1]["val_psnr_hard"], **figures,
                "command": "python -m eval.standardiser_stats " + " ".join(argv if argv is not None else sys.argv[1:])}

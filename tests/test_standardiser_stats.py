@@ -9,6 +9,7 @@ import torch
 import softvq
 from eval import standardiser_stats as ss
 from softvq.models import VQVAE
+from softvq.norm import TokenStandardizer
 
 
 def tiny(quantizer: torch.nn.Module) -> VQVAE:
@@ -58,3 +59,23 @@ def test_three_modes_against_hand_computations():
     s.running_mean.copy_(t.mean(0))
     s.running_var.copy_(t.var(0, unbiased=False))  # training mode standardises with the biased batch variance
     assert abs(ss.val_psnr(model, one, "running") - batch_psnr) < 1e-4
+
+
+def test_policies_from_a_recorded_trajectory_reproduce_the_layers_applied_statistics():
+    s = TokenStandardizer(4, renorm=True, renorm_clip=(1.1, 0.1)).double()
+    recorder = ss.Trajectory()
+    s.register_forward_hook(recorder.hook)
+    torch.manual_seed(0)
+    for step, n in enumerate((64, 64, 64, 16)):  # a drifting encoder, and an epoch's short last batch
+        s(torch.randn(n, 4, dtype=torch.float64) * (1 + 0.2 * step) + 0.5 * step)
+    traj = recorder.state()
+    assert traj["count"].tolist() == [64, 64, 64, 16]
+    rules = ss.policies(traj, momentum=0.5)
+    mean, std = rules["applied_step"]  # the layer's own rule, recomputed from what it applied
+    torch.testing.assert_close(mean, s.applied_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(std, s.applied_var.sqrt(), rtol=1e-12, atol=1e-12)
+    # per token: the 16-token batch weighs 1 - 0.5 ** (16 / 64); without short batches: the first three steps only
+    w = 1 - 0.5 ** 0.25
+    before = ss._ema(traj["shift"][:3], torch.full((3,), 0.5, dtype=torch.float64))
+    torch.testing.assert_close(rules["applied_token"][0], before + w * (traj["shift"][3] - before))
+    torch.testing.assert_close(rules["applied_full_batches"][0], before)
