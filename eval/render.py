@@ -173,6 +173,15 @@ def markdown_files(root: Path = ROOT) -> list[Path]:
     return sorted({p for pattern in FILES for p in root.glob(pattern)})
 
 
+def render_file(path: Path, root: Path = ROOT) -> bool:
+    """Re-render the blocks of one markdown file in place; whether its text changed."""
+    text = path.read_text(encoding="utf-8")
+    new = render_text(text, root, path.parent)
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
 def differing(root: Path = ROOT) -> list[str]:
     """``file: spec`` for every block whose text is not what its source gives."""
     out = []
@@ -193,10 +202,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
             print(f"differs from its source: {line}")
         return 1 if stale else 0
     for path in markdown_files(root):
-        text = path.read_text(encoding="utf-8")
-        new = render_text(text, root, path.parent)
-        if new != text:
-            path.write_text(new, encoding="utf-8")
+        if render_file(path, root):
             print(f"rendered {path.relative_to(root)}")
     return 0
 

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from eval import fingerprint, peers
+from eval import fingerprint, peers, render
 from eval._provenance import code_commit, git, repo_relative, study_command
 from eval.long_run.metrics import EightBitPSNR, psnr_8bit
 from eval.long_run.report import write_report
@@ -218,9 +218,20 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     return record
 
 
+def _unedited(path: Path) -> bool:
+    """Whether ``path`` has no uncommitted changes (a file being edited is not re-rendered and committed)."""
+    try:
+        git("diff", "--quiet", "HEAD", "--", str(path))
+        return True
+    except subprocess.CalledProcessError:
+        return False
+
+
 def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     """Write ``record`` to ``out/runs/<run.name>.json`` unless it holds it already; with ``commit`` git-commit that
-    file alone (a failing git is logged, not raised)."""
+    file alone, with the fingerprint store and, for the committed study, every README or docs page whose rendered
+    tables it changes (:mod:`eval.render`) and that has no other uncommitted change (a failing git is logged, not
+    raised)."""
     path = out / "runs" / f"{run.name}.json"
     text = json.dumps(record, indent=1) + "\n"
     if path.is_file() and path.read_text() == text:
@@ -237,6 +248,8 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
                f"{record['test']['psnr_hard']:.2f} dB after {record['settings']['epochs']} epochs")
     try:
         files = [str(path.resolve()), str(store)]
+        if inside:  # the README's and docs' tables rendered from these records (eval.render), where nobody edits them
+            files += [str(md) for md in render.markdown_files() if _unedited(md) and render.render_file(md)]
         git("add", "--", *files)
         git("commit", "--only", "-m", message, "--", *files)
     except (OSError, subprocess.CalledProcessError) as err:
