@@ -93,16 +93,21 @@ def val_psnr(model: VQVAE, loader: Any, mode: str) -> float:
     return float(metric.compute())
 
 
-def study(model: VQVAE, data: CIFAR10DataModule, trajectory: dict[str, torch.Tensor] | None = None
-          ) -> dict[str, float]:
+def study(model: VQVAE, data: CIFAR10DataModule, trajectory: dict[str, torch.Tensor] | None = None,
+          momenta: tuple[float, ...] = ()) -> dict[str, float]:
     """The validation PSNRs of :data:`MODES` (``precise`` replaces the running statistics on a copy of the state,
-    restored) and, given the training ``trajectory``, of every rule of :func:`policies` (as ``policy_<name>``)."""
+    restored) and, given the training ``trajectory``, of every rule of :func:`policies` at the layer's momentum (as
+    ``policy_<name>``) and of its per-step rules at each of ``momenta`` (``policy_<name>_m<m>``)."""
     figures = {mode: val_psnr(model, data.val_dataloader(), mode) for mode in ("running", "applied", "batch")}
     found = standardisers(model)
     if trajectory is not None and len(found) == 1:
         (s,) = found
         saved = s.applied_mean.clone(), s.applied_var.clone()
-        for name, (mean, std) in policies(trajectory, s.eval_momentum).items():
+        rules = policies(trajectory, s.eval_momentum)
+        for m in momenta:
+            rules.update({f"{name}_m{m:g}": stats for name, stats in policies(trajectory, m).items()
+                          if name.endswith("_step")})
+        for name, (mean, std) in rules.items():
             s.applied_mean.copy_(mean.to(s.applied_mean.dtype))
             s.applied_var.copy_((std**2).to(s.applied_var.dtype))
             figures[f"policy_{name}"] = val_psnr(model, data.val_dataloader(), "applied")
@@ -186,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peers.add_vqvae_arguments(p)
     p.add_argument("--runs", type=Path, default=Path("runs/standardiser_stats"))
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("--momenta", type=float, nargs="*", default=[],
+                   help="also score the per-step evaluation rules at these momenta (needs a recorded trajectory)")
     p.add_argument("--no-progress-bar", action="store_true")
     args = p.parse_args(argv)
     if not args.test_limit:
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             history = result["history"]
         trajectory = (load_torch_file(out / "trajectory.pt", "standardiser trajectory")
                       if (out / "trajectory.pt").is_file() else None)
-        figures = study(model, data, trajectory)
+        figures = study(model, data, trajectory, tuple(args.momenta))
     summary = {"method": args.method, "seed": args.seed, "split": "validation", "settings": settings,
                "history_last_val_psnr_hard": history[-1]["val_psnr_hard"], **figures,
                "command": "python -m eval.standardiser_stats " + " ".join(argv if argv is not None else sys.argv[1:])}
