@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -192,9 +193,22 @@ def differing(root: Path = ROOT) -> list[str]:
     return out
 
 
+def unedited(path: Path, root: Path = ROOT) -> bool:
+    """Whether ``path`` has no uncommitted changes in the git repository at ``root`` (False where git cannot tell)."""
+    try:
+        subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(path)], cwd=root, check=True,
+                       capture_output=True)
+        return True
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
 def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 naming the blocks that differ from their sources")
+    p.add_argument("--unedited", action="store_true",
+                   help="leave alone every page with uncommitted changes (someone is editing it); a study that "
+                        "commits its results runs this and commits the pages it prints")
     args = p.parse_args(argv)
     if args.check:
         stale = differing(root)
@@ -202,6 +216,8 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
             print(f"differs from its source: {line}")
         return 1 if stale else 0
     for path in markdown_files(root):
+        if args.unedited and not unedited(path, root):
+            continue
         if render_file(path, root):
             print(f"rendered {path.relative_to(root)}")
     return 0

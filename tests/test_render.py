@@ -51,3 +51,21 @@ def test_bad_blocks_name_the_problem(tmp_path, spec, match):
     (tmp_path.parent / "outside.json").write_text("{}")
     with pytest.raises(ValueError, match=match):
         render.render_block(spec, tmp_path)
+
+
+def test_unedited_leaves_a_page_with_uncommitted_changes_alone(tmp_path):
+    """``--unedited`` (what a study that commits its records runs) re-renders committed pages only."""
+    import subprocess
+
+    readme = _toy(tmp_path, (20.0, 21.0))
+    other = tmp_path / "docs" / "page.md"
+    other.parent.mkdir()
+    other.write_text(readme.read_text())
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "toy"], check=True)
+    other.write_text(other.read_text() + "being edited\n")
+    assert render.main(["--unedited"], root=tmp_path) == 0
+    assert "20.50 ± 0.71" in readme.read_text()
+    assert "20.50" not in other.read_text() and "\nold\n" in other.read_text()

@@ -47,8 +47,8 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from eval import fingerprint, peers, render
-from eval._provenance import code_commit, git, repo_relative, study_command
+from eval import fingerprint, peers
+from eval._provenance import ROOT, code_commit, git, repo_relative, study_command
 from eval.long_run.metrics import EightBitPSNR, psnr_8bit
 from eval.long_run.report import write_report
 from softvq.cli.common import run_command
@@ -218,13 +218,14 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     return record
 
 
-def _unedited(path: Path) -> bool:
-    """Whether ``path`` has no uncommitted changes (a file being edited is not re-rendered and committed)."""
-    try:
-        git("diff", "--quiet", "HEAD", "--", str(path))
-        return True
-    except subprocess.CalledProcessError:
-        return False
+def _render_unedited() -> list[str]:
+    """Re-render the README's and docs' tables (``python -m eval.render --unedited``: pages nobody is editing) and
+    return the paths it rewrote. A subprocess, not an import: eval.render reads this study's records through
+    ``eval.long_run.report``, and the study importing the renderer back would be an import loop."""
+    done = subprocess.run([sys.executable, "-m", "eval.render", "--unedited"], cwd=ROOT, check=True,
+                          capture_output=True, text=True)
+    return [str(ROOT / line.removeprefix("rendered ")) for line in done.stdout.splitlines()
+            if line.startswith("rendered ")]
 
 
 def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
@@ -249,7 +250,7 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     try:
         files = [str(path.resolve()), str(store)]
         if inside:  # the README's and docs' tables rendered from these records (eval.render), where nobody edits them
-            files += [str(md) for md in render.markdown_files() if _unedited(md) and render.render_file(md)]
+            files += _render_unedited()
         git("add", "--", *files)
         git("commit", "--only", "-m", message, "--", *files)
     except (OSError, subprocess.CalledProcessError) as err:
