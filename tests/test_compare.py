@@ -11,6 +11,7 @@ import pytest
 
 from eval import compare
 from eval.compare import report
+from softvq.cli import train as train_vqvae
 
 TINY_MODEL = ("--model.width 8 --model.res_hidden 4 --model.res_blocks 1 --model.num_codes 8 --model.code_dim 4 "
               "--data.batch_size 16")
@@ -31,10 +32,19 @@ def one_row_per_study():
         yield
 
 
+def train_in_process(spec, args, threads, state):
+    """compare.train without its subprocess (the same argv; the subprocess path is what
+    test_a_failing_run_names_its_log runs): each of the nine runs would cost an interpreter and torch import."""
+    train_vqvae.main(compare.train_argv(spec, args) + (["--resume"] if state == "resume" else ["--overwrite"]))
+    return 0.0
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, tiny_cifar):
     tmp = tmp_path_factory.mktemp("compare")
-    results = compare.main(tiny_args(tiny_cifar, tmp))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compare, "train", train_in_process)
+        results = compare.main(tiny_args(tiny_cifar, tmp, "--jobs", "1"))
     return tmp, results
 
 
