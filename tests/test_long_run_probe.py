@@ -88,3 +88,30 @@ def test_gradient_ratio_scores_every_few_steps_on_both_methods(tiny_cifar):
     finally:
         torch.set_num_threads(threads)
 
+
+
+def test_detached_statistics_change_no_value_and_give_the_gradient_of_constant_shift_and_scale():
+    """With the standardiser's shift and scale detached the output is the same tensor and the input's gradient is
+    ``g_s / scale`` (``g_s`` the gradient at the standardised tokens, read by a hook); batch statistics' gradient
+    instead sums to zero over the batch in every dimension (a shift of every token is invisible to the loss)."""
+    torch.manual_seed(0)
+    default = DDCLQuantizer(16, 4).train()
+    detached = DDCLQuantizer(16, 4).train()
+    detached.load_state_dict(default.state_dict())
+    probe.detach_statistics(detached)
+    z = (torch.randn(200, 4) * 3 + 1).double()
+    w = torch.randn(200, 4, dtype=torch.float64)
+    results = []
+    for layer in (default.double(), detached.double()):
+        seen = {}
+        layer.standardizer.register_forward_hook(lambda m, i, o, seen=seen: seen.update(zs=o[0], scale=o[2]) or
+                                                 o[0].retain_grad())
+        x = z.clone().requires_grad_(True)
+        torch.manual_seed(1)  # the same initialisation draws
+        out = layer(x)
+        (out.quantized * w).sum().backward()
+        results.append((out.quantized.detach(), x.grad, seen["zs"].grad, seen["scale"].detach()))
+    (q0, g0, _, _), (q1, g1, gs, scale) = results
+    assert torch.equal(q0, q1)
+    torch.testing.assert_close(g1, gs / scale, rtol=1e-12, atol=1e-12)
+    assert g0.sum(0).abs().max() < 1e-9 * g0.abs().max() and g1.sum(0).abs().max() > 1e-3 * g1.abs().max()

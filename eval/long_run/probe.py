@@ -8,6 +8,7 @@ behind the long-training study (which setting keeps DDCL learning after the firs
     python -m eval.long_run.probe ... --gradient straight_through_plus   # the encoder gets (I + J) g, not J g
     python -m eval.long_run.probe ... --anneal-entropy 2.5 1.0    # the entropy target falls linearly over the run
     python -m eval.long_run.probe ... --output-scale 0.1          # the decoder sees DDCL's codes at a tenth
+    python -m eval.long_run.probe ... --detach-statistics         # no gradient through the standardiser's moments
 
 Trains the VQ-VAE of :func:`eval.peers.fit_run` (one torch thread) and every ``--every`` optimizer steps scores the
 first ``--val-images`` validation images (the validation split only: a probe chooses settings) in evaluation mode,
@@ -41,6 +42,7 @@ from eval import peers
 from softvq import DDCLQuantizer, QuantizerOutput
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
+from softvq.norm import TokenStandardizer
 
 GRADIENTS = ("soft_centroid", "straight_through_plus")
 
@@ -192,8 +194,24 @@ class Snapshots(L.Callback):
         return record
 
 
-def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0) -> VQVAE:
+def detach_statistics(layer: nn.Module) -> None:
+    """Make the shift and scale of every batch-renormalising :class:`~softvq.norm.TokenStandardizer` in ``layer``
+    constants of the backward pass (their values unchanged): the loss then sees a per-dimension shift or rescaling of
+    the encoder's tokens, which batch statistics' gradient makes a direction it cannot see (and Adam drifts along)."""
+    found = [m for m in layer.modules() if isinstance(m, TokenStandardizer)]
+    if not found or not all(m.renorm for m in found):
+        raise ValueError("--detach-statistics needs a layer that standardises with batch renormalisation (DDCL's "
+                         "default)")
+    for m in found:
+        renormalise = m._renormalise
+        m._renormalise = lambda mean, var, f=renormalise: tuple(t.detach() for t in f(mean, var))
+
+
+def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0,
+                detach: bool = False) -> VQVAE:
     quantizer = peers.build(method, num_codes, 64, kwargs)
+    if detach:
+        detach_statistics(quantizer)
     if gradient != "soft_centroid" or scale != 1.0:
         if not isinstance(quantizer, DDCLQuantizer):
             raise ValueError(f"--gradient and --output-scale probe DDCL's output; --method is {method!r}")
@@ -210,6 +228,8 @@ def main(argv: list[str] | None = None) -> VQVAE:
     p.add_argument("--gradient", choices=GRADIENTS, default="soft_centroid", help="DDCL's encoder gradient")
     p.add_argument("--output-scale", type=float, default=1.0, help="multiply DDCL's codes (the decoder input)")
     p.add_argument("--anneal-entropy", type=float, nargs=2, default=None, metavar=("START", "END"))
+    p.add_argument("--detach-statistics", action="store_true",
+                   help="the standardiser's shift and scale carry no gradient (their values unchanged)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--every", type=int, default=22, help="optimizer steps between two scorings")
@@ -230,7 +250,8 @@ def main(argv: list[str] | None = None) -> VQVAE:
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=args.seed)
     data.setup("fit")
     images = torch.stack([data.val_set[i][0] for i in range(min(args.val_images, len(data.val_set)))])
-    model = build_model(args.method, args.num_codes, args.kwargs, args.gradient, args.output_scale)
+    model = build_model(args.method, args.num_codes, args.kwargs, args.gradient, args.output_scale,
+                        args.detach_statistics)
     L.seed_everything(args.seed, workers=True, verbose=False)
     with open(args.out, "a") as f:
         f.write(json.dumps({"probe": vars(args) | {"data_root": str(args.data_root), "out": str(args.out)}}) + "\n")
