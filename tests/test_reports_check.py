@@ -153,3 +153,14 @@ def test_fingerprints_flag_exactly_the_reports_whose_methods_numerics_changed(tm
     table = capsys.readouterr().out
     assert "| reports/a/report.md | abc1234 |" in table and "stale: the numerics of ddcl changed" in table
     assert "fresh: the numerics of hard_ema are unchanged" in table
+
+
+def test_a_run_published_twice_at_the_same_numerics_adds_its_fingerprint_once(tmp_path, monkeypatch):
+    from eval import fingerprint
+
+    prints = iter(["aaaa", "aaaa", "bbbb", "aaaa"])
+    monkeypatch.setattr(fingerprint, "fingerprint", lambda name: next(prints))
+    store = tmp_path / "fingerprints.json"
+    for _ in range(4):
+        fingerprint.add("reports/x/report.md", "ddcl", store)
+    assert fingerprint.load(store) == {"reports/x/report.md": {"ddcl": ["aaaa", "bbbb"]}}  # each numerics once
