@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from softvq._checks import check_finite_state, check_float
+from softvq._precision import apply_keeping_precision
 from softvq.norm import TokenStandardizer
-from softvq.utils import apply_keeping_precision, check_finite_state, check_float
 
 
 class LayerState:

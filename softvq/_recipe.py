@@ -22,17 +22,11 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from softvq._checks import check_bool, check_choice, check_float, check_unit
+from softvq._collectives import all_reduce_sum_, is_distributed
+from softvq._kernels import squared_distances
+from softvq._restart import restart_dead_codes_
 from softvq._soft_centroid import softmax_floor
-from softvq.utils import (
-    all_reduce_sum_,
-    check_bool,
-    check_choice,
-    check_float,
-    check_unit,
-    is_distributed,
-    restart_dead_codes_,
-    squared_distances,
-)
 
 # dead_code_decay="auto": the running usage per code remembers at least this many tokens a code wins on average (its
 # memory, 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from softvq.utils import max_rows
+from softvq._kernels import max_rows
 
 
 def _mean(x: Tensor) -> Tensor:

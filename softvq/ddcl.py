@@ -29,26 +29,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq._layer_state import LayerState
-from softvq._recipe import InLayerRecipe
-from softvq._replay import ForwardRecords, in_backward, replayed_prototypes
-from softvq._soft_centroid import _SoftCentroid
-from softvq.norm import TokenStandardizer
-from softvq.types import QuantizerOutput, scatter_top_k
-from softvq.utils import (
-    broadcast_,
+from softvq._checks import (
     check_bool,
     check_choice,
     check_feature_maps,
     check_float,
     check_indices,
     check_positive_int,
-    compute_dtype,
-    empty_output,
     flatten_tokens,
-    is_distributed,
-    pick_tokens,
 )
+from softvq._collectives import broadcast_, is_distributed, pick_tokens
+from softvq._layer_state import LayerState
+from softvq._precision import compute_dtype
+from softvq._recipe import InLayerRecipe
+from softvq._replay import ForwardRecords, in_backward, replayed_prototypes
+from softvq._soft_centroid import _SoftCentroid
+from softvq.norm import TokenStandardizer
+from softvq.types import QuantizerOutput, empty_output, scatter_top_k
 
 Term = Literal["l_q", "l_ols", "free_energy"]
 CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from softvq.utils import check_choice, check_indices, check_positive_int
+from softvq._checks import check_choice, check_indices, check_positive_int
 
 
 def entropy_from_counts(counts: Tensor) -> Tensor:

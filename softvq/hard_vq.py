@@ -8,23 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq.types import QuantizerOutput
-from softvq.utils import (
-    all_reduce_sum_,
-    apply_keeping_precision,
+from softvq._checks import (
     check_bool,
     check_finite_state,
     check_float,
     check_indices,
     check_positive_int,
     check_unit,
-    compute_dtype,
-    empty_output,
     flatten_tokens,
-    max_rows,
-    restart_dead_codes_,
-    squared_distances,
 )
+from softvq._collectives import all_reduce_sum_
+from softvq._kernels import max_rows, squared_distances
+from softvq._precision import apply_keeping_precision, compute_dtype
+from softvq._restart import restart_dead_codes_
+from softvq.types import QuantizerOutput, empty_output
 
 
 class HardVQ(nn.Module):

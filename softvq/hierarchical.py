@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from softvq._checks import check_finite_state, check_positive_int
 from softvq.ddcl import DDCLQuantizer
 from softvq.types import QuantizerOutput
-from softvq.utils import check_finite_state, check_positive_int
 
 Window = int | tuple[int, ...]
 

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from softvq._checks import check_positive_int
 from softvq.functional import batch_counts, usage_from_counts
-from softvq.utils import check_positive_int
 
 
 class CodebookUsage(Metric):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from softvq.utils import all_reduce_sum, all_reduce_sum_, check_float, check_positive_int
+from softvq._checks import check_float, check_positive_int
+from softvq._collectives import all_reduce_sum, all_reduce_sum_
 
 
 def batch_moments(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -7,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from softvq._checks import check_float
 from softvq.ddcl import DDCLQuantizer
-from softvq.utils import check_float
 
 
 def _trainable_prototype_ids(model: nn.Module) -> set[int]:

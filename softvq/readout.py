@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from softvq._checks import check_bool, check_finite_state
+from softvq._precision import compute_dtype
 from softvq.ddcl import DDCLQuantizer
-from softvq.utils import check_bool, check_finite_state, compute_dtype
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 # The readout is the plain layer: where its defaults differ from DDCLQuantizer's.

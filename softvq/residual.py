@@ -21,20 +21,20 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from softvq._replay import in_backward
-from softvq.ddcl import DDCLQuantizer
-from softvq.hard_vq import HardVQ
-from softvq.norm import TokenStandardizer
-from softvq.types import QuantizerOutput
-from softvq.utils import (
+from softvq._checks import (
     check_choice,
     check_feature_maps,
     check_finite_state,
     check_indices,
     check_positive_int,
-    compute_dtype,
     flatten_tokens,
 )
+from softvq._precision import compute_dtype
+from softvq._replay import in_backward
+from softvq.ddcl import DDCLQuantizer
+from softvq.hard_vq import HardVQ
+from softvq.norm import TokenStandardizer
+from softvq.types import QuantizerOutput
 
 
 def is_residual(module: object) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from softvq.utils import check_choice, check_float
+from softvq._checks import check_choice, check_float
 
 Schedule = Literal["constant", "linear", "cosine", "exponential"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine", "exponential")

@@ -1,10 +1,13 @@
-"""The one return type shared by every softvq quantizer."""
+"""The one return type shared by every softvq quantizer, and its value for zero tokens."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
+
+from softvq._precision import compute_dtype
 
 
 class QuantizerOutput(NamedTuple):
@@ -53,3 +56,19 @@ def scatter_top_k(probs: Tensor, codes: Tensor, num_codes: int) -> Tensor:
     """Top-k assignments ``probs (..., k)`` of the codes ``codes (..., k)`` as the dense ``(..., num_codes)`` array,
     zero elsewhere."""
     return probs.new_zeros(*probs.shape[:-1], num_codes).scatter(-1, codes, probs)
+
+
+def empty_output(z: Tensor, num_codes: int, anchor: Tensor, term_names: tuple[str, ...]) -> QuantizerOutput:
+    """What a quantizer returns for zero tokens: empty tensors of the right shapes and a zero loss that is still
+    connected to ``anchor`` (a parameter or buffer), so ``loss.backward()`` works."""
+    lead = z.shape[:-1]
+    ctype = compute_dtype(z.dtype)
+    zero = (anchor.sum() * 0.0).to(ctype)
+    terms = {k: torch.zeros((), dtype=ctype, device=z.device) for k in term_names}
+    return QuantizerOutput(
+        quantized=z.clone(),
+        indices=torch.zeros(lead, dtype=torch.long, device=z.device),
+        probs=z.new_zeros((*lead, num_codes), dtype=ctype),
+        loss=zero,
+        terms=terms,
+    )

@@ -115,7 +115,7 @@ def _compare_compiled_and_eager(name: str, backend: str = "inductor") -> None:
 
 
 def test_max_rows_equals_torch_max_with_ties_and_any_width():
-    from softvq.utils import max_rows
+    from softvq._kernels import max_rows
 
     torch.manual_seed(3)
     for k in (31, 64, 96, 512):

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from softvq.utils import check_float, check_positive_int
+from softvq._checks import check_float, check_positive_int
 
 EARTH_RADIUS_KM = 6378.137  # WGS-84 equatorial radius
 MU_EARTH_KM3_S2 = 398600.4418  # Earth's gravitational parameter GM

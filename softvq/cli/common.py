@@ -16,9 +16,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from softvq._checks import check_choice, check_float, check_positive_int
 from softvq.data.cifar10 import CorruptArchiveError
 from softvq.models.callbacks import AtomicCheckpointIO
-from softvq.utils import check_choice, check_float, check_positive_int
 
 # Missing or bad data, checkpoints and output directories, invalid settings, NaN/Inf in training. Each message names
 # what is wrong, so a traceback would add nothing. (FileExistsError and FileNotFoundError are OSErrors.)

@@ -27,11 +27,11 @@ from typing import Any
 from jsonargparse import ArgumentParser, Namespace
 
 from softvq import DDCLQuantizer, HardVQ, ResidualDDCL, ResidualHardVQ
+from softvq._checks import check_non_negative_int, check_positive_int
 from softvq.cli.common import Hardware
 from softvq.cli.parsing import command_parser
 from softvq.data import CIFAR10DataModule
 from softvq.models import QUANTIZERS, RESIDUAL_QUANTIZERS, VQVAE
-from softvq.utils import check_non_negative_int, check_positive_int
 
 QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "rddcl": ResidualDDCL, "rhard": ResidualHardVQ}
 # Arguments the trainer sets itself: the code count and dimension come from --model (and a residual stack's levels,

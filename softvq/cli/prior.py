@@ -44,6 +44,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+from softvq._checks import check_float, check_non_negative_int, check_positive_int
 from softvq.cli.common import GracefulStop, Hardware, Interrupted, claim_run_directory, run_command
 from softvq.cli.parsing import Legacy, command_parser, parse, resolved
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
@@ -62,7 +63,6 @@ from softvq.models.prior import (
 )
 from softvq.models.transformer import PriorConfig
 from softvq.models.vqvae import load_vqvae
-from softvq.utils import check_float, check_non_negative_int, check_positive_int
 
 log = logging.getLogger("softvq")
 

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
+from softvq._checks import check_non_negative_int, check_positive_int
 from softvq.data.archive import (  # noqa: F401 - the archive errors and helpers, re-exported with the data module
     ARCHIVE_SUFFIXES,
     CorruptArchiveError,
@@ -47,7 +48,6 @@ from softvq.data.archive import (  # noqa: F401 - the archive errors and helpers
     sha256_file,
 )
 from softvq.data.sampling import GlobalBatchSampler
-from softvq.utils import check_non_negative_int, check_positive_int
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 SPLIT_SEED = 0  # fixed: the val split and the training subset do not change with the run's --seed

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from softvq.utils import check_non_negative_int, check_positive_int
+from softvq._checks import check_non_negative_int, check_positive_int
 
 
 class GlobalBatchSampler(Sampler[int]):

@@ -15,10 +15,11 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 import softvq
+from softvq._checks import check_positive_int
+from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput
 from softvq.residual import is_residual
 from softvq.types import QuantizerOutput
-from softvq.utils import all_reduce_sum_, check_positive_int, is_distributed
 
 # Per-level training keys (train epoch) and evaluation keys (validation / test epoch), each written as f"{key}_l{l}".
 TRAIN_KEYS = ("utilization", "dead_codes", "perplexity", "soft_perplexity", "assignment_entropy", "l_q", "l_ols", "v",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from softvq.utils import check_non_negative_int, check_positive_int
+from softvq._checks import check_non_negative_int, check_positive_int
 
 
 class ResidualBlock(nn.Module):

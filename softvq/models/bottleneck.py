@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 import softvq
+from softvq._checks import check_choice
+from softvq._collectives import is_distributed
 from softvq.norm import batch_moments, bessel
-from softvq.utils import check_choice, is_distributed
 
 QUANTIZERS: tuple[str, ...] = ("ddcl", "hard")
 # Residual stacks (VQVAE(num_quantizers=Q)): Q DDCL levels, or Q HardVQ levels with EMA + restart (softvq.residual).

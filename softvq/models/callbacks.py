@@ -22,9 +22,9 @@ from matplotlib.figure import Figure
 from torch import nn
 from torchvision.utils import make_grid
 
+from softvq._collectives import is_distributed
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.files import write_atomic
-from softvq.utils import is_distributed
 
 log = logging.getLogger("softvq")
 

@@ -20,10 +20,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from softvq._checks import check_non_negative_int, check_positive_int
 from softvq.data.cifar10 import SPLIT_SEED, CIFAR10DataModule, default_cache_dir
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.vqvae import VQVAE
-from softvq.utils import check_non_negative_int, check_positive_int
 
 log = logging.getLogger("softvq")
 SPLITS = ("train", "val", "test")

@@ -22,10 +22,10 @@ from einops import rearrange
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from softvq._checks import check_choice, check_float, check_non_negative_int, check_positive_int
 from softvq.models.loading import load_module
 from softvq.models.transformer import CodeTransformer, PriorConfig
 from softvq.models.vqvae import VQVAE
-from softvq.utils import check_choice, check_float, check_non_negative_int, check_positive_int
 
 log = logging.getLogger("softvq")
 LN2 = math.log(2.0)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from softvq.utils import check_indices, check_non_negative_int, check_positive_int
+from softvq._checks import check_indices, check_non_negative_int, check_positive_int
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from torch import Tensor, nn
 
 import softvq
 import softvq.models._hierarchy as hierarchy
+from softvq._checks import check_choice, check_float, check_positive_int
+from softvq._collectives import all_reduce_sum_
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
 from softvq.models._epoch_metrics import EpochMetrics
 from softvq.models._hierarchy import build_hierarchy, check_level_indices, level_views
@@ -40,7 +42,6 @@ from softvq.optim import has_trainable_prototypes
 from softvq.residual import is_residual
 from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
-from softvq.utils import all_reduce_sum_, check_choice, check_float, check_positive_int
 
 # Also importable from here: the bottleneck names (softvq.models.bottleneck) and the checkpoint loader
 # (softvq.models.loading.load_module).
