@@ -26,7 +26,7 @@ The core needs only torch and torchmetrics. With the ``train`` extra (``pip inst
 - :mod:`softvq.cli` — the ``softvq-train``, ``softvq-evaluate``, ``softvq-prior`` and ``softvq-sample`` commands.
 """
 
-from softvq import functional
+from softvq import functional, utils
 from softvq.ddcl import DDCLQuantizer
 from softvq.functional import assignment_entropy, codebook_usage, prototype_separation
 from softvq.hard_vq import HardVQ
@@ -59,4 +59,5 @@ __all__ = [
     "functional",
     "param_groups",
     "prototype_separation",
+    "utils",
 ]

@@ -1,6 +1,7 @@
-"""The documented names of the former ``softvq.utils``; validation lives in ``softvq._checks``, distances in
-``softvq._kernels``, dtype policy in ``softvq._precision``, torch.distributed helpers in ``softvq._collectives``,
-dead-code restarts in ``softvq._restart`` and the zero-token output in ``softvq.types``."""
+"""Helpers a user of the layers may call: the largest token magnitude a layer accepts, the row-wise maximum kernel,
+and the collectives its DDP path uses. Where each concern lives: validation ``softvq._checks``, distances
+``softvq._kernels``, dtype policy ``softvq._precision``, torch.distributed helpers ``softvq._collectives``, dead-code
+restarts ``softvq._restart``."""
 
 from softvq._checks import max_token_magnitude
 from softvq._collectives import all_reduce_sum, pick_tokens
