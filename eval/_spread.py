@@ -48,7 +48,7 @@ def beyond_spread(a: Sequence[float], b: Sequence[float], *, exact_b: bool = Fal
     diffs = [x - y for x, y in zip(a, b, strict=True)]
     same_sign = all(d > 0 for d in diffs) or all(d < 0 for d in diffs)
     if abs(margin) <= spread:
-        reason = f"|{margin:.4g}| is within the spread {spread:.4g}"
+        reason = f"the margin {margin:+.3g} is within the spread {spread:.3g}"  # no "|": it sits in tables
     elif not same_sign:
         reason = "the seeds' paired differences change sign"
     else:
