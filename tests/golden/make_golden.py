@@ -5,9 +5,9 @@ Every case trains one public layer (or recipe) for :data:`STEPS` steps on fixed 
 maps fixed inputs to tokens, the layer quantizes them, the loss is the squared distance of its output to a fixed
 target plus the layer's own loss, and Adam steps ``W`` and the layer's parameters. After every step the file holds a
 digest of three groups: what the forward returned (every tensor of the output), the gradients (``W``'s and the
-layer's parameters') and the layer's state dict after the step. One evaluation-mode forward follows the last step
-(group ``eval``). A digest is SHA-256 over each tensor's dtype, shape and bytes, so any change of any bit of any
-value shows; the test reports the first step and group that differ.
+layer's parameters') and the layer's state after the step (its values, whatever the keys are named). One
+evaluation-mode forward follows the last step (group ``eval``). A digest is SHA-256 over each tensor's dtype, shape
+and bytes, so any change of any bit of any value shows; the test reports the first step and group that differ.
 
     python tests/golden/make_golden.py            # rewrite tests/golden/layers.json and tests/golden/states/*.pt
     python tests/golden/make_golden.py --check    # compare with the files (what tests/test_golden.py does)
@@ -85,9 +85,11 @@ def tensors_of(value: Any, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
         yield prefix, torch.tensor(value)
 
 
-def state_tensors(layer: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    for k, v in layer.state_dict().items():
-        yield from tensors_of(v, k)
+def state_digest(layer: nn.Module) -> str:
+    """The digest of a layer's state whatever its keys are named or ordered (a rewrite may rename a buffer, and
+    loading maps the old name): each tensor's digest, sorted, hashed together."""
+    each = sorted(digest(iter([("", t)])) for k, v in layer.state_dict().items() for _, t in tensors_of(v, k))
+    return hashlib.sha256("".join(each).encode()).hexdigest()[:24]
 
 
 def _loss(name: str, out: Any, target: Tensor) -> Tensor:
@@ -118,7 +120,7 @@ def run(name: str) -> tuple[dict[str, Any], nn.Module, Tensor, Any]:
         grads = [(f"grad{i}", p.grad) for i, p in enumerate(params) if p.grad is not None]
         optimizer.step()
         steps.append({"output": digest(tensors_of(out, "out")), "grads": digest(iter(grads)),
-                      "state": digest(state_tensors(layer))})
+                      "state": state_digest(layer)})
     layer.eval()
     with torch.no_grad():
         batch = xs[STEPS] @ encoder
