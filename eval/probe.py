@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
 from torch import Tensor, nn
 
 import softvq
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="residual DDCL: what each level passes back to its input (see the module docstring)")
     p.add_argument("--kwargs", type=json.loads, default={}, help="JSON options of the quantizer class")
     p.add_argument("--model-kwargs", type=json.loads, default={}, help="JSON options of models.VQVAE")
+    p.add_argument("--adam-betas", type=float, nargs=2, default=None, metavar=("BETA1", "BETA2"),
+                   help="Adam's betas (default: torch's 0.9, 0.999), e.g. 0.5 0.9 as SimVQ's authors train")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--val-size", type=int, default=5000, help="training images held out for validation")
     p.add_argument("--seed", type=int, default=0)
@@ -118,6 +121,16 @@ def main(argv: list[str] | None = None) -> dict:
     quantizer = build_quantizer(args.quantizer, args.num_codes, args.code_dim, args.kwargs, args.num_quantizers,
                                 args.level_gradient)
     model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, **args.model_kwargs)
+    if args.adam_betas is not None:  # the model's own optimizer (and parameter groups), other betas
+        configure = model.configure_optimizers
+
+        def configure_optimizers() -> torch.optim.Optimizer:
+            optimizer = configure()
+            for group in optimizer.param_groups:
+                group["betas"] = tuple(args.adam_betas)
+            return optimizer
+
+        model.configure_optimizers = configure_optimizers
     L.seed_everything(args.seed, workers=True, verbose=False)
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -57,3 +57,19 @@ def test_a_straight_through_level_keeps_the_code_and_passes_the_gradient_unchang
     assert not torch.allclose(grads[0], grads[1])  # the soft centroid's Jacobian is another gradient
     with pytest.raises(ValueError, match="rddcl only"):
         probe.build_quantizer("rhard", 16, 4, {}, level_gradient="straight_through")
+
+
+def test_adam_betas_reach_every_parameter_group_of_the_optimizer_that_steps(tiny_cifar, tmp_path, monkeypatch):
+    seen = []
+    step = torch.optim.Adam.step
+
+    def recording_step(self, *args, **kwargs):
+        seen.append({tuple(g["betas"]) for g in self.param_groups})
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    probe.main(["--data-root", str(tiny_cifar["folder"]), "--train-subset", "32", "--val-size", "16", "--epochs", "1",
+                "--num-codes", "8", "--code-dim", "4", "--num-workers", "0", "--quantizer", "hard",
+                "--model-kwargs", '{"width": 8, "res_hidden": 4, "res_blocks": 1}', "--adam-betas", "0.5", "0.9",
+                "--results", str(tmp_path / "r.jsonl")])
+    assert seen and all(groups == {(0.5, 0.9)} for groups in seen)
