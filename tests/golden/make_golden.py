@@ -81,8 +81,8 @@ def tensors_of(value: Any, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
     elif isinstance(value, (tuple, list)):
         for i, v in enumerate(value):
             yield from tensors_of(v, f"{prefix}[{i}]")
-    elif isinstance(value, (int, float, bool)):
-        yield prefix, torch.tensor(value)
+    elif isinstance(value, (int, float, bool)):  # float64 / int64 whatever holds it (an extra state's float, a buffer)
+        yield prefix, torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
 def state_digest(layer: nn.Module) -> str:
