@@ -34,8 +34,8 @@ from softvq._soft_centroid import softmax_floor
 # dipped by chance to restart; docs/design.md, "Dead-code restart at large K".
 USAGE_MEMORY_TOKENS = 64.0
 USAGE_DECAY_FLOOR = 0.9
-# ... and at most 0.97's memory (33 batches): longer left dead codes unrestarted for epochs at K = 16384 (0.992 there:
-# 92.5% of the codes used on held-out images, against 98.2% at 0.97, PSNR level).
+# ... and at most 0.97's memory (33 batches): a longer one leaves dead codes unrestarted for epochs at K = 16384
+# (docs/design.md, "Dead-code restart at large K").
 USAGE_DECAY_CEILING = 0.97
 
 
@@ -254,7 +254,8 @@ class InLayerRecipe:
             self.ema_sum.lerp_(total, 1.0 - self.ema_decay)
             # A code that won nothing keeps its place: its mass and sum decay alike, so their ratio is the prototype
             # (and once the mass leaves the normal floats, after ~8,700 steps at decay 0.99, a ratio of subnormals is
-            # noise). A floor on the mass (1e-12 before) sent such a code to the origin after ~2,750 steps.
+            # noise, so the code stays put). Invariant: a code moves only on a step it wins tokens; a floor on the mass
+            # instead of this test would drag a never-winning code to the origin.
             tiny = torch.finfo(self.ema_mass.dtype).tiny
             moved = (mass > 0) & (self.ema_mass > tiny)
             new = self.ema_sum / self.ema_mass.clamp_min(tiny)[:, None]
@@ -272,8 +273,8 @@ class InLayerRecipe:
         (see ``temperature_t``); a non-finite entropy leaves ``T`` unchanged."""
         factor = torch.exp(self.temperature_rate * (self.target_entropy - entropy.to(self.temperature_t.dtype)))
         now = self.temperature_t
-        # Bound, not written in place: with the double buffer used before, a second forward pass before the first's
-        # backward wrote the slot that backward read (under torch.compile: a version-counter error).
+        # Bound, not written in place: a second forward pass before the first's backward must not change the T that
+        # backward reads (an in-place write is a version-counter error under torch.compile).
         self.temperature_t = torch.where(torch.isfinite(factor), now * factor, now)
 
     @torch.no_grad()

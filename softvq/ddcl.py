@@ -149,13 +149,12 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             (momentum 0.1), with batch standardisation's gradient, so that the per-dimension shift and scale of the
             tokens is not wholly invisible to the loss. The
             corrections are clipped tightly (``renorm_clip``), so that while the encoder moves fast training stays
-            close to batch standardisation. On validation: +0.31 dB (K = 512) and +0.32 dB (K = 4096) in the
-            project's VQ-VAE, level (-0.01 dB) in a foreign autoencoder (docs/design.md, "Batch renormalisation").
-            ``False``: plain batch standardisation (the default before; inert without ``standardize``).
+            close to batch standardisation (what it measured: docs/design.md, "Batch renormalisation").
+            ``False``: plain batch standardisation (inert without ``standardize``).
         renorm_clip: ``(r_max, d_max)``: batch renormalisation's corrections are clipped to ``r`` in
             ``[1 / r_max, r_max]`` and ``d`` in ``[-d_max, d_max]`` (:class:`softvq.norm.TokenStandardizer`). The
             default (1.1, 0.1) keeps each token's standardisation within 10% in scale and 0.1 standard deviations in
-            shift of batch standardisation's; Ioffe's (3, 5) lost 0.7 dB in the foreign autoencoder.
+            shift of batch standardisation's (Ioffe's (3, 5) is looser; docs/design.md compares them).
         prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
         ema_decay: decay of the prototype update, in ``(0, 1)``.
         hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
@@ -167,9 +166,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         codebook_weight: its weight (``>= 0``).
         commitment_term: ``"hard"`` (``||z - sg[p_argmax]||^2``, VQ-VAE's commitment to the code, the default),
             ``"l_ols"`` (to the soft centroid), ``"l_q"`` or ``"free_energy"``: the term that pulls the encoder to the
-            codebook when ``commitment_weight > 0``. At weight 0.25 in the project's VQ-VAE ``"hard"`` reconstructed
-            1.2 dB better than ``"l_ols"`` on the validation split on both seeds (both below weight 0;
-            docs/design.md, "Collapse-free defaults").
+            codebook when ``commitment_weight > 0`` (``"hard"`` and ``"l_ols"`` compared: docs/design.md,
+            "Collapse-free defaults").
         commitment_weight: its weight (``>= 0``; default 0: committing to the *soft* centroid is a mean-shift step
             that pulled the tokens into few modes here).
         init: ``"data"`` copies random tokens of the first training batch into the prototypes; ``"normal"`` draws
@@ -181,8 +179,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         dead_code_decay: decay of that running count, in ``(0, 1)``. ``"auto"`` (the default): 0.9, or longer when a
             batch has few tokens per code, so that the count remembers at least 64 tokens per code, up to 0.97
             (0.9 at K = 512 and 1024 with 8,192 tokens a batch, 0.969 at K = 4096, 0.97 at 16384; ``usage_decay``).
-            At K = 4096 a decay of 0.9 restarted live codes whose count dipped by chance and cost 0.5 dB on the
-            validation mean (docs/design.md, "Dead-code restart at large K").
+            A short memory at a large K restarts live codes whose count dipped by chance (docs/design.md,
+            "Dead-code restart at large K").
         dead_code_cap: the threshold in effect never exceeds this fraction of the mean tokens per code per batch
             (0.25: with 64 tokens a batch for K = 256 codes, a threshold of 1 becomes 1/16), so that a batch too
             small to give every code a token does not restart live codes; ``None``: the threshold as given.
