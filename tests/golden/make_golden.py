@@ -131,7 +131,8 @@ def run(name: str) -> tuple[dict[str, Any], nn.Module, Tensor, Any]:
 def record() -> None:
     STATES.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout
-    golden = {"commit": commit.strip(), "torch": torch.__version__, "steps": STEPS, "cases": {}}
+    golden = {"commit": commit.strip(), "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+              "steps": STEPS, "cases": {}}
     for name in CASES:
         rec, layer, batch, out = run(name)
         golden["cases"][name] = rec
