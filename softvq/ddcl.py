@@ -58,52 +58,29 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
     Input: tokens ``z`` of shape ``(..., dim)`` (channel-last; all other dimensions are flattened), or with
     ``channel_first=True`` feature maps ``(B, dim, *spatial)``. Output: a :class:`~softvq.QuantizerOutput`.
 
-    **The recipe is in the layer** (``recipe="auto"``, the default). ``DDCLQuantizer(num_codes=K, dim=D)`` trains
-    collapse-free as the bottleneck of any model under any optimizer, with nothing else to set:
-
-    - *token scale*: tokens are standardised per dimension (:class:`softvq.norm.TokenStandardizer`: batch statistics
-      in training, over every process under DDP; in evaluation a running average of the shift and scale training
-      applied, ``TokenStandardizer.eval_statistics``), so the encoder cannot shrink what the codebook sees. Codes
-      are returned in that standardised space (``output_scale``).
-    - *temperature*: ``T`` is set on the first training batch so that the mean assignment entropy H(Q) equals
-      ``target_entropy``, and after every training step ``T <- T exp(temperature_rate (target - H(Q)))`` keeps it
-      there (checkpointed with the layer), so ``T`` follows the distance scale and nobody tunes it.
-    - *prototype timescale*: the prototypes are not trained by the optimizer; every training step moves them by an
-      exponential moving average (``ema_decay``) toward the mean of the tokens they win (``prototype_update="ema"``,
-      a k-means step; ``"soft_ema"`` weights the tokens by ``q``, the free-energy M-step). That is the eps -> 0 limit
-      of the paper's timescale theorem, and it does not depend on the user's learning rate or optimizer.
-    - *dead codes*: a prototype whose running count of won tokens per batch falls below ``dead_code_threshold``
-      (never above ``dead_code_cap`` times the mean tokens per code, so that a small batch restarts no live code)
-      is moved onto a random token of the batch.
-    - *discrete codes*: with ``hard_output=True`` the output equals the argmax prototype in value, in training as at
-      test time, while the encoder's gradient is the DDCL soft-centroid Jacobian
-      ``d mu_n / d z_n = (2/T) C_n`` (``quantized = mu + sg(p_argmax - mu)``). The decoder learns on the codes it will
-      be given, so the soft -> hard gap is zero by construction.
-
-    **On an accelerator**: with ``check_finite=False`` a training step never synchronises the host with the device
-    (the temperature, its control, the restart count and every update stay on the device), and the layer compiles with
-    ``torch.compile(fullgraph=True)`` (forward and backward, in training mode); on a CPU the ``(N, K)`` work runs in
-    cache-sized chunks of tokens. docs/scaling.md, "Throughput", has the measurements.
+    **The recipe is in the layer** (``recipe="auto"``, the default): ``DDCLQuantizer(num_codes=K, dim=D)`` trains
+    collapse-free as the bottleneck of any model under any optimizer, with nothing else to set. Tokens are
+    standardised per dimension (:class:`softvq.norm.TokenStandardizer`), so the encoder cannot shrink what the codebook
+    sees; ``T`` is calibrated on the first training batch and then held at ``target_entropy`` by an entropy control
+    (checkpointed with the layer); the prototypes follow the tokens they win by an EMA, a k-means step that does not
+    depend on the optimizer; a prototype that wins too little is restarted on a token of the batch; and the output is
+    the argmax code with the soft centroid's gradient ``(2/T) C_n`` (``quantized = mu + sg(p_argmax - mu)``), so the
+    decoder learns on the codes it will be given. Each part, its option and how its default was chosen:
+    docs/design.md, "The recipe inside the layer".
 
     ``recipe="plain"`` is the paper's layer as written: no standardisation, a fixed temperature (1.0 unless given),
-    prototypes trained by the gradient (build the optimizer with :func:`softvq.param_groups`, ``eps = encoder lr /
-    prototype lr``), the soft centroid ``mu = q P`` as output, no restarts. Every option below overrides its recipe
-    value. An option set to a value other than its default where it has no effect (``ema_decay`` with
-    ``prototype_update="gradient"``, ``codebook_weight`` with EMA prototypes, ``output_scale`` without
-    ``standardize``, ``temperature_rate`` without ``target_entropy``, ``init_scale`` with ``init="data"``,
-    ``dead_code_decay`` or ``dead_code_cap`` with a threshold of 0, ``commitment_term`` with a weight of 0) is a
+    prototypes trained by the gradient (build the optimizer with :func:`softvq.param_groups`), the soft centroid
+    ``mu = q P`` as output, no restarts. Every option below overrides its recipe value; an option set to a value other
+    than its default where it has no effect (e.g. ``ema_decay`` with ``prototype_update="gradient"``) is a
     ``ValueError`` naming both options.
 
-    **What it returns**, per recipe (:class:`~softvq.QuantizerOutput`):
+    **On an accelerator**: with ``check_finite=False`` a training step never synchronises the host with the device,
+    and the layer compiles with ``torch.compile(fullgraph=True)``; docs/scaling.md, "Throughput".
 
-    - ``quantized``: with the defaults (``hard_output``, ``standardize``, ``output_scale="standardized"``) the argmax
-      prototype in the standardised space, in training as in evaluation, with the soft centroid's gradient; with
-      ``output_scale="input"`` the same code mapped back (``code * std + mean``); with ``hard_output=False`` the soft
-      centroid ``mu = q P`` instead (``recipe="plain"``: the soft centroid on the input's scale, as there is no
-      standardisation). In evaluation with ``hard_output`` it equals :meth:`decode_indices` of ``indices``.
-    - ``loss``: the codebook and commitment terms below. With the defaults it is exactly 0 (EMA prototypes take no
-      codebook term, and ``commitment_weight`` is 0), so adding it to the task loss changes nothing; it is there for
-      gradient-trained prototypes (``recipe="plain"``: the free energy) and for a commitment term.
+    **What it returns** (:class:`~softvq.QuantizerOutput`): ``quantized``, the argmax code (``hard_output``) or the
+    soft centroid, in the space ``output_scale`` names; in evaluation with ``hard_output`` it equals
+    :meth:`decode_indices` of ``indices``. ``loss``, the codebook and commitment terms below: exactly 0 with the
+    defaults (EMA prototypes take no codebook term, ``commitment_weight`` is 0), so adding it changes nothing.
 
     **Training steps beyond one forward and its backward.** Calling the layer several times before one backward
     (two views of a batch) gives each call the gradient of the state it read, eager and compiled (the temperature is
