@@ -8,10 +8,10 @@ import shutil
 import matplotlib.image
 import numpy as np
 import pytest
+from helpers import train_in_process
 
 from eval import compare
 from eval.compare import report
-from softvq.cli import train as train_vqvae
 
 TINY_MODEL = ("--model.width 8 --model.res_hidden 4 --model.res_blocks 1 --model.num_codes 8 --model.code_dim 4 "
               "--data.batch_size 16")
@@ -30,13 +30,6 @@ def one_row_per_study():
         mp.setattr(compare, "EPS", tuple(r for r in compare.EPS if r[0] != "ddcl_eps0.1"))
         mp.setattr(compare, "TEMPERATURE", compare.TEMPERATURE[:1])
         yield
-
-
-def train_in_process(spec, args, threads, state):
-    """compare.train without its subprocess (the same argv; the subprocess path is what
-    test_a_failing_run_names_its_log runs): each of the nine runs would cost an interpreter and torch import."""
-    train_vqvae.main(compare.train_argv(spec, args) + (["--resume"] if state == "resume" else ["--overwrite"]))
-    return 0.0
 
 
 @pytest.fixture(scope="module")

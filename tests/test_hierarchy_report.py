@@ -8,10 +8,10 @@ import shutil
 
 import matplotlib.image
 import pytest
+from helpers import train_in_process
 
 from eval import compare, hierarchy
 from eval.hierarchy import report
-from softvq.cli import train as train_vqvae
 
 TINY_MODEL = ("--model.width 8 --model.res_hidden 4 --model.res_blocks 1 --model.num_codes 8 --model.code_dim 4 "
               "--data.batch_size 16")
@@ -22,12 +22,6 @@ def tiny_args(tiny_cifar, tmp_path, *extra: str) -> list[str]:
             "--train-subset", "64", "--val-size", "32", "--test-limit", "20", "--train-args", TINY_MODEL,
             "--references", "ddcl", "hard", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "report"),
             "--num-workers", "0", *extra]
-
-
-def train_in_process(spec, args, threads, state):
-    """compare.train without the subprocess (its subprocess path is tested in test_compare): the same argv."""
-    train_vqvae.main(compare.train_argv(spec, args) + (["--resume"] if state == "resume" else ["--overwrite"]))
-    return 0.0
 
 
 @pytest.fixture(scope="module")
