@@ -109,3 +109,26 @@ def _rows_of_all(z: Tensor, index: Tensor, sizes: Tensor) -> Tensor:
     mine = (local >= 0) & (local < z.shape[0])
     rows = z[local.clamp(0, max(z.shape[0] - 1, 0))] if z.shape[0] else z.new_zeros(index.shape[0], z.shape[1])
     return all_reduce_sum_(torch.where(mine[:, None], rows, torch.zeros_like(rows)))
+
+
+@torch.no_grad()
+def codes_from_tokens(z: Tensor, k: int, dtype: torch.dtype) -> Tensor | None:
+    """``k`` random rows of the tokens ``z (N, D)`` of all processes together, in ``dtype``: distinct rows when
+    there are at least ``k``, else drawn with replacement and jittered by 1e-3 of their standard deviation, so that
+    no two coincide; ``None`` when there are no tokens. The codes every process gets are the ones a single process
+    would draw from the concatenated batches (:func:`pick_tokens`); no synchronisation in one process (whether to
+    draw with replacement is decided on the token count, a shape)."""
+    with_replacement = []
+
+    def draw(n: int) -> Tensor:
+        with_replacement.append(n < k)
+        return torch.randperm(n, device=z.device)[:k] if n >= k else torch.randint(n, (k,), device=z.device)
+
+    chosen = pick_tokens(z, draw)
+    if chosen is None:
+        return None
+    chosen = chosen.to(dtype)
+    if with_replacement[0]:
+        spread = chosen.std() if k > 1 else chosen.abs().mean()
+        chosen = broadcast_(chosen + torch.randn_like(chosen) * 1e-3 * spread.clamp_min(1e-6))
+    return chosen

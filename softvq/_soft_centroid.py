@@ -40,8 +40,8 @@ def logit_scores(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor) -> Tensor:
 
 def softmax_floor(dtype: torch.dtype) -> float:
     """``-C``, the lowest shifted logit the layer's softmaxes keep (:func:`_softmax_floored`, and the first
-    temperature's bisection in ``softvq._recipe``): ``exp(-C) = finfo(dtype).tiny ** 0.75``, ``C`` = 65.5 in float32,
-    531 in float64."""
+    temperature's bisection in ``softvq.parts.temperature``): ``exp(-C) = finfo(dtype).tiny ** 0.75``, ``C`` = 65.5
+    in float32, 531 in float64."""
     return 0.75 * math.log(torch.finfo(dtype).tiny)
 
 
@@ -123,14 +123,26 @@ class _Saved(NamedTuple):
     sel: Tensor | None  # (N, k) top-k: the prototypes each row's q and x refer to (None: q and x are (N, K))
 
 
+class Objective(NamedTuple):
+    """Where the layer's loss sends its two terms: ``codebook_term`` (``"l_q"``, ``"l_ols"`` or ``"free_energy"``)
+    with ``codebook_weight`` reaches only the prototypes, ``commitment_term`` with ``commitment_weight`` only the
+    tokens; a weight of 0 drops its term."""
+
+    codebook_term: str
+    codebook_weight: float
+    commitment_term: str
+    commitment_weight: float
+
+
 class _SoftCentroid(torch.autograd.Function):
     """Soft centroid of ``z (N, D)`` over ``prototypes (K, D)`` with the routed DDCL objective.
 
     Returns ``mu (N, D)``, ``q (N, K)``, ``indices (N,)``, ``loss ()``, ``stats (4,) = [l_q, l_ols, v, H(q)]``.
-    ``loss = (cb_w * L_cb(sg z, P) + cm_w * L_cm(z, sg P)) / D``: the codebook term only reaches the prototypes,
-    the commitment term only reaches ``z``; ``mu`` and ``q`` are differentiable w.r.t. both. ``record`` (any object
-    with a ``done`` attribute, or ``None``) is marked ``done`` when this pass's backward runs: the layer's record of
-    the state this forward pass read, which a recomputation during backward (activation checkpointing) replays.
+    ``loss = (cb_w * L_cb(sg z, P) + cm_w * L_cm(z, sg P)) / D`` (the terms and weights of ``objective``, an
+    :class:`Objective`): the codebook term only reaches the prototypes, the commitment term only reaches ``z``;
+    ``mu`` and ``q`` are differentiable w.r.t. both. ``record`` (any object with a ``done`` attribute, or ``None``) is
+    marked ``done`` when this pass's backward runs: the layer's record of the state this forward pass read, which a
+    recomputation during backward (activation checkpointing) replays.
 
     The backward pass is written out so that it touches each ``(N, K)`` array as few times as possible (it is
     memory-bound on CPU): per side one matmul for ``dL/dq`` and three element-wise passes.
@@ -142,13 +154,11 @@ class _SoftCentroid(torch.autograd.Function):
         z: Tensor,
         prototypes: Tensor,
         temperature: Tensor | float,
-        cb_term: str,
-        cb_weight: float,
-        cm_term: str,
-        cm_weight: float,
+        objective: Objective,
         record: Any = None,
         top_k: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        cb_term, cb_weight, cm_term, cm_weight = objective
         n, dim = z.shape
         # () a copy (the layer's temperature control updates its own in place before this backward runs)
         t = torch.as_tensor(temperature, device=z.device).to(z.dtype, copy=True)
@@ -199,7 +209,7 @@ class _SoftCentroid(torch.autograd.Function):
                 loss = loss + weight * term(name)
         loss = loss / dim
 
-        ctx.routing = (cb_term, cb_weight, cm_term, cm_weight)
+        ctx.objective = objective
         ctx.record = record
         # d = |z|^2 - T (x + s_max) is rebuilt from x in the backward pass when an L_q term needs it
         ctx.save_for_backward(zc, pc, q, r, mu_c, t, x, lq_n if need_d else None,
@@ -222,7 +232,7 @@ class _SoftCentroid(torch.autograd.Function):
         s = _Saved(*ctx.saved_tensors)  # under activation checkpointing, this recomputes the forward pass
         if ctx.record is not None:
             ctx.record.done = True
-        cb_term, cb_weight, cm_term, cm_weight = ctx.routing
+        cb_term, cb_weight, cm_term, cm_weight = ctx.objective
         n, dim = s.zc.shape
         with torch.autocast(device_type=s.zc.device.type, enabled=False):
             # Per-token weights of the two loss terms: d loss / d (per-token term).
@@ -240,8 +250,8 @@ class _SoftCentroid(torch.autograd.Function):
             reuse = (g_mu_z is g_mu_p and lq_cb is None and lq_cm is None and fe_cb is None and fe_cm is None)
             grads_z, grad_p = [], None
             for rows in _row_chunks(n, s.pc.shape[0], s.zc.device):  # cache-sized (N, K) work, as in forward
-                c = _Saved(*(v[rows] if v is not None and v.ndim > 0 and v.shape[0] == n and i != 1 else v
-                             for i, v in enumerate(s)))  # every per-token field's rows (pc, field 1, is (K, D))
+                c = s._replace(**{name: v[rows] for name, v in s._asdict().items()  # every per-token field's rows
+                                  if name != "pc" and v is not None and v.ndim > 0})
                 gq = g_q[rows] if g_q is not None else None
                 if c.sel is not None:  # top-k: this chunk's q, x and dL/dq as (n, K) arrays, 0 off the top k
                     c, gq = _densify(c, gq)
@@ -256,7 +266,7 @@ class _SoftCentroid(torch.autograd.Function):
                     w_z = w_p if reuse and w_p is not None else _scaled_grad_d(c, gm, gq, lq_cm, fe_cm)
                     grads_z.append(_grad_tokens(c, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None))
             grad_z = torch.cat(grads_z) if grads_z else None
-        return grad_z, grad_p, None, None, None, None, None, None, None
+        return grad_z, grad_p, None, None, None, None
 
 
 def _densify(c: _Saved, g_q: Tensor | None) -> tuple[_Saved, Tensor | None]:

@@ -15,8 +15,9 @@ temperature ``T``::
 The forward pass and its gradient are one :class:`torch.autograd.Function` (``softvq._soft_centroid``) so that
 distances take one ``(N, D) x (D, K)`` matmul, no ``(N, K, D)`` tensor is ever built, everything runs in float32
 (float64 for float64 input) under autocast, and the training objective can send *different* terms to the encoder
-and to the prototypes without recomputing the layer (see :class:`DDCLQuantizer`). The in-layer recipe's options and
-training-mode updates (temperature, EMA prototypes, dead-code restart) are the mixin ``softvq._recipe.InLayerRecipe``.
+and to the prototypes without recomputing the layer (see :class:`DDCLQuantizer`). The mechanisms the recipe adds are
+parts the layer holds (:mod:`softvq.parts`: ``standardizer``, ``temperature_control``, ``ema``, ``dead_codes``); which
+options they get is ``softvq._recipe``.
 """
 
 from __future__ import annotations
@@ -33,18 +34,22 @@ from softvq._checks import (
     check_bool,
     check_choice,
     check_feature_maps,
+    check_finite_state,
     check_float,
     check_indices,
     check_positive_int,
     flatten_tokens,
 )
-from softvq._collectives import broadcast_, is_distributed, pick_tokens
-from softvq._layer_state import LayerState
-from softvq._precision import compute_dtype
-from softvq._recipe import InLayerRecipe
+from softvq._collectives import codes_from_tokens, is_distributed
+from softvq._compat import upgrade_ddcl_state_dict
+from softvq._precision import apply_keeping_precision, compute_dtype
+from softvq._recipe import PartOption, can_start, inert_options, refuse_inert_options, resolve
 from softvq._replay import ForwardRecords, in_backward, replayed_prototypes
-from softvq._soft_centroid import _SoftCentroid
+from softvq._soft_centroid import Objective, _SoftCentroid
 from softvq.norm import TokenStandardizer
+from softvq.parts.ema import EmaPrototypes
+from softvq.parts.restart import DeadCodeRestart, code_counts
+from softvq.parts.temperature import TemperatureControl
 from softvq.types import QuantizerOutput, empty_output, scatter_top_k
 
 Term = Literal["l_q", "l_ols", "free_energy"]
@@ -52,128 +57,78 @@ CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
 _TERMS = ("l_q", "l_ols", "free_energy")
 
 
-class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
+class DDCLQuantizer(nn.Module):
     """DDCL differentiable codebook: a bank of ``num_codes`` global prototypes with Boltzmann soft assignments.
 
-    Input: tokens ``z`` of shape ``(..., dim)`` (channel-last; all other dimensions are flattened), or with
-    ``channel_first=True`` feature maps ``(B, dim, *spatial)``. Output: a :class:`~softvq.QuantizerOutput`.
+    Input: tokens ``(..., dim)`` (channel-last; other dimensions are flattened), or with ``channel_first=True`` feature
+    maps ``(B, dim, *spatial)``. Output: a :class:`~softvq.QuantizerOutput`: ``quantized`` (the argmax code with the
+    soft centroid's gradient ``(2/T) C_n``, or the soft centroid with ``hard_output=False``; in evaluation it equals
+    :meth:`decode_indices` of ``indices``), ``indices``, ``probs`` (float32; float64 for float64 input), ``loss`` (the
+    codebook and commitment terms: exactly 0 with the defaults) and detached ``terms``: ``l_q``, ``l_ols``, ``v``,
+    ``identity_residual = |l_q - l_ols - v| / l_q`` (float rounding: the identity is exact) and ``entropy`` H(Q).
 
-    **The recipe is in the layer** (``recipe="auto"``, the default): ``DDCLQuantizer(num_codes=K, dim=D)`` trains
-    collapse-free as the bottleneck of any model under any optimizer, with nothing else to set. Tokens are
-    standardised per dimension (:class:`softvq.norm.TokenStandardizer`), so the encoder cannot shrink what the codebook
-    sees; ``T`` is calibrated on the first training batch and then held at ``target_entropy`` by an entropy control
-    (checkpointed with the layer); the prototypes follow the tokens they win by an EMA, a k-means step that does not
-    depend on the optimizer; a prototype that wins too little is restarted on a token of the batch; and the output is
-    the argmax code with the soft centroid's gradient ``(2/T) C_n`` (``quantized = mu + sg(p_argmax - mu)``), so the
-    decoder learns on the codes it will be given. Each part, its option and how its default was chosen:
-    docs/design.md, "The recipe inside the layer".
+    **The recipe is in the layer** (``recipe="auto"``): ``DDCLQuantizer(K, D)`` trains collapse-free as the bottleneck
+    of any model under any optimizer, with nothing else to set. It is composed of four parts (:mod:`softvq.parts`;
+    docs/design.md, "Anatomy of the layer"): ``standardizer`` standardises tokens per dimension, so the encoder cannot
+    shrink what the codebook sees; ``temperature_control`` calibrates ``T`` on the first training batch and holds
+    H(Q) at ``target_entropy``; ``ema`` moves each prototype toward the tokens it wins (a k-means step independent of
+    the optimizer); ``dead_codes`` restarts a prototype that wins too little on a token of the batch. How each default
+    was chosen: docs/design.md, "The recipe inside the layer". ``recipe="plain"`` is the paper's layer: no
+    standardisation, a fixed ``T`` (1.0 unless given), prototypes trained by the gradient (:func:`softvq.param_groups`),
+    the soft centroid as output, no restarts. An explicit option overrides the recipe's; one that has no effect in the
+    combination given (``ema_decay`` with ``prototype_update="gradient"``) is a ``ValueError`` naming both options.
 
-    ``recipe="plain"`` is the paper's layer as written: no standardisation, a fixed temperature (1.0 unless given),
-    prototypes trained by the gradient (build the optimizer with :func:`softvq.param_groups`), the soft centroid
-    ``mu = q P`` as output, no restarts. Every option below overrides its recipe value; an option set to a value other
-    than its default where it has no effect (e.g. ``ema_decay`` with ``prototype_update="gradient"``) is a
-    ``ValueError`` naming both options.
-
-    **On an accelerator**: with ``check_finite=False`` a training step never synchronises the host with the device,
-    and the layer compiles with ``torch.compile(fullgraph=True)``; docs/scaling.md, "Throughput".
-
-    **What it returns** (:class:`~softvq.QuantizerOutput`): ``quantized``, the argmax code (``hard_output``) or the
-    soft centroid, in the space ``output_scale`` names; in evaluation with ``hard_output`` it equals
-    :meth:`decode_indices` of ``indices``. ``loss``, the codebook and commitment terms below: exactly 0 with the
-    defaults (EMA prototypes take no codebook term, ``commitment_weight`` is 0), so adding it changes nothing.
-
-    **Training steps beyond one forward and its backward.** Calling the layer several times before one backward
-    (two views of a batch) gives each call the gradient of the state it read, eager and compiled (the temperature is
-    never written in place, and the prototypes each call used are saved). Under activation checkpointing
-    (``torch.utils.checkpoint`` around the layer or the encoder, reentrant or not) the forward pass recomputed during
-    backward reproduces the first one bit for bit and changes no state (:mod:`softvq._replay`). With gradient
-    accumulation every micro-batch is a training step of the layer: it is standardised with its own moments, moves
-    the EMA prototypes, may restart codes and steps the temperature control. The layer's state (prototypes, EMA
-    statistics, usage, the standardiser's running moments) stays float32 under ``.half()`` / ``.to(torch.bfloat16)``
-    (float64 under ``.double()``; the temperature is always float64): its updates are steps below bf16 resolution.
-
-    **What reaches what** (gradient-trained prototypes): the task's gradient through ``quantized`` reaches ``z`` and
-    the prototypes; ``codebook_weight * codebook_term(sg[z], P) / dim`` reaches only the prototypes;
-    ``commitment_weight * commitment_term(z, sg[P]) / dim`` only the encoder. ``loss`` is the sum of the two terms.
-    With ``prototype_update="ema"`` the codebook term is not used (the prototypes have no gradient).
-
-    ``terms`` (detached means over tokens, in the standardised space the codebook lives in): ``l_q``, ``l_ols``, ``v``,
-    ``identity_residual = |l_q - l_ols - v| / l_q`` (float rounding on every batch: ``L_q = L_OLS + V`` is exact) and
-    ``entropy`` H(Q).
+    What reaches what (gradient-trained prototypes): ``codebook_weight * codebook_term(sg[z], P) / dim`` reaches only
+    the prototypes, ``commitment_weight * commitment_term(z, sg[P]) / dim`` only the encoder. Several calls before one
+    backward, activation checkpointing, gradient accumulation, the precision of the state (float32 under ``.half()``)
+    and steps without a host-device synchronisation (``check_finite=False``, ``torch.compile(fullgraph=True)``):
+    docs/design.md, "Anatomy of the layer".
 
     Args:
         num_codes: ``K``, the number of prototypes.
         dim: ``D``, the token dimension.
-        temperature: Boltzmann ``T > 0`` in units of squared (standardised) distance at the start, or ``"auto"`` (or
-            ``None``): set on the first training batch from ``target_entropy`` (``recipe="auto"``; 1.0 for
-            ``"plain"``). It is saved in the ``state_dict``; assigning it during training (``quantizer.temperature =
-            t``, e.g. to anneal) switches the entropy control off, so that the assigned value sticks
-            (:meth:`set_temperature`).
-        recipe: ``"auto"`` (the defaults above) or ``"plain"``.
-        target_entropy: the H(Q) in nats that the temperature control holds, ``None`` for a fixed ``T``; ``"auto"``:
-            ``min(2.5, log(K) / 2)`` for ``recipe="auto"`` (about 12 prototypes share a token at K = 512), ``None``
-            for ``"plain"``.
-        temperature_rate: gain of the temperature control per step.
-        standardize: standardise tokens inside the layer (``recipe`` default: on for ``"auto"``).
-        output_scale: with ``standardize``, return codes in the standardised space the codebook lives in
-            (``"standardized"``, the default: unit variance per dimension, whatever the encoder's scale) or on the
-            input's scale (``"input"``: ``code * std + mean``, as a straight-through VQ returns them), or a number
-            ``s``: the standardised code times ``s`` (the decoder sees codes of standard deviation ``s``). The scale
-            the decoder sees sets how fast its first layer moves under Adam; docs/design.md, "Training to the end",
-            has what each scale measured.
-        renorm: with ``standardize``, train with batch renormalisation (the default;
-            :class:`softvq.norm.TokenStandardizer`): tokens are standardised *in value* with the running moments
-            (momentum 0.1), with batch standardisation's gradient, so that the per-dimension shift and scale of the
-            tokens is not wholly invisible to the loss. The
-            corrections are clipped tightly (``renorm_clip``), so that while the encoder moves fast training stays
-            close to batch standardisation (what it measured: docs/design.md, "Batch renormalisation").
-            ``False``: plain batch standardisation (inert without ``standardize``).
-        renorm_clip: ``(r_max, d_max)``: batch renormalisation's corrections are clipped to ``r`` in
-            ``[1 / r_max, r_max]`` and ``d`` in ``[-d_max, d_max]`` (:class:`softvq.norm.TokenStandardizer`). The
-            default (1.1, 0.1) keeps each token's standardisation within 10% in scale and 0.1 standard deviations in
-            shift of batch standardisation's (Ioffe's (3, 5) is looser; docs/design.md compares them).
-        prototype_update: ``"ema"``, ``"soft_ema"`` or ``"gradient"`` (``recipe`` default: ``"ema"`` / ``"gradient"``).
-        ema_decay: decay of the prototype update, in ``(0, 1)``.
-        hard_output: output the argmax prototype (with the soft-centroid gradient) instead of the soft centroid
-            (``recipe`` default: on for ``"auto"``).
-        distance: ``"euclidean"`` or ``"cosine"`` (tokens and prototypes L2-normalised first; ``d = 2 - 2 cos``).
-        codebook_term: ``"free_energy"``, ``"l_q"`` or ``"l_ols"``, the term whose gradient trains the prototypes
-            (``prototype_update="gradient"``). ``free_energy`` ``F = -T log sum_k exp(-d_k / T)`` only attracts a
-            prototype to its tokens (soft k-means); ``l_q`` pushes far prototypes away, which strands them under Adam.
+        temperature: the starting ``T > 0``, in squared standardised distance, or ``"auto"`` (or ``None``): calibrated
+            on the first training batch to ``target_entropy`` (1.0 for ``recipe="plain"``). Assigning
+            ``quantizer.temperature`` switches the entropy control off (:meth:`set_temperature`).
+        recipe: ``"auto"`` or ``"plain"``.
+        target_entropy: the H(Q) in nats the control holds; ``None``: ``T`` fixed; ``"auto"``: ``min(2.5, log(K) / 2)``
+            (about 12 prototypes share a token at K = 512), ``None`` for ``recipe="plain"``.
+        temperature_rate: the control's gain per step (:class:`softvq.parts.TemperatureControl`).
+        standardize: standardise tokens inside the layer (the recipe's: on for ``"auto"``).
+        output_scale: with ``standardize``, codes in the standardised space (``"standardized"``: unit variance per
+            dimension), on the input's scale (``"input"``: ``code * std + mean``) or times a number ``s``
+            (docs/design.md, "Training to the end").
+        renorm: train the standardiser with clipped batch renormalisation (:class:`softvq.norm.TokenStandardizer`;
+            docs/design.md, "Batch renormalisation"); ``False``: plain batch standardisation.
+        renorm_clip: ``(r_max, d_max)``, the clip of its corrections (within 10% in scale, 0.1 std in shift).
+        prototype_update: ``"ema"`` (hard k-means step), ``"soft_ema"`` (the free-energy M-step) or ``"gradient"``
+            (the recipe's: ``"ema"`` / ``"gradient"``).
+        ema_decay: the EMA's decay in ``(0, 1)`` (:class:`softvq.parts.EmaPrototypes`).
+        hard_output: output the argmax prototype with the soft centroid's gradient (the recipe's: on for ``"auto"``).
+        distance: ``"euclidean"`` or ``"cosine"`` (tokens and prototypes L2-normalised; ``d = 2 - 2 cos``).
+        codebook_term: the term that trains gradient-trained prototypes: ``"free_energy"``
+            (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (pushes far prototypes away,
+            which strands them under Adam) or ``"l_ols"``.
         codebook_weight: its weight (``>= 0``).
-        commitment_term: ``"hard"`` (``||z - sg[p_argmax]||^2``, VQ-VAE's commitment to the code, the default),
-            ``"l_ols"`` (to the soft centroid), ``"l_q"`` or ``"free_energy"``: the term that pulls the encoder to the
-            codebook when ``commitment_weight > 0`` (``"hard"`` and ``"l_ols"`` compared: docs/design.md,
+        commitment_term: the term that pulls the encoder to the codebook: ``"hard"`` (``||z - sg[p_argmax]||^2``,
+            VQ-VAE's), ``"l_ols"`` (to the soft centroid), ``"l_q"`` or ``"free_energy"`` (docs/design.md,
             "Collapse-free defaults").
-        commitment_weight: its weight (``>= 0``; default 0: committing to the *soft* centroid is a mean-shift step
-            that pulled the tokens into few modes here).
-        init: ``"data"`` copies random tokens of the first training batch into the prototypes; ``"normal"`` draws
+        commitment_weight: its weight (``>= 0``; 0: committing to the soft centroid is a mean-shift step that pulled
+            the tokens into few modes).
+        init: ``"data"``: random tokens of the first training batch (:meth:`init_from_data`); ``"normal"``:
             ``N(0, init_scale^2)``.
-        init_scale: standard deviation of the ``"normal"`` initialisation.
-        dead_code_threshold: restart a prototype whose running number of won tokens per batch (decay
-            ``dead_code_decay``) is below this (capped by ``dead_code_cap``); 0 = never. ``"auto"`` (or ``None``): the
-            recipe's, 1.0 for ``"auto"`` and 0 for ``"plain"``.
-        dead_code_decay: decay of that running count, in ``(0, 1)``. ``"auto"`` (the default): 0.9, or longer when a
-            batch has few tokens per code, so that the count remembers at least 64 tokens per code, up to 0.97
-            (0.9 at K = 512 and 1024 with 8,192 tokens a batch, 0.969 at K = 4096, 0.97 at 16384; ``usage_decay``).
-            A short memory at a large K restarts live codes whose count dipped by chance (docs/design.md,
-            "Dead-code restart at large K").
-        dead_code_cap: the threshold in effect never exceeds this fraction of the mean tokens per code per batch
-            (0.25: with 64 tokens a batch for K = 256 codes, a threshold of 1 becomes 1/16), so that a batch too
-            small to give every code a token does not restart live codes; ``None``: the threshold as given.
-        top_k: ``None`` (the default): the exact Boltzmann distribution over all ``K`` prototypes. An integer ``k``:
-            the distribution truncated to each token's ``k`` nearest prototypes (the softmax over their scores; the
-            soft centroid, ``L_q = L_OLS + V`` and the Jacobian are those of the truncated distribution, exactly),
-            which saves ``(N, k)`` assignments for the backward pass instead of ``(N, K)``. ``probs`` is then
-            ``(..., k)`` and ``prob_codes`` says which codes (``out.dense_probs(K)`` scatters them into the dense
-            ``(..., K)``, zero off the top ``k``); ``k >= K`` is the exact layer, dense ``probs``. How large ``k``
-            must be for the truncation to stay below a given error is measured in docs/scaling.md ("Top-k
-            assignments"): at the default entropy target about ``K / 4`` at K = 512 and ``K / 8`` at K = 4096.
-        channel_first: accept ``(B, dim, *spatial)`` feature maps (like vector-quantize-pytorch's
-            ``accept_image_fmap``); ``quantized`` has the input's layout, ``indices`` is ``(B, *spatial)`` and
-            ``probs`` ``(B, *spatial, K)`` (``k`` under ``top_k``).
-        check_finite: raise on NaN/Inf input (one device sync per call; disable in tuned GPU loops). Skipped inside
-            ``torch.compile``, where the layer runs with no graph break (``fullgraph=True``) and no synchronisation.
+        init_scale: the standard deviation of ``init="normal"``.
+        dead_code_threshold: restart a prototype whose running number of won tokens per batch is below this; 0: never;
+            ``"auto"`` (or ``None``): 1.0, or 0 for ``recipe="plain"`` (:class:`softvq.parts.DeadCodeRestart`).
+        dead_code_decay: that running count's decay in ``(0, 1)``, or ``"auto"``: long enough to remember 64 tokens
+            per code, between 0.9 and 0.97 (docs/design.md, "Dead-code restart at large K").
+        dead_code_cap: the threshold in effect is at most this fraction of the mean tokens per code per batch, so a
+            batch too small to give every code a token restarts no live code; ``None``: uncapped.
+        top_k: ``None``: the exact distribution over all ``K``; ``k``: truncated to each token's ``k`` nearest
+            prototypes, exactly (``probs`` is ``(..., k)``, ``prob_codes`` says which; ``out.dense_probs(K)`` scatters
+            them; docs/scaling.md, "Top-k assignments").
+        channel_first: accept ``(B, dim, *spatial)`` feature maps; ``quantized`` keeps their layout.
+        check_finite: raise on NaN/Inf input (one device sync per call); skipped inside ``torch.compile``.
 
     Raises:
         ValueError: on invalid hyperparameters, a wrong token dimension, or non-finite input.
@@ -192,16 +147,16 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         temperature_rate: float = 0.01,
         standardize: bool | None = None,
         output_scale: Literal["input", "standardized"] | float = "standardized",
-        renorm: bool = True,  # training standardises in value with the running moments, clipped to the batch's
-        renorm_clip: tuple[float, float] = (1.1, 0.1),  # within 10% in scale, 0.1 std in shift of the batch's own
+        renorm: bool = True,
+        renorm_clip: tuple[float, float] = (1.1, 0.1),
         prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
         ema_decay: float = 0.99,
         hard_output: bool | None = None,
         distance: Literal["euclidean", "cosine"] = "euclidean",
-        codebook_term: Term = "free_energy",  # attraction only; l_q strands far prototypes under Adam
+        codebook_term: Term = "free_energy",
         codebook_weight: float = 1.0,
-        commitment_term: CommitTerm = "hard",  # better than "l_ols" at weight 0.25 on validation (docs/design.md)
-        commitment_weight: float = 0.0,  # soft commitment is mean-shift: it collapses the tokens into few modes
+        commitment_term: CommitTerm = "hard",
+        commitment_weight: float = 0.0,
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
         dead_code_threshold: float | Literal["auto"] | None = "auto",
@@ -225,41 +180,43 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         self.check_finite = check_bool("check_finite", check_finite)
         self.top_k = None if top_k is None else check_positive_int("top_k", top_k)
         self.channel_first = check_bool("channel_first", channel_first)
-        self._set_recipe_options(recipe == "auto", temperature, standardize=standardize, output_scale=output_scale,
-                                 hard_output=hard_output, prototype_update=prototype_update, ema_decay=ema_decay,
-                                 target_entropy=target_entropy, temperature_rate=temperature_rate,
-                                 dead_code_threshold=dead_code_threshold, dead_code_decay=dead_code_decay,
-                                 dead_code_cap=dead_code_cap)
+        resolved = resolve(recipe == "auto", self.num_codes, temperature, standardize=standardize,
+                           output_scale=output_scale, hard_output=hard_output, prototype_update=prototype_update,
+                           ema_decay=ema_decay, target_entropy=target_entropy, dead_code_threshold=dead_code_threshold)
+        self.standardize: bool = resolved["standardize"]
+        self.output_scale: str | float = resolved["output_scale"]
+        self.hard_output: bool = resolved["hard_output"]
+        self.prototype_update: str = resolved["prototype_update"]
+        # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its options and state.
         self.standardizer = TokenStandardizer(dim, renorm=check_bool("renorm", renorm), renorm_clip=renorm_clip)
-        self._refuse_inert_options(
-            {"codebook_term": codebook_term, "codebook_weight": codebook_weight, "output_scale": output_scale,
-             "renorm": renorm, "renorm_clip": self.standardizer.renorm_clip, "ema_decay": ema_decay,
-             "temperature_rate": temperature_rate, "init_scale": init_scale,
-             "dead_code_decay": dead_code_decay, "dead_code_cap": dead_code_cap, "commitment_term": commitment_term},
-            _DEFAULTS)
-        # Python-side state (no device sync to read it, and torch.compile guards on it); saved through
-        # get_extra_state.
-        self._initialized = init != "data"
-        self._has_temperature = self._initial_temperature is not None
-        self._warned_start = False  # a batch that could not start the codebook has been reported
-        # Tensor state that training steps change (so that a step never waits on the host): the temperature and the
-        # restart count. Not state-dict entries of their own: get_extra_state saves them as numbers, as before. The
-        # temperature is float64 (the precision a Python float had; the distances see it in their compute dtype) and
-        # is never written in place (softvq._recipe, InLayerRecipe.temperature_t).
-        self.register_buffer("temperature_t", torch.tensor(self._initial_temperature or 1.0, dtype=torch.float64),
-                             persistent=False)
-        self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
+        self.temperature_control = TemperatureControl(num_codes, resolved["temperature"], resolved["target_entropy"],
+                                                      temperature_rate)
+        self.dead_codes = DeadCodeRestart(num_codes, resolved["dead_code_threshold"], dead_code_decay, dead_code_cap)
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
-        # Running average of argmax assignments per training batch (for dead-code restart); -1 = no batch seen yet.
-        self.register_buffer("usage", torch.full((num_codes,), -1.0))
-        # EMA prototype update: won mass per code and the weighted sum of its tokens (one pseudo-token each).
-        self.register_buffer("ema_mass", torch.ones(num_codes))
-        self.register_buffer("ema_sum", self.prototypes.detach().clone())
+        self.ema = EmaPrototypes(self.prototypes, resolved["ema_decay"])
+        refuse_inert_options(
+            self, {"codebook_term": codebook_term, "codebook_weight": codebook_weight, "output_scale": output_scale,
+                   "renorm": renorm, "renorm_clip": self.standardizer.renorm_clip, "ema_decay": ema_decay,
+                   "temperature_rate": temperature_rate, "init_scale": init_scale,
+                   "dead_code_decay": dead_code_decay, "dead_code_cap": dead_code_cap,
+                   "commitment_term": commitment_term},
+            _DEFAULTS)
+        # Python-side state (no device sync to read it, and torch.compile guards on it); saved by get_extra_state.
+        self._initialized = init != "data"
+        self._warned_start = False  # a batch that could not start the codebook has been reported
         # What each eager training forward read, for a recomputation during its backward (softvq._replay).
         self._records = ForwardRecords()
 
-    # ---- state (the temperature, the extra state and loading: softvq._layer_state) ---------------------------
+    # Options whose value one part owns (reading or setting them on the layer reads or sets the part's).
+    target_entropy = PartOption("temperature_control", "target_entropy")
+    temperature_rate = PartOption("temperature_control", "rate")
+    ema_decay = PartOption("ema", "decay")
+    dead_code_threshold = PartOption("dead_codes", "threshold")
+    dead_code_decay = PartOption("dead_codes", "decay")
+    dead_code_cap = PartOption("dead_codes", "cap")
+
+    # ---- state ------------------------------------------------------------------------------------------------
     @property
     def initialized(self) -> bool:
         """False until data initialisation (``init="data"``) has run."""
@@ -274,10 +231,53 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
     def restarts(self) -> int:
         """How many prototypes dead-code restart has moved so far (cumulative, saved in the ``state_dict``; reading it
         synchronises with the device)."""
-        return int(self.restart_count)
+        return self.dead_codes.restarts
+
+    @property
+    def temperature(self) -> float | None:
+        """The Boltzmann temperature ``T``, ``None`` until the first training batch sets it (the part
+        ``temperature_control`` holds it). Reading it synchronises with the device: read it per epoch, not per step.
+        Assigning it (``quantizer.temperature = t``, e.g. to anneal) is :meth:`set_temperature` ``(t)``."""
+        return self.temperature_control.temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self.set_temperature(value)
+
+    def set_temperature(self, value: float, *, keep_control: bool = False) -> None:
+        """Set ``T`` to ``value``; by default the entropy control is switched off (with a warning), so the value
+        sticks; ``keep_control=True`` lets the control go on from there
+        (:meth:`softvq.parts.TemperatureControl.set`)."""
+        self.temperature_control.set(value, keep_control=keep_control, owner="DDCLQuantizer")
+
+    inert_options = inert_options  # the options without effect in this combination (softvq._recipe)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "initialized": self._initialized, "restarts": self.restarts,
+                "version": self.VERSION}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
+            raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
+                             f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
+        t = state["temperature"]
+        self.temperature_control.load(None if t is None else check_float("temperature", t))
+        self._initialized = bool(state["initialized"])
+        self.dead_codes.restart_count.fill_(int(state.get("restarts", 0)))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        upgrade_ddcl_state_dict(self, state_dict, prefix)  # a state dict of an earlier layout (softvq._compat)
+        check_finite_state(state_dict, prefix, "DDCLQuantizer")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DDCLQuantizer:
+        # .to(device) moves the state; .half(), .to(torch.bfloat16) and the like leave it in float32 (an EMA step is
+        # below bf16 resolution, so the prototypes would stall); the temperature part keeps its float64 value.
+        apply_keeping_precision(self, lambda: super(DDCLQuantizer, self)._apply(fn, recurse))
+        return self
 
     def extra_repr(self) -> str:
-        t = "auto" if not self._has_temperature else f"{self.temperature:g}"
+        t = "auto" if not self.temperature_control.ready else f"{self.temperature:g}"
         return (
             f"num_codes={self.num_codes}, dim={self.dim}, recipe={self.recipe!r}, temperature={t}, "
             f"target_entropy={self.target_entropy}, standardize={self.standardize}, "
@@ -321,8 +321,8 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
 
         With fewer than ``K`` tokens, tokens are drawn with replacement and jittered by 1e-3 of their standard
         deviation so no two prototypes coincide. Under ``torch.distributed`` the tokens are drawn from every process's
-        ``z`` together (:func:`softvq.utils.pick_tokens`): every process gets the same prototypes, the ones a single
-        process would draw from the concatenated batches.
+        ``z`` together (:func:`softvq._collectives.codes_from_tokens`): every process gets the same prototypes, the
+        ones a single process would draw from the concatenated batches.
         """
         flat = flatten_tokens(z, self.dim, check_finite=True)
         if flat.shape[0] == 0 and not is_distributed():
@@ -333,25 +333,12 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
 
     @torch.no_grad()
     def _init_from_tokens(self, flat: Tensor) -> None:
-        """:meth:`init_from_data` on validated tokens ``(N, D)``, without a synchronisation in one process (the
-        "drawn with replacement" test is on the token count, a shape, not on the values)."""
-        k = self.num_codes
-        with_replacement = []
-
-        def draw(n: int) -> Tensor:
-            with_replacement.append(n < k)
-            return torch.randperm(n, device=flat.device)[:k] if n >= k else torch.randint(n, (k,), device=flat.device)
-
-        chosen = pick_tokens(flat, draw)
+        """:meth:`init_from_data` on validated tokens ``(N, D)``, without a synchronisation in one process."""
+        chosen = codes_from_tokens(flat, self.num_codes, self.prototypes.dtype)
         if chosen is None:
             raise ValueError("init_from_data needs at least one token, got an empty tensor")
-        chosen = chosen.to(self.prototypes.dtype)
-        if with_replacement[0]:  # fewer tokens than codes: jitter, so that no two prototypes coincide
-            spread = chosen.std() if k > 1 else chosen.abs().mean()
-            chosen = broadcast_(chosen + torch.randn_like(chosen) * 1e-3 * spread.clamp_min(1e-6))
         self.prototypes.copy_(chosen)
-        self.ema_sum.copy_(chosen)
-        self.ema_mass.fill_(1.0)
+        self.ema.reset_(chosen)
         self._initialized = True
 
     # ---- forward ----------------------------------------------------------------------------------------------
@@ -383,30 +370,24 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
         replay = self._records.replay() if recompute else None
         update = self.training and not recompute
         # a batch that cannot start the codebook (initialise it, calibrate T) is used for its output only
-        start = update and not (self._initialized and self._has_temperature)
-        deferred = start and not self._can_start(flat)
+        start = update and not (self._initialized and self.temperature_control.ready)
+        deferred = start and not can_start(self, flat)
         with torch.autocast(device_type=z.device.type, enabled=False):
             zf, mean, std = self._codebook_space(flat.to(ctype), update, update and not deferred)
             p_raw = self.prototypes.to(ctype)
             if replay is not None:
                 p_raw = replayed_prototypes(p_raw, replay)
             p = F.normalize(p_raw, dim=-1) if self.distance == "cosine" else p_raw
+            control = self.temperature_control
             if replay is not None:
                 temperature = replay.temperature
-            elif self._has_temperature:
-                temperature = self.temperature_t
+            elif control.ready:
+                temperature = control.temperature_t
             else:  # set by the first training batch; evaluation before it calibrates, keeps nothing
-                temperature = self._calibrate_temperature(zf.detach(), p.detach())
-                if update and not deferred:
-                    self.temperature_t = temperature
-                    self._has_temperature = True
+                temperature = control.calibrate(zf.detach(), p.detach(), keep=update and not deferred)
             record = self._records.push(p_raw, temperature) if eager and update else None
-            gradient = self.prototype_update == "gradient"
-            mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(
-                zf, p, temperature,
-                self.codebook_term, self.codebook_weight if gradient else 0.0,
-                *self._soft_commitment(), record, self.top_k or 0,
-            )
+            mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(zf, p, temperature, self._objective(), record,
+                                                                      self.top_k or 0)
             out = mu
             if self.hard_output or self.commitment_term == "hard":
                 codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
@@ -454,18 +435,37 @@ class DDCLQuantizer(LayerState, InLayerRecipe, nn.Module):
             elif not self.training:
                 warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
                               "its prototypes: it is using random placeholder prototypes", stacklevel=4)
-        if update_codebook and self.dead_code_threshold > 0:
-            self._restart_dead_codes(zf.detach())
+        if update_codebook and self.dead_code_threshold > 0:  # before the forward: no tensor saved for backward moves
+            dead = self.dead_codes.restart_(self.prototypes.data, zf.detach())
+            self.ema.restart_(dead, self.prototypes.data, 1.0)  # a restarted code's EMA: one pseudo-token there
         if self.distance == "cosine":
             zf = F.normalize(zf, dim=-1)
         return zf, mean, std
 
-    def _soft_commitment(self) -> tuple[str, float]:
-        """The commitment term the autograd function computes (``"hard"`` is added outside it)."""
-        if self.commitment_term == "hard":
-            return "l_ols", 0.0
-        return self.commitment_term, self.commitment_weight
+    def _objective(self) -> Objective:
+        """The terms the autograd function computes: the codebook term only for gradient-trained prototypes, the
+        commitment term unless it is ``"hard"`` (added outside it)."""
+        soft_commitment = ("l_ols", 0.0) if self.commitment_term == "hard" else (self.commitment_term,
+                                                                                  self.commitment_weight)
+        return Objective(self.codebook_term, self.codebook_weight if self.prototype_update == "gradient" else 0.0,
+                         *soft_commitment)
 
 
-# The constructor's defaults, which an inert option is compared with (InLayerRecipe._refuse_inert_options).
+    @torch.no_grad()
+    def _after_step(self, z: Tensor, q: Tensor, indices: Tensor, entropy: Tensor) -> None:
+        """After a training forward: the usage for dead-code restart, the EMA prototype update and the temperature
+        control, each with its statistics summed over processes (every process ends with the same state). No
+        host-device synchronisation."""
+        if self.dead_code_threshold > 0 or self.prototype_update == "ema":
+            counts = code_counts(indices, self.num_codes, self.dead_codes.usage.dtype)
+            if self.dead_code_threshold > 0:
+                self.dead_codes.update(counts)
+        if self.prototype_update == "ema":
+            self.ema.step_(self.prototypes, z, indices=indices, counts=counts)
+        elif self.prototype_update == "soft_ema":  # the free-energy M-step, tokens weighted by their assignments
+            self.ema.step_(self.prototypes, z, q=q)
+        self.temperature_control.step(entropy, indices.numel())
+
+
+# The constructor's defaults, which an inert option is compared with (softvq._recipe.refuse_inert_options).
 _DEFAULTS: dict[str, Any] = {k: p.default for k, p in inspect.signature(DDCLQuantizer.__init__).parameters.items()}

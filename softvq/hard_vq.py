@@ -17,10 +17,11 @@ from softvq._checks import (
     check_unit,
     flatten_tokens,
 )
-from softvq._collectives import all_reduce_sum_
+from softvq._compat import upgrade_state_dict
 from softvq._kernels import max_rows, squared_distances
 from softvq._precision import apply_keeping_precision, compute_dtype
-from softvq._restart import restart_dead_codes_
+from softvq.parts.ema import EmaPrototypes
+from softvq.parts.restart import DeadCodeRestart, code_counts
 from softvq.types import QuantizerOutput, empty_output
 
 
@@ -81,30 +82,26 @@ class HardVQ(nn.Module):
         self.check_finite = check_bool("check_finite", check_finite)
         num_codes, dim = self.num_codes, self.dim
         init = torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes)  # VQ-VAE's init
-        if self.ema_decay is None:
-            self.embedding = nn.Parameter(init)  # (K, D)
-        else:
-            self.register_buffer("embedding", init)
-            # One pseudo-observation of each initial code, so unused codes keep their value under the EMA.
-            self.register_buffer("ema_cluster_size", torch.ones(num_codes))
-            self.register_buffer("ema_embed_sum", init.clone())
-        # Running average of assignments per batch, for dead-code restart; -1 until the first training batch, whose
-        # counts it starts from (starting from 0 would restart nearly every live code in the first steps).
-        self.register_buffer("usage", torch.full((num_codes,), -1.0))
-        # Codes moved by dead-code restart since construction, on the device so that a step never waits on the host
-        # (not saved: older state dicts).
-        self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
+        # (K, D) the codes; moved by the EMA part, not the optimizer, when ema_decay is set (a frozen Parameter then, as
+        # DDCLQuantizer's EMA prototypes are)
+        self.prototypes = nn.Parameter(init, requires_grad=self.ema_decay is None)
+        if self.ema_decay is not None:
+            # the k-means step averaged over batches, with VQ-VAE's Laplace-smoothed masses (softvq.parts.ema)
+            self.ema = EmaPrototypes(init, self.ema_decay, epsilon=self.epsilon)
+        # usage per batch (decay ema_decay, or 0.99 without EMA) and restarts; usage is tracked even with threshold 0
+        self.dead_codes = DeadCodeRestart(num_codes, self.dead_code_threshold,
+                                          decay=self.ema_decay if self.ema_decay is not None else 0.99)
 
     @property
     def restarts(self) -> int:
         """How many codes dead-code restart has moved since this module was built (reported per epoch beside the
         training-epoch utilization, which counts restarted codes as used; reading it synchronises with the device)."""
-        return int(self.restart_count)
+        return self.dead_codes.restarts
 
     @property
     def codebook(self) -> Tensor:
         """``(K, D)``, the codes."""
-        return self.embedding.detach()
+        return self.prototypes.detach()
 
     def decode_indices(self, indices: Tensor) -> Tensor:
         """Map code indices ``(...)`` to their codes ``(..., D)``."""
@@ -118,6 +115,7 @@ class HardVQ(nn.Module):
         return self
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        upgrade_state_dict(state_dict, prefix)  # a state dict saved before softvq.parts
         check_finite_state(state_dict, prefix, "HardVQ")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -131,17 +129,17 @@ class HardVQ(nn.Module):
         lead = z.shape[:-1]
         ctype = compute_dtype(z.dtype)
         if flat.shape[0] == 0:
-            return empty_output(z, self.num_codes, self.embedding, ("commitment", "l_q", "l_ols", "v", "entropy"))
+            return empty_output(z, self.num_codes, self.prototypes, ("commitment", "l_q", "l_ols", "v", "entropy"))
 
         with torch.autocast(device_type=z.device.type, enabled=False):
             zf = flat.to(ctype)
             with torch.no_grad():
-                codebook = self.embedding.detach().to(ctype)
+                codebook = self.prototypes.detach().to(ctype)
                 center = codebook.mean(0)  # distances are translation invariant; centring keeps them accurate
                 indices = max_rows(squared_distances(zf - center, codebook - center), largest=False)[1]  # (N,)
             # (N, D) the code each token was assigned, looked up before this step's EMA update or restart moves it (as
             # sonnet and vector-quantize-pytorch return it); gradient to the codebook if no EMA
-            codes = F.embedding(indices, self.embedding.to(ctype))
+            codes = F.embedding(indices, self.prototypes.to(ctype))
             if self.training:
                 self._update_codebook(zf.detach(), indices)
             commitment = F.mse_loss(zf, codes.detach())
@@ -167,32 +165,12 @@ class HardVQ(nn.Module):
     @torch.no_grad()
     def _update_codebook(self, z: Tensor, indices: Tensor) -> None:
         """EMA codebook update and dead-code restart (training mode only); counts summed across processes. No
-        host-device synchronisation (no ``.item()``, no data-dependent shape), so torch.compile traces it whole."""
-        counts = torch.zeros(self.num_codes, dtype=self.usage.dtype, device=indices.device)
-        counts.index_add_(0, indices, torch.ones_like(indices, dtype=counts.dtype))  # (K,); bincount's shape is data's
-        all_reduce_sum_(counts)
-        decay = self.ema_decay if self.ema_decay is not None else 0.99
-        # the first training batch (usage still -1) starts the running usage from its counts, as DDCLQuantizer does
-        self.usage.copy_(torch.where((self.usage < 0).any(), counts, self.usage * decay + counts * (1.0 - decay)))
+        host-device synchronisation, so torch.compile traces it whole."""
+        counts = code_counts(indices, self.num_codes, self.dead_codes.usage.dtype)
+        self.dead_codes.update(counts)
         if self.ema_decay is not None:
-            embed_sum = torch.zeros_like(self.ema_embed_sum).index_add_(0, indices, z.to(self.ema_embed_sum.dtype))
-            all_reduce_sum_(embed_sum)
-            self.ema_cluster_size.mul_(decay).add_(counts, alpha=1.0 - decay)
-            self.ema_embed_sum.mul_(decay).add_(embed_sum, alpha=1.0 - decay)
-            n = self.ema_cluster_size.sum()
-            smoothed = (self.ema_cluster_size + self.epsilon) / (n + self.num_codes * self.epsilon) * n
-            # A code that won no token keeps its place: its sum decays toward 0 while the smoothed size stays near
-            # epsilon, so their ratio took a code that never wins to the origin after ~1,000 steps.
-            self.embedding.copy_(torch.where((counts > 0)[:, None], self.ema_embed_sum / smoothed[:, None],
-                                             self.embedding))
+            self.ema.step_(self.prototypes, z, indices=indices, counts=counts)
         if self.dead_code_threshold > 0:
-            self._restart_dead_codes(z)
-
-    @torch.no_grad()
-    def _restart_dead_codes(self, z: Tensor) -> None:
-        dead = restart_dead_codes_(self.embedding, self.usage, z, self.dead_code_threshold)  # (K,)
-        self.restart_count.add_(dead.sum())
-        if self.ema_decay is not None:
-            threshold = self.dead_code_threshold
-            self.ema_cluster_size.copy_(torch.where(dead, threshold, self.ema_cluster_size))
-            self.ema_embed_sum.copy_(torch.where(dead[:, None], self.embedding * threshold, self.ema_embed_sum))
+            dead = self.dead_codes.restart_(self.prototypes, z)
+            if self.ema_decay is not None:  # a restarted code's statistics: threshold pseudo-tokens at its new value
+                self.ema.restart_(dead, self.prototypes, self.dead_code_threshold)

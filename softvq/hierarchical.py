@@ -9,10 +9,12 @@ own ``K_l`` prototypes::
     mu^(l)  = DDCL_l(z^(l))                       soft centroid of level l
     z^(l+1) = mean over each window of mu^(l)     (B, *grid_{l+1}, D), grid_{l+1} = grid_l / window_{l+1}
 
-Every level is a full :class:`~softvq.DDCLQuantizer` with its own temperature, dead-code restart and terms, so the
-identity ``L_q^(l) = L_OLS^(l) + V^(l)`` and ``V^(l) >= 0`` are reported per level. Gradients reach every level's
-prototypes through its own loss and, for levels below the top, through the pooled input of the level above
-(``d mu / d z = (2 / T) C``, no straight-through estimator anywhere).
+Every level is a :class:`~softvq.DDCLQuantizer` with its own temperature and terms, so the identity
+``L_q^(l) = L_OLS^(l) + V^(l)`` and ``V^(l) >= 0`` are reported per level. The levels are the plain layer unless the
+options say otherwise (no standardisation, gradient-trained prototypes, a fixed temperature, no dead-code restart):
+``recipe="auto"`` gives every level the in-layer recipe, its own entropy control, EMA prototypes and restarts.
+Gradients reach every level's prototypes through its own loss and, for levels below the top, through the pooled input
+of the level above (``d mu / d z = (2 / T) C``, no straight-through estimator anywhere).
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ class HierarchicalDDCL(nn.Module):
             axis) or a tuple with one entry per grid axis. ``1`` = no pooling. Each window must divide the grid of
             the level below (checked per input).
         **ddcl_kwargs: options of :class:`~softvq.DDCLQuantizer` (``temperature``, ``distance``, ``codebook_term``,
-            ``dead_code_threshold``, ...), the same for every level. Set a level's temperature afterwards with
-            ``hier.levels[l].temperature = t``.
+            ``dead_code_threshold``, ...), the same for every level; ``recipe`` is ``"plain"`` unless given (no
+            restarts: ``recipe="auto"`` or ``dead_code_threshold`` for them). Set a level's temperature afterwards
+            with ``hier.levels[l].temperature = t``.
 
     Raises:
         ValueError: ``num_codes`` empty or with a ``K_l < 1``, ``pool`` of the wrong length or with a window < 1,

@@ -55,7 +55,8 @@ class ResidualQuantizer(nn.Module):
         standardize: standardise the input once at the top (:class:`~softvq.norm.TokenStandardizer`) and work and
             sum in that space; the output is then in that standardised space, as a single DDCL layer's default.
         renorm: that standardisation with batch renormalisation (``TokenStandardizer(renorm=True)``): training
-            standardises with the running moments in value, within the standardiser's clip of the batch's own.
+            standardises with the running moments in value, within ``renorm_clip`` of the batch's own.
+        renorm_clip: ``(r_max, d_max)``, the clip of that standardiser's corrections (:class:`TokenStandardizer`).
         quantize_dropout: in training, run only the first ``n`` levels, ``n`` drawn uniformly from
             ``[quantize_dropout_min_levels, Q]`` per step, so one model serves several bitrates (SoundStream).
             The draw depends only on ``seed`` and the step count, so every DDP process draws the same ``n`` (the
@@ -73,7 +74,7 @@ class ResidualQuantizer(nn.Module):
 
     def __init__(self, levels: Sequence[nn.Module], standardize: bool = False, quantize_dropout: bool = False,
                  quantize_dropout_min_levels: int = 1, seed: int = 0, channel_first: bool = False,
-                 renorm: bool = False) -> None:
+                 renorm: bool = False, renorm_clip: tuple[float, float] = (3.0, 5.0)) -> None:
         super().__init__()
         if len(levels) == 0:
             raise ValueError("a residual quantizer needs at least one level")
@@ -86,7 +87,7 @@ class ResidualQuantizer(nn.Module):
                 raise ValueError(f"level {q} has channel_first=True; pass channel_first to the residual quantizer")
         (self.num_codes, self.dim), = sizes
         self.num_quantizers = len(levels)
-        self.standardizer = TokenStandardizer(self.dim, renorm=renorm) if standardize else None
+        self.standardizer = TokenStandardizer(self.dim, renorm=renorm, renorm_clip=renorm_clip) if standardize else None
         self.quantize_dropout = bool(quantize_dropout)
         self.quantize_dropout_min_levels = check_positive_int("quantize_dropout_min_levels",
                                                               quantize_dropout_min_levels)
@@ -210,8 +211,11 @@ class ResidualDDCL(ResidualQuantizer):
             standardised space. ``"per_level"``: every level standardises its own residual and maps its codes back
             to the residual's scale (``standardize=True, output_scale="input"``); the output is on the input's scale.
         renorm: standardise with batch renormalisation (:class:`~softvq.norm.TokenStandardizer`): in training the
-            tokens are standardised *in value* with the running moments (within the standardiser's clip of the
-            batch's own), with the batch statistics' gradient; measured in docs/design.md, "Residual codebooks".
+            tokens are standardised *in value* with the running moments (within ``renorm_clip`` of the batch's own),
+            with the batch statistics' gradient; measured in docs/design.md, "Residual codebooks".
+        renorm_clip: with ``scale="shared"``, the clip of the shared standardiser: Ioffe's ``(3, 5)``, where the
+            stack was measured, not the single layer's tight ``(1.1, 0.1)`` (unmeasured in the stack). With
+            ``scale="per_level"`` each level takes the layer's ``renorm_clip`` (an option of ``ddcl_options``).
         quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
         **ddcl_options: passed to every level's :class:`~softvq.DDCLQuantizer` (the layer's defaults otherwise:
             the same restart threshold and entropy target at every level, no per-level tuning).
@@ -219,7 +223,8 @@ class ResidualDDCL(ResidualQuantizer):
 
     def __init__(self, num_quantizers: int, num_codes: int, dim: int, *,
                  scale: Literal["shared", "per_level"] = "shared", renorm: bool = True,
-                 quantize_dropout: bool = False, quantize_dropout_min_levels: int = 1, seed: int = 0,
+                 renorm_clip: tuple[float, float] = (3.0, 5.0), quantize_dropout: bool = False,
+                 quantize_dropout_min_levels: int = 1, seed: int = 0,
                  channel_first: bool = False, **ddcl_options: Any) -> None:
         check_positive_int("num_quantizers", num_quantizers)
         self.scale = check_choice("scale", scale, ("shared", "per_level"))
@@ -233,7 +238,8 @@ class ResidualDDCL(ResidualQuantizer):
                 level.standardizer.renorm = bool(renorm)
         super().__init__(levels, standardize=scale == "shared", quantize_dropout=quantize_dropout,
                          quantize_dropout_min_levels=quantize_dropout_min_levels, seed=seed,
-                         channel_first=channel_first, renorm=bool(renorm) and scale == "shared")
+                         channel_first=channel_first, renorm=bool(renorm) and scale == "shared",
+                         renorm_clip=renorm_clip)
 
 
 class ResidualHardVQ(ResidualQuantizer):

@@ -172,7 +172,7 @@ def test_a_zero_initialised_encoder_output_trains():
 
 
 def test_the_temperature_rate_is_bounded_where_the_control_is_stable():
-    from softvq._recipe import max_stable_rate, max_varentropy
+    from softvq.parts.temperature import max_stable_rate, max_varentropy
     # the bound's varentropy against a brute-force search over two-level and random distributions on 4 codes
     qs = torch.distributions.Dirichlet(torch.full((4,), 0.3)).sample((20000,)).double()
     varentropy = (qs * (-qs.clamp_min(1e-300).log()).square()).sum(1) - (qs * -qs.clamp_min(1e-300).log()).sum(1) ** 2
@@ -191,8 +191,8 @@ def test_the_temperature_rate_is_bounded_where_the_control_is_stable():
 @pytest.mark.parametrize("build, key", [
     (lambda: softvq.DDCLQuantizer(8, 4), "prototypes"),
     (lambda: softvq.DDCLQuantizer(8, 4), "standardizer.running_var"),
-    (lambda: softvq.HardVQ(8, 4, ema_decay=0.9), "embedding"),
-    (lambda: softvq.ResidualDDCL(2, 8, 4), "levels.1.ema_sum"),
+    (lambda: softvq.HardVQ(8, 4, ema_decay=0.9), "prototypes"),
+    (lambda: softvq.ResidualDDCL(2, 8, 4), "levels.1.ema.weighted_sum"),
 ])
 def test_a_state_dict_with_a_non_finite_value_is_refused(build, key):
     layer = build().train()

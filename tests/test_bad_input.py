@@ -339,7 +339,7 @@ def test_tokens_too_large_for_squared_distances(make):
     torch.manual_seed(0)
     z = (torch.rand(64, 8) * 2 - 1) * 0.99 * limit
     with torch.no_grad():  # codes inside the bound too: 16 of the tokens (an untrained standardiser is the identity)
-        (layer.prototypes if isinstance(layer, DDCLQuantizer) else layer.embedding).copy_(z[:16])
+        layer.prototypes.copy_(z[:16])
     codes = layer.codebook.clone()
     out = layer.eval()(z)  # the distance computation alone (no codebook or temperature update)
     assert torch.isfinite(out.quantized).all() and torch.isfinite(out.probs).all() and torch.isfinite(out.loss)

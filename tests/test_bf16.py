@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-import softvq._recipe
 import softvq._soft_centroid
 import softvq.hard_vq
+import softvq.parts.temperature
 from softvq import DDCLQuantizer, HardVQ
 from softvq.cli import train as train_vqvae
 
@@ -39,7 +39,7 @@ def spies(monkeypatch):
         monkeypatch.setattr(module, name, distances)
 
     spy(softvq._soft_centroid, "logit_scores")  # DDCLQuantizer's forward pass: the scores (|z|^2 - d) / T
-    spy(softvq._recipe)  # its temperature calibration
+    spy(softvq.parts.temperature)  # its temperature calibration
     spy(softvq.hard_vq)
     for cls in (DDCLQuantizer, HardVQ):
         original_forward = cls.forward

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import exact_cdist
 
 from softvq import DDCLQuantizer
-from softvq.ddcl import _DEFAULTS, _TERMS, _SoftCentroid
+from softvq.ddcl import _DEFAULTS, _TERMS, Objective, _SoftCentroid
 
 
 def plain(*args, **kw) -> DDCLQuantizer:
@@ -126,7 +126,7 @@ def test_gradcheck_soft_centroid_and_assignments():
     p = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
 
     def fn(z_, p_):
-        mu, q, *_ = _SoftCentroid.apply(z_, p_, 0.8, "l_q", 1.0, "l_ols", 0.25)
+        mu, q, *_ = _SoftCentroid.apply(z_, p_, 0.8, Objective("l_q", 1.0, "l_ols", 0.25))
         return mu, q
 
     assert torch.autograd.gradcheck(fn, (z, p))
@@ -400,8 +400,8 @@ def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
         quantizer.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [50.0, 50.0]]))
     z1 = torch.randn(64, 2, dtype=torch.float64)
     quantizer(z1)  # first batch: the usage starts at its counts, prototype 3 (far away) has none
-    assert quantizer.usage[3].item() == 0 and quantizer.restarts == 0
-    torch.testing.assert_close(quantizer.usage.sum(), torch.tensor(64.0, dtype=torch.float64))
+    assert quantizer.dead_codes.usage[3].item() == 0 and quantizer.restarts == 0
+    torch.testing.assert_close(quantizer.dead_codes.usage.sum(), torch.tensor(64.0, dtype=torch.float64))
     z2 = torch.randn(64, 2, dtype=torch.float64)
     quantizer(z2)
     assert quantizer.restarts == 1
@@ -412,12 +412,12 @@ def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
     state = quantizer.state_dict()
     clone = plain(4, 2, init="normal", dead_code_threshold=1.0).double()
     clone.load_state_dict(state)
-    assert clone.restarts == 1 and torch.equal(clone.usage, quantizer.usage)
+    assert clone.restarts == 1 and torch.equal(clone.dead_codes.usage, quantizer.dead_codes.usage)
 
     quantizer.eval()
     with torch.no_grad():
         quantizer.prototypes[3] = 100.0
-        quantizer.usage[3] = 0.0
+        quantizer.dead_codes.usage[3] = 0.0
     quantizer(z2)  # evaluation never changes the codebook
     assert quantizer.restarts == 1 and quantizer.prototypes[3, 0].item() == 100.0
 
@@ -433,4 +433,4 @@ def test_no_restart_without_threshold_and_legacy_state_dict_loads():
     legacy["_extra_state"] = {k: v for k, v in legacy["_extra_state"].items() if k != "version"}  # version 1
     fresh = plain(4, 2, init="normal")
     fresh.load_state_dict(legacy)
-    assert (fresh.usage == -1).all()
+    assert (fresh.dead_codes.usage == -1).all()

@@ -221,18 +221,19 @@ def test_restart_never_moves_a_live_code_in_a_small_batch():
 def test_auto_usage_decay_remembers_64_tokens_per_code_and_drives_the_running_count(num_codes, tokens, decay):
     quantizer = DDCLQuantizer(num_codes, 2)
     assert quantizer.dead_code_decay == "auto"
-    assert quantizer.usage_decay(tokens) == pytest.approx(decay, abs=1e-15)
-    torch.testing.assert_close(quantizer.usage_decay(torch.tensor(float(tokens), dtype=torch.float64)),
+    assert quantizer.dead_codes.usage_decay(tokens) == pytest.approx(decay, abs=1e-15)
+    torch.testing.assert_close(quantizer.dead_codes.usage_decay(torch.tensor(float(tokens), dtype=torch.float64)),
                                torch.tensor(decay, dtype=torch.float64), rtol=0, atol=1e-15)
     assert (1 / (1 - decay)) * tokens / num_codes >= 64 - 1e-9 or decay == 0.97  # the memory in tokens per code
     usage = torch.rand(num_codes, dtype=torch.float64)
     counts = torch.bincount(torch.randint(num_codes, (tokens,), generator=torch.Generator().manual_seed(0)),
                             minlength=num_codes).double()  # a batch's argmax counts: they sum to ``tokens``
-    quantizer.usage.copy_(usage)
-    quantizer._update_usage(counts.to(quantizer.usage.dtype))
-    torch.testing.assert_close(quantizer.usage.double(), usage * decay + counts * (1 - decay), rtol=1e-6, atol=1e-6)
+    quantizer.dead_codes.usage.copy_(usage)
+    quantizer.dead_codes.update(counts.to(quantizer.dead_codes.usage.dtype))
+    torch.testing.assert_close(quantizer.dead_codes.usage.double(), usage * decay + counts * (1 - decay),
+                               rtol=1e-6, atol=1e-6)
     fixed = DDCLQuantizer(num_codes, 2, dead_code_decay=0.5)
-    assert fixed.usage_decay(tokens) == 0.5  # a decay given is used as given
+    assert fixed.dead_codes.usage_decay(tokens) == 0.5  # a decay given is used as given
 
 
 def test_dead_code_decay_checks_and_its_former_default():
@@ -249,9 +250,10 @@ def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
     old = DDCLQuantizer(8, 3, temperature=0.7, recipe="plain")
     old(torch.randn(40, 3))  # data initialisation
     state = old.state_dict()
-    for key in ("ema_mass", "ema_sum", "standardizer.running_mean", "standardizer.running_var",
+    for key in ("ema.mass", "ema.weighted_sum", "standardizer.running_mean", "standardizer.running_var",
                 "standardizer.num_batches_tracked"):
         del state[key]  # a version-1 layer had none of these
+    state["usage"] = state.pop("dead_codes.usage")  # and kept its usage at the top level
     state["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "version"}
     new = DDCLQuantizer(8, 3, temperature=0.7)  # today's defaults
     new.load_state_dict(state)

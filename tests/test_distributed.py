@@ -35,8 +35,8 @@ def _make_ema(dead_code_threshold: float = 0.3) -> HardVQ:
     torch.manual_seed(1)
     vq = HardVQ(16, 4, ema_decay=0.9, dead_code_threshold=dead_code_threshold)
     with torch.no_grad():
-        vq.embedding.normal_()
-        vq.ema_embed_sum.copy_(vq.embedding)
+        vq.prototypes.normal_()
+        vq.ema.weighted_sum.copy_(vq.prototypes)
     return vq
 
 
@@ -179,8 +179,8 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         syncs, restarts = _sync_calls(rank)
         results[rank] = {"nan": nan, "syncs": syncs, "sync_restarts": restarts, "raised": raised,
                          "checks": check.checks,
-                         "ema": vq.codebook.clone(), "size": vq.ema_cluster_size.clone(), "usage": vq.usage.clone(),
-                         "plain": plain.codebook.clone(), "plain_size": plain.ema_cluster_size.clone(),
+                         "ema": vq.codebook.clone(), "size": vq.ema.mass.clone(), "usage": vq.dead_codes.usage.clone(),
+                         "plain": plain.codebook.clone(), "plain_size": plain.ema.mass.clone(),
                          "ddcl": ddcl.prototypes.detach().clone(), "few": few.prototypes.detach().clone(),
                          **{f"norm_{k}": v for k, v in norm.items()}, **{f"recipe_{k}": v for k, v in recipe.items()},
                          **{f"residual_{k}": v for k, v in residual.items()},
@@ -208,11 +208,11 @@ def test_ema_and_restarts_over_two_ranks_equal_one_process_on_the_whole_batch(tw
         torch.manual_seed(100)  # rank 0's random state
         single(torch.cat([data[0, step], data[1, step]]))  # what the two ranks saw together
         single_plain(torch.cat([data[0, step], data[1, step]]))
-    torch.testing.assert_close(two_ranks[0]["plain_size"], single_plain.ema_cluster_size)
+    torch.testing.assert_close(two_ranks[0]["plain_size"], single_plain.ema.mass)
     torch.testing.assert_close(two_ranks[0]["plain"], single_plain.codebook)
     assert not torch.equal(single.codebook, single_plain.codebook)  # restarts happened and changed the codebook
     torch.testing.assert_close(two_ranks[0]["ema"], single.codebook)
-    torch.testing.assert_close(two_ranks[0]["size"], single.ema_cluster_size)
+    torch.testing.assert_close(two_ranks[0]["size"], single.ema.mass)
 
 
 def test_ddcl_data_init_draws_from_both_ranks_as_one_process_would(two_ranks):

@@ -16,7 +16,7 @@ def test_forward_is_nearest_code(shape, ema_decay):
     torch.manual_seed(0)
     vq = HardVQ(20, 6, ema_decay=ema_decay).eval()
     with torch.no_grad():
-        vq.embedding.normal_()
+        vq.prototypes.normal_()
     z = torch.randn(shape)
     out = vq(z)
     flat = z.reshape(-1, 6)
@@ -53,14 +53,14 @@ def test_loss_is_codebook_plus_beta_commitment():
     # d/dz of beta * mse(z, sg e) and d/de of mse(e, sg z), element means
     torch.testing.assert_close(z.grad, 0.25 * 2 * (z.detach() - codes) / z.numel())
     expected_codebook_grad = torch.zeros(8, 4).index_add_(0, out.indices, 2 * (codes - z.detach()) / z.numel())
-    torch.testing.assert_close(vq.embedding.grad, expected_codebook_grad)
+    torch.testing.assert_close(vq.prototypes.grad, expected_codebook_grad)
 
 
 def test_ema_update_matches_hand_computation_and_only_in_training():
     vq = HardVQ(2, 1, ema_decay=0.5, epsilon=1e-5)
     with torch.no_grad():
-        vq.embedding.copy_(torch.tensor([[0.0], [10.0]]))
-        vq.ema_embed_sum.copy_(vq.embedding)
+        vq.prototypes.copy_(torch.tensor([[0.0], [10.0]]))
+        vq.ema.weighted_sum.copy_(vq.prototypes)
     z = torch.tensor([[1.0], [2.0], [3.0]])  # all nearest to code 0
 
     vq.eval()
@@ -75,32 +75,32 @@ def test_ema_update_matches_hand_computation_and_only_in_training():
     smoothed = (size + 1e-5) / (n + 2e-5) * n
     torch.testing.assert_close(vq.codebook[0, 0], 3.0 / smoothed[0])
     assert vq.codebook[1, 0] == 10.0  # code 1 won no token: it stays where it was (not 5 / 0.5)
-    assert vq.embedding.grad is None and not vq.embedding.requires_grad
+    assert vq.prototypes.grad is None and not vq.prototypes.requires_grad
 
 
 def test_dead_code_is_restarted_from_batch_vectors():
     torch.manual_seed(3)
     vq = HardVQ(4, 2, ema_decay=0.9, dead_code_threshold=0.5)
     with torch.no_grad():
-        vq.embedding.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1e3, 1e3]]))  # code 3 far away
-        vq.ema_embed_sum.copy_(vq.embedding)
-        vq.ema_cluster_size.fill_(10.0)
-        vq.usage.fill_(10.0)
-        vq.usage[3] = 0.0  # code 3 has not been used for a while
+        vq.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1e3, 1e3]]))  # code 3 far away
+        vq.ema.weighted_sum.copy_(vq.prototypes)
+        vq.ema.mass.fill_(10.0)
+        vq.dead_codes.usage.fill_(10.0)
+        vq.dead_codes.usage[3] = 0.0  # code 3 has not been used for a while
     z = torch.rand(32, 2)
     vq.train()
     vq(z)
     restarted = vq.codebook[3]
     assert exact_cdist(restarted[None], z).min().item() == 0.0  # it is now one of the batch's vectors
-    assert vq.usage[3].item() == 0.5
-    torch.testing.assert_close(vq.ema_embed_sum[3], restarted * 0.5)
+    assert vq.dead_codes.usage[3].item() == 0.5
+    torch.testing.assert_close(vq.ema.weighted_sum[3], restarted * 0.5)
 
 
 def test_dead_code_restart_without_ema():
     torch.manual_seed(4)
     vq = HardVQ(3, 2, dead_code_threshold=1.0)
     with torch.no_grad():
-        vq.embedding.copy_(torch.tensor([[0.0, 0.0], [5.0, 5.0], [-5.0, -5.0]]))
+        vq.prototypes.copy_(torch.tensor([[0.0, 0.0], [5.0, 5.0], [-5.0, -5.0]]))
     z = torch.rand(16, 2) * 0.1
     vq(z)  # all tokens go to code 0: codes 1, 2 fall under the threshold
     assert exact_cdist(vq.codebook[1:], z).min(1).values.max().item() == 0.0
@@ -135,19 +135,19 @@ def test_live_codes_are_never_restarted():
     centres = torch.tensor([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [4.0, 4.0]])
     vq = HardVQ(4, 2, dead_code_threshold=4.0).train()
     with torch.no_grad():
-        vq.embedding.copy_(centres)
+        vq.prototypes.copy_(centres)
     for _ in range(5):
         z = (centres.repeat_interleave(8, 0) + 0.1 * torch.randn(32, 2))[torch.randperm(32)]
         assert torch.equal(vq(z).indices.bincount(minlength=4), torch.full((4,), 8))
         assert torch.equal(vq.codebook, centres)  # no gradient step here: only a restart could move a code
-    assert vq.usage.tolist() == [8.0] * 4  # started from the first batch's counts, not from 0
+    assert vq.dead_codes.usage.tolist() == [8.0] * 4  # started from the first batch's counts, not from 0
 
 
 def test_restarts_count_the_codes_moved():
     torch.manual_seed(0)
     vq = HardVQ(8, 2, ema_decay=0.9, dead_code_threshold=0.5)
     with torch.no_grad():
-        vq.embedding.copy_(torch.arange(16.0).reshape(8, 2))  # codes 0..7 along a line
+        vq.prototypes.copy_(torch.arange(16.0).reshape(8, 2))  # codes 0..7 along a line
     z = torch.tensor([[0.0, 1.0], [2.0, 3.0]]).repeat(8, 1)  # every token on code 0 or 1
     vq(z)  # the first batch sets the usage: codes 2..7 won nothing
     assert vq.restarts == 6

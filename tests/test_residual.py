@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from softvq import DDCLQuantizer
 from softvq.residual import ResidualDDCL, ResidualHardVQ, ResidualQuantizer
 
 
@@ -223,3 +224,13 @@ def test_vqvae_trains_with_quantize_dropout_and_counts_only_the_levels_that_ran(
     model.eval()
     with torch.no_grad():  # evaluation runs every level
         assert bool((model(images).quantizer.indices >= 0).all())
+
+
+def test_each_stack_states_its_standardisers_clip():
+    """The shared standardiser keeps Ioffe's clip, where the stack was measured; per-level levels take the layer's."""
+    assert ResidualDDCL(2, 8, 4).standardizer.renorm_clip == (3.0, 5.0)
+    assert ResidualDDCL(2, 8, 4, renorm_clip=(1.1, 0.1)).standardizer.renorm_clip == (1.1, 0.1)
+    per_level = ResidualDDCL(2, 8, 4, scale="per_level")
+    assert per_level.standardizer is None
+    assert {level.standardizer.renorm_clip for level in per_level.levels} == {(1.1, 0.1)}  # the layer's default
+    assert DDCLQuantizer(8, 4).standardizer.renorm_clip == (1.1, 0.1)

@@ -209,10 +209,10 @@ def test_soft_ema_prototypes_under_top_k_weigh_each_code_by_its_top_k_mass():
     torch.manual_seed(0)
     layer = DDCLQuantizer(16, 4, prototype_update="soft_ema", top_k=5, dead_code_threshold=0.0, init="normal")
     layer(torch.randn(30, 4))  # the first batch initialises what it needs
-    before = layer.ema_mass.clone()
+    before = layer.ema.mass.clone()
     out = layer(torch.randn(30, 4))
     mass = torch.zeros(16, dtype=torch.float64).index_put_((out.prob_codes.reshape(-1),),
                                                            out.probs.detach().reshape(-1).double(), accumulate=True)
     expected = before.double() * layer.ema_decay + mass * (1 - layer.ema_decay)
-    torch.testing.assert_close(layer.ema_mass.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.ema.mass.double(), expected, rtol=1e-5, atol=1e-6)
     assert (mass > 0).sum() > 5  # more codes than one token's top 5 got mass

@@ -84,7 +84,7 @@ def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifa
             tokens = model.latents(val_images).permute(0, 2, 3, 1).reshape(-1, 8).double()
             if name == "ddcl":
                 tokens = model.quantizer.standardizer(tokens)[0]
-            codes = state["quantizer.prototypes" if name == "ddcl" else "quantizer.embedding"].double()
+            codes = state["quantizer.prototypes"].double()
             nearest = exact_cdist(tokens, codes).argmin(1)
             used = set(nearest.tolist())
             assert rows[-1]["val_utilization"] == pytest.approx(len(used) / 32, rel=1e-12), name

@@ -32,7 +32,7 @@ def test_state_never_goes_below_float32_and_double_keeps_float64(make):
         state = {k: v for k, v in moved.state_dict().items() if torch.is_tensor(v) and v.is_floating_point()}
         assert state and {v.dtype for v in state.values()} == {dtype}, {k: v.dtype for k, v in state.items()}
         if isinstance(moved, DDCLQuantizer):
-            assert moved.temperature_t.dtype == torch.float64
+            assert moved.temperature_control.temperature_t.dtype == torch.float64
     before = layer.codebook.clone()
     assert torch.equal(layer.to(torch.bfloat16).codebook, before)  # nothing was rounded on the way
 
@@ -70,15 +70,15 @@ def test_a_code_that_never_wins_stays_where_it_is(make):
     the same after ~300)."""
     torch.manual_seed(0)
     layer = make()
-    codebook = layer.prototypes if isinstance(layer, DDCLQuantizer) else layer.embedding
+    codebook = layer.prototypes
     with torch.no_grad():
         codebook.copy_(torch.randn(8, 2) * 0.5)
         codebook[7] = torch.tensor([40.0, -40.0])
         if isinstance(layer, DDCLQuantizer):
-            layer.ema_sum.copy_(codebook)
+            layer.ema.weighted_sum.copy_(codebook)
             layer._initialized = True
         else:
-            layer.ema_embed_sum.copy_(codebook)
+            layer.ema.weighted_sum.copy_(codebook)
     far = codebook.detach()[7].clone()
     for _ in range(400):
         out = layer(torch.randn(64, 2))
@@ -147,12 +147,12 @@ def test_a_current_state_dict_with_missing_keys_is_refused_naming_them():
     layer = DDCLQuantizer(8, 3)
     layer(torch.randn(40, 3))
     state = layer.state_dict()
-    del state["ema_mass"], state["standardizer.running_var"]
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "ema_mass", "standardizer.running_var"'):
+    del state["ema.mass"], state["standardizer.running_var"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: .*"ema.mass"'):
         DDCLQuantizer(8, 3).load_state_dict(state)
     fresh = DDCLQuantizer(8, 3)
     missing = fresh.load_state_dict(state, strict=False).missing_keys
-    assert sorted(missing) == ["ema_mass", "standardizer.running_var"]
+    assert sorted(missing) == ["ema.mass", "standardizer.running_var"]
 
 
 def test_a_version_1_layer_gets_exactly_its_missing_keys_and_trains_on_as_it_was_trained():
@@ -160,14 +160,15 @@ def test_a_version_1_layer_gets_exactly_its_missing_keys_and_trains_on_as_it_was
     old = DDCLQuantizer(8, 3, temperature=0.7, recipe="plain")
     old(torch.randn(40, 3))
     state = old.state_dict()
-    for key in ("ema_mass", "ema_sum", "standardizer.running_mean", "standardizer.running_var",
+    for key in ("ema.mass", "ema.weighted_sum", "standardizer.running_mean", "standardizer.running_var",
                 "standardizer.num_batches_tracked"):
         del state[key]  # what a version-1 layer did not have
+    state["usage"] = state.pop("dead_codes.usage")  # its usage, under the name of the time
     state["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "version"}
     new = DDCLQuantizer(8, 3)  # today's defaults, loading the old plain layer
     new.load_state_dict(state)  # strict: exactly the five keys were completed
     assert new.recipe == "plain" and new.dead_code_threshold == 0.0 and new.target_entropy is None
-    torch.testing.assert_close(new.ema_sum, state["prototypes"], rtol=0, atol=0)
+    torch.testing.assert_close(new.ema.weighted_sum, state["prototypes"], rtol=0, atol=0)
     with torch.no_grad():  # a code no token reaches: the old layer never restarted it
         old.prototypes[5] = new.prototypes[5] = 30.0
     for _ in range(3):

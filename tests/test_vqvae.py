@@ -54,7 +54,7 @@ def test_encode_and_decode_match_the_parts(name):
         assert conv.shape == (3, 6, 8, 8)
         tokens = rearrange(conv, "b d h w -> (b h w) d")
         rows = tokens[torch.randperm(len(tokens))[:16]]
-        (model.quantizer.prototypes if name == "ddcl" else model.quantizer.embedding).copy_(rows)
+        model.quantizer.prototypes.copy_(rows)
         assert torch.equal(rearrange(model.latents(x), "b d h w -> (b h w) d"), tokens)
         codebook = model.quantizer.codebook
         expected = exact_cdist(tokens.double(), codebook.double()).argmin(dim=1).reshape(3, 8, 8)
@@ -302,8 +302,8 @@ def test_anneal_temperature_errors(args, match):
 
 
 def test_build_quantizer_passes_options():
-    """Options reach the layer; and each built layer's codes are the rows of its state dict (``embedding`` /
-    ``prototypes``, read by key, not through ``codebook``): ``decode_indices`` of given indices returns those rows,
+    """Options reach the layer; and each built layer's codes are the rows of its state dict (``prototypes``, read by
+    key, not through ``codebook``): ``decode_indices`` of given indices returns those rows,
     and in evaluation it picks and outputs the row that brute-force nearest neighbour picks for tokens placed next
     to known rows (an independent reference, where ``codebook == prototypes`` held by construction)."""
     q = build_quantizer("hard", 8, 4, beta=0.5, ema_decay=0.9)
@@ -313,9 +313,9 @@ def test_build_quantizer_passes_options():
     with pytest.raises(ValueError, match="invalid option for quantizer 'ddcl'"):
         build_quantizer("ddcl", 8, 4, beta=0.5)
     torch.manual_seed(0)
-    for name, key, options in (("hard", "embedding", {}), ("ddcl", "prototypes", {"init": "normal"})):
+    for name, options in (("hard", {}), ("ddcl", {"init": "normal"})):
         layer = build_quantizer(name, 8, 4, **options).eval()
-        rows = layer.state_dict()[key].clone()  # (K, D)
+        rows = layer.state_dict()["prototypes"].clone()  # (K, D)
         given = torch.tensor([[5, 0, 7], [2, 5, 1]])
         assert torch.equal(layer.decode_indices(given), rows[given]), name
         chosen = torch.tensor([3, 6, 0, 6, 1, 4])
@@ -342,8 +342,9 @@ def test_a_checkpoint_from_before_the_in_layer_recipe_loads_and_evaluates_as_tra
     trained = VQVAE("ddcl", quantizer_kwargs={**old_kwargs, "recipe": "plain"}, latent_norm="batch", **SMALL)
     trained.training_step((torch.rand(4, 3, 32, 32), torch.zeros(4)), 0)  # data init, LatentNorm statistics
     state = trained.state_dict()
-    for key in [k for k in state if k.startswith(("quantizer.ema_", "quantizer.standardizer."))]:
+    for key in [k for k in state if k.startswith(("quantizer.ema.", "quantizer.standardizer."))]:
         del state[key]
+    state["quantizer.usage"] = state.pop("quantizer.dead_codes.usage")  # the name of the time
     state["quantizer._extra_state"] = {k: v for k, v in state["quantizer._extra_state"].items() if k != "version"}
     hparams = {**dict(trained.hparams), "quantizer_kwargs": old_kwargs}  # no "recipe": today's default is "auto"
     path = tmp_path / "old.ckpt"

@@ -1,0 +1,18 @@
+"""The mechanisms a codebook layer is composed of, one ``nn.Module`` each, with its options, state and tests.
+
+- :class:`TokenStandardizer` — tokens standardised per dimension inside the layer (:mod:`softvq.norm`).
+- :class:`TemperatureControl` — the Boltzmann temperature: calibrated to an entropy target, then held there.
+- :class:`EmaPrototypes` — the codebook moved by an EMA k-means step (hard or soft responsibilities).
+- :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use.
+
+:class:`softvq.DDCLQuantizer` holds all four, :class:`softvq.HardVQ` the last two; docs/design.md, "Anatomy of the
+layer", has the table of which layer composes which part.
+"""
+
+from softvq.norm import TokenStandardizer
+from softvq.parts.ema import EmaPrototypes
+from softvq.parts.restart import DeadCodeRestart, code_counts
+from softvq.parts.temperature import TemperatureControl, max_stable_rate
+
+__all__ = ["DeadCodeRestart", "EmaPrototypes", "TemperatureControl", "TokenStandardizer", "code_counts",
+           "max_stable_rate"]

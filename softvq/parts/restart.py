@@ -1,0 +1,139 @@
+"""Dead-code restart: a running count of the tokens each code wins per training batch, and moving the codes whose
+count fell below a threshold onto random tokens of the batch (of every process's batch together).
+
+:class:`DeadCodeRestart` is the part both :class:`softvq.DDCLQuantizer` and :class:`softvq.HardVQ` hold;
+:func:`code_counts` counts a batch's winners, which the EMA update (:class:`softvq.parts.EmaPrototypes`) reads too.
+None of it synchronises the host with the device (no ``.item()``, no data-dependent shape), so a GPU step never
+waits on the CPU and ``torch.compile`` traces it whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from softvq._checks import check_float, check_positive_int, check_unit
+from softvq._collectives import all_reduce_sum_, random_tokens
+from softvq._precision import apply_keeping_precision
+
+# decay="auto": the running count remembers at least this many tokens a code wins on average (its memory,
+# 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's memory. A
+# short memory at a large K (2 tokens per code per batch at K = 4096, N = 8192) sends live codes whose count dipped by
+# chance to restart; docs/design.md, "Dead-code restart at large K".
+USAGE_MEMORY_TOKENS = 64.0
+USAGE_DECAY_FLOOR = 0.9
+# ... and at most 0.97's memory (33 batches): a longer one leaves dead codes unrestarted for epochs at K = 16384
+# (docs/design.md, "Dead-code restart at large K").
+USAGE_DECAY_CEILING = 0.97
+
+
+@torch.no_grad()
+def code_counts(indices: Tensor, num_codes: int, dtype: torch.dtype) -> Tensor:
+    """``(K,)`` how many of ``indices (N,)`` pick each code, summed over processes under ``torch.distributed``."""
+    counts = torch.zeros(num_codes, dtype=dtype, device=indices.device)
+    counts.index_add_(0, indices, torch.ones_like(indices, dtype=dtype))  # bincount's shape is the data's; this is (K,)
+    return all_reduce_sum_(counts)
+
+
+@torch.no_grad()
+def restart_dead_codes_(codebook: Tensor, usage: Tensor, z: Tensor, threshold: float | Tensor) -> Tensor:
+    """Replace the rows of ``codebook (K, D)`` whose running ``usage (K,)`` is below ``threshold`` by random tokens of
+    ``z (N, D)`` and set their usage to ``threshold``; returns the ``(K,)`` mask of restarted rows. Nothing is
+    restarted while ``usage`` still holds the -1 of "no batch seen yet", or when there are no tokens.
+
+    Every code draws a candidate token (:func:`softvq._collectives.random_tokens`) and the dead ones take theirs.
+    Under ``torch.distributed`` the tokens are drawn from every process's batch together, so the result is the same
+    on every process and equals a single process's restart on the concatenated batch with rank 0's random state.
+    """
+    rows, any_token = random_tokens(z, codebook.shape[0])
+    dead = (usage < threshold) & (usage >= 0).all()  # usage is summed across processes: every process agrees
+    if any_token is False:
+        return torch.zeros_like(dead)
+    if any_token is not True:
+        dead &= any_token
+    codebook.copy_(torch.where(dead[:, None], rows.to(codebook.dtype), codebook))
+    usage.copy_(torch.where(dead, threshold, usage))
+    return dead
+
+
+class DeadCodeRestart(nn.Module):
+    """The running number of tokens each of ``num_codes`` codes wins per training batch, and the restart of the codes
+    whose number fell below ``threshold``.
+
+    :meth:`update` folds a batch's :func:`code_counts` into the running ``usage`` (the first batch starts it from its
+    counts: starting from 0 would restart nearly every live code in the first steps); :meth:`restart_` moves the
+    codebook rows whose usage is below the threshold onto random tokens of a batch and counts them.
+
+    State: ``usage`` ``(K,)`` (float32 under ``.half()``; -1 until the first batch) and ``restart_count``, the codes
+    moved so far (a ``()`` int64 tensor, not a state-dict entry: the layer that holds this part saves it).
+
+    Args:
+        num_codes: ``K``.
+        threshold: restart a code whose running usage is below this; 0 never restarts.
+        decay: the running usage's decay in ``(0, 1)``, or ``"auto"``: ``1 - N / (64 K)`` for a batch of ``N`` tokens,
+            clipped to ``[0.9, 0.97]`` (:meth:`usage_decay`).
+        cap: ``None``, or the most the threshold in effect may be, as a fraction of the mean tokens per code per
+            batch (so that a batch too small to give every code a token does not restart live codes).
+    """
+
+    def __init__(self, num_codes: int, threshold: float = 1.0, decay: float | Literal["auto"] = "auto",
+                 cap: float | None = None) -> None:
+        super().__init__()
+        self.num_codes = check_positive_int("num_codes", num_codes)
+        self.threshold = check_float("dead_code_threshold", threshold, allow_zero=True)
+        self.decay: float | str = "auto" if isinstance(decay, str) and decay == "auto" \
+            else check_unit("dead_code_decay", decay)
+        self.cap = None if cap is None else check_float("dead_code_cap", cap)
+        self.register_buffer("usage", torch.full((num_codes,), -1.0))
+        self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
+
+    @property
+    def restarts(self) -> int:
+        """How many codes were restarted so far (reading it synchronises with the device)."""
+        return int(self.restart_count)
+
+    def usage_decay(self, tokens: Tensor | float) -> Tensor | float:
+        """The decay of the running usage for a training batch of ``tokens`` tokens (over every process): ``decay`` as
+        given, or for ``"auto"`` ``1 - tokens / (K * 64)`` clipped to ``[0.9, 0.97]``, so that the running count
+        remembers at least 64 tokens per code where 33 batches hold them: 0.9 up to 6.4 codes per token of a batch
+        (K = 512 and 1024 at 8,192 tokens), 0.969 at K = 4096, 0.97 beyond. A tensor ``tokens`` gives a tensor (no
+        host-device sync)."""
+        if self.decay != "auto":
+            return self.decay
+        fraction = tokens / (self.num_codes * USAGE_MEMORY_TOKENS)
+        if isinstance(fraction, Tensor):
+            return (1.0 - fraction).clamp(min=USAGE_DECAY_FLOOR, max=USAGE_DECAY_CEILING)
+        return min(USAGE_DECAY_CEILING, max(USAGE_DECAY_FLOOR, 1.0 - fraction))
+
+    @torch.no_grad()
+    def update(self, counts: Tensor) -> None:
+        """Fold a training batch's ``counts (K,)`` (:func:`code_counts`, summed over processes) into the usage."""
+        if self.decay == "auto":
+            decay = self.usage_decay(counts.sum())
+            # where the floor holds, the arithmetic of a fixed decay of 0.9 (Python scalars): batches where "auto" is
+            # 0.9 update bit for bit as a decay of 0.9 given; a smaller batch (an epoch's ragged last one) gets its own
+            floor = self.usage * USAGE_DECAY_FLOOR + counts * (1.0 - USAGE_DECAY_FLOOR)
+            running = torch.where(decay > USAGE_DECAY_FLOOR, self.usage * decay + counts * (1.0 - decay), floor)
+        else:
+            running = self.usage * self.decay + counts * (1.0 - self.decay)
+        self.usage.copy_(torch.where((self.usage < 0).any(), counts, running))
+
+    @torch.no_grad()
+    def restart_(self, codebook: Tensor, z: Tensor) -> Tensor:
+        """Move the rows of ``codebook (K, D)`` whose usage is below the threshold in effect (at most ``cap`` times
+        the mean usage) onto random tokens of ``z (N, D)``, in place; returns the ``(K,)`` mask of moved rows."""
+        threshold: float | Tensor = self.threshold
+        if self.cap is not None:
+            threshold = torch.clamp(self.cap * self.usage.sum() / self.num_codes, max=self.threshold)
+        dead = restart_dead_codes_(codebook, self.usage, z, threshold)
+        self.restart_count.add_(dead.sum())
+        return dead
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DeadCodeRestart:
+        apply_keeping_precision(self, lambda: super(DeadCodeRestart, self)._apply(fn, recurse))
+        return self
+
+    def extra_repr(self) -> str:
+        return f"num_codes={self.num_codes}, threshold={self.threshold:g}, decay={self.decay}, cap={self.cap}"

@@ -1,0 +1,200 @@
+"""The Boltzmann temperature of a soft codebook: where ``T`` lives, how it starts and how it is held at an entropy.
+
+:class:`TemperatureControl` owns ``T`` (a float64 tensor on the module's device), its calibration on the first
+training batch (:func:`calibrate_temperature`) and the entropy control after each training step
+(``log T <- log T + rate (H* - H)``, :func:`softvq.adapt_temperature` on the device). The stability bound of that
+control is :func:`max_stable_rate`. docs/design.md, "Anatomy of the layer", says which layer holds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from softvq._checks import check_float, check_positive_int
+from softvq._collectives import all_reduce_sum_, is_distributed
+from softvq._kernels import squared_distances
+from softvq._precision import apply_keeping_precision
+from softvq._soft_centroid import softmax_floor
+
+
+@functools.lru_cache(maxsize=64)
+def max_varentropy(num_codes: int) -> float:
+    """The largest variance of ``-log q`` under ``q`` over distributions ``q`` on ``num_codes`` outcomes (0 for one).
+
+    It is attained by one outcome of mass ``p`` and ``K - 1`` of mass ``(1 - p) / (K - 1)``, where it is
+    ``p (1 - p) log((K - 1) p / (1 - p))^2``; maximised over ``p`` on a grid of its logit (0.44 for K = 2, 10.7 for
+    K = 512, 24.5 for K = 16384)."""
+    if num_codes < 2:
+        return 0.0
+    logit = torch.linspace(-40.0, 40.0, 200_001, dtype=torch.float64)
+    p = torch.sigmoid(logit)
+    return float((p * (1 - p) * (logit + math.log(num_codes - 1)).square()).max())
+
+
+def max_stable_rate(num_codes: int) -> float:
+    """The largest ``rate`` for which the entropy control is stable whatever the codebook and tokens.
+
+    The control is ``log T <- log T + rate (H* - H(T))``. Near its fixed point an error ``e`` in ``log T`` becomes
+    ``(1 - rate s) e`` with ``s = dH/dlog T``, which for Boltzmann assignments ``q ∝ exp(-d / T)`` is the variance of
+    ``d / T`` under ``q`` (the heat capacity), that is the varentropy of ``q``, averaged over tokens. It is stable
+    for ``0 < rate < 2 / s`` and ``s`` never exceeds :func:`max_varentropy` ``(K)``: the bound is ``2 / max_varentropy``
+    (0.19 at K = 512, 0.082 at K = 16384); above it a codebook can make ``T`` oscillate with a growing amplitude."""
+    v = max_varentropy(num_codes)
+    return math.inf if v == 0 else 2.0 / v
+
+
+class TemperatureControl(nn.Module):
+    """The temperature ``T`` of Boltzmann assignments ``q ∝ exp(-d / T)`` over ``num_codes`` codes, and the control
+    that holds their mean entropy H(Q) at ``target_entropy``.
+
+    ``T`` starts at ``temperature``, or (``temperature=None``) is set on the first training batch by
+    :meth:`calibrate` so that that batch's mean H(Q) equals ``target_entropy``. After each training step
+    :meth:`step` moves it by ``T <- T exp(rate (target_entropy - H))``; ``target_entropy=None`` holds ``T`` fixed.
+    Assigning ``T`` (:meth:`set`) switches the control off unless told otherwise, so an assigned value sticks.
+
+    State: ``temperature_t``, a ``()`` float64 tensor (float64 whatever ``.half()`` or ``.to()`` does), never written
+    in place: each change binds a new tensor, so a forward pass whose backward has not run yet keeps the ``T`` it
+    used (two forwards before one backward; a compiled backward re-reading its inputs). It is not a state-dict entry:
+    the layer that holds this part saves :attr:`temperature` in its extra state, with the rest of its own.
+
+    Args:
+        num_codes: ``K``, the number of codes the assignments are over.
+        temperature: the starting ``T > 0``, or ``None``: calibrated on the first training batch (needs
+            ``target_entropy``).
+        target_entropy: the H(Q) in nats to hold, below ``log K``; ``None``: ``T`` stays fixed.
+        rate: the control's gain per step, below :func:`max_stable_rate` ``(K)``.
+    """
+
+    def __init__(self, num_codes: int, temperature: float | None = None, target_entropy: float | None = None,
+                 rate: float = 0.01) -> None:
+        super().__init__()
+        self.num_codes = check_positive_int("num_codes", num_codes)
+        if target_entropy is not None and num_codes == 1:
+            raise ValueError(f"target_entropy={target_entropy!r} cannot be held with num_codes=1: one code takes every "
+                             f"token, so the assignment entropy is always 0; leave target_entropy at 'auto' (a fixed "
+                             f"temperature) or None")
+        self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
+        if self.target_entropy is not None and not self.target_entropy < math.log(num_codes):
+            raise ValueError(f"target_entropy must be below log(num_codes) = {math.log(num_codes):.4g} nats (uniform "
+                             f"assignments), got {target_entropy!r}")
+        self.rate = check_float("temperature_rate", rate)
+        if self.target_entropy is not None and not self.rate < max_stable_rate(num_codes):
+            raise ValueError(f"temperature_rate={rate!r} is too large for the entropy control to be stable with "
+                             f"num_codes={num_codes}: it must be below 2 / (the largest varentropy over {num_codes} "
+                             f"codes) = {max_stable_rate(num_codes):.4g} (the default 0.01 is well below)")
+        if temperature is None and self.target_entropy is None:
+            raise ValueError("TemperatureControl needs a temperature or a target_entropy to calibrate one to, got "
+                             "neither")
+        self.initial = None if temperature is None else check_float("temperature", temperature)
+        # Python-side: reading it costs no device sync, and torch.compile guards on it.
+        self.ready = self.initial is not None
+        self.register_buffer("temperature_t", torch.tensor(self.initial or 1.0, dtype=torch.float64),
+                             persistent=False)
+
+    @property
+    def temperature(self) -> float | None:
+        """``T`` as a Python float (``None`` until calibrated); reading it synchronises with the device."""
+        return float(self.temperature_t) if self.ready else None
+
+    def set(self, value: float, *, keep_control: bool = False, owner: str = "TemperatureControl") -> None:
+        """Set ``T`` to ``value``. With the control on it would bring ``T`` back toward its target within ~100
+        steps, so by default the control is switched off (``target_entropy = None``, with a warning naming
+        ``owner``); ``keep_control=True`` moves ``T`` and lets the control go on from there."""
+        value = check_float("temperature", value)
+        if self.target_entropy is not None and not keep_control:
+            warnings.warn(f"setting {owner}.temperature switches its entropy control off (target_entropy was "
+                          f"{self.target_entropy:g}, now None): T stays where it is set; pass keep_control=True to "
+                          f"set_temperature to keep the control", stacklevel=4)
+            self.target_entropy = None
+        self.load(value)
+
+    def load(self, value: float | None) -> None:
+        """Restore a saved ``T`` (``None``: not calibrated yet), as a new tensor."""
+        if value is None:
+            self.ready = False
+            return
+        self.temperature_t = torch.tensor(value, dtype=torch.float64, device=self.temperature_t.device)
+        self.ready = True
+
+    @torch.no_grad()
+    def calibrate(self, z: Tensor, prototypes: Tensor, keep: bool) -> Tensor:
+        """The ``T`` (a ``()`` float64 tensor) at which tokens ``z (N, D)`` meet ``target_entropy`` over
+        ``prototypes (K, D)``, computed on a strided sample of at most ~4,096 tokens (no random draw, so restarts
+        draw alike); with ``keep`` it becomes ``T`` (a training batch), else it is used once (evaluation before
+        training)."""
+        sample = z[:: max(1, z.shape[0] // 4096)]
+        t = calibrate_temperature(sample, prototypes, self.target_entropy).to(self.temperature_t.dtype)
+        if keep:
+            self.temperature_t = t
+            self.ready = True
+        return t
+
+    @torch.no_grad()
+    def step(self, entropy: Tensor, tokens: int) -> None:
+        """After a training step whose ``tokens`` tokens had mean entropy ``entropy`` (a ``()`` tensor; the mean over
+        every process's tokens under ``torch.distributed``): ``T <- T exp(rate (target - H))``, bound as a new
+        tensor; a non-finite entropy leaves ``T`` unchanged. No host-device synchronisation."""
+        if self.target_entropy is None:
+            return
+        if is_distributed():
+            n = torch.full((), float(tokens), dtype=torch.float64, device=entropy.device)
+            total = all_reduce_sum_(torch.stack([entropy.to(torch.float64) * n, n]))
+            entropy = total[0] / total[1]
+        factor = torch.exp(self.rate * (self.target_entropy - entropy.to(self.temperature_t.dtype)))
+        now = self.temperature_t
+        # Bound, not written in place: a second forward pass before the first's backward must not change the T that
+        # backward reads (an in-place write is a version-counter error under torch.compile).
+        self.temperature_t = torch.where(torch.isfinite(factor), now * factor, now)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TemperatureControl:
+        apply_keeping_precision(self, lambda: super(TemperatureControl, self)._apply(fn, recurse),
+                                float64=("temperature_t",))
+        return self
+
+    def extra_repr(self) -> str:
+        t = "uncalibrated" if not self.ready else f"{self.temperature:g}"
+        return f"num_codes={self.num_codes}, temperature={t}, target_entropy={self.target_entropy}, rate={self.rate:g}"
+
+
+# Halvings of the calibration bracket (a factor 1e9 in T): its width ends at 20.7 / 2^34 = 1.2e-9 in log T.
+_BISECTIONS = 34
+
+
+# A custom op so that torch.compile sees one opaque call instead of tracing (and compiling) the unrolled bisection: it
+# runs once, on the first training batch, and tracing it cost a minute of compilation on 2 CPU cores.
+@torch.library.custom_op("softvq::calibrate_temperature", mutates_args=())
+def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float) -> Tensor:
+    """The temperature ``T`` (a ``()`` float64 tensor) at which the mean assignment entropy of tokens ``z (n, D)``
+    over ``prototypes (K, D)`` equals ``target_entropy``, summed over processes under ``torch.distributed``.
+
+    Bisection in ``log T`` over a bracket of a factor 1e9 around the mean squared distance (H(Q) rises monotonically
+    with ``T``), a fixed number of halvings on tensors: no host-device synchronisation.
+    """
+    center = prototypes.mean(0)
+    d = squared_distances(z - center, prototypes - center).to(torch.float64)  # (n, K)
+    count = torch.full((), float(d.shape[0]), dtype=torch.float64, device=d.device)
+    total = all_reduce_sum_(torch.stack([d.mean(1).sum(), count]))
+    scale = (total[0] / total[1]).clamp_min(1e-12)  # the same bracket on every process
+    lo, hi = torch.log(scale * 1e-6), torch.log(scale * 1e3)
+    for _ in range(_BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        x = d * -torch.exp(-mid)
+        # entropy from log-softmax, floored as the layer's own softmax is (the floor keeps exp on its fast path)
+        x = (x - x.amax(1, keepdim=True)).clamp_(min=softmax_floor(x.dtype))
+        logq = torch.log_softmax(x, dim=1)
+        h = all_reduce_sum_(torch.stack([-(logq.exp() * logq).sum(), count]))
+        above = h[0] / h[1] > target_entropy
+        hi = torch.where(above, mid, hi)
+        lo = torch.where(above, lo, mid)
+    return torch.exp(0.5 * (lo + hi))
+
+
+@calibrate_temperature.register_fake
+def _(z: Tensor, prototypes: Tensor, target_entropy: float) -> Tensor:
+    return z.new_empty((), dtype=torch.float64)

@@ -1,0 +1,182 @@
+"""The parts of softvq.parts on their own, each against an independent reference: brute-force float64 entropies,
+the EMA and running-usage formulas written out, bincount, and the layers that compose them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import softvq
+from softvq.parts import DeadCodeRestart, EmaPrototypes, TemperatureControl, code_counts, max_stable_rate
+
+
+def entropy64(z: torch.Tensor, p: torch.Tensor, t: float) -> float:
+    """Mean H(Q) of Boltzmann assignments, by brute force in float64."""
+    d = (z.double()[:, None, :] - p.double()[None]).square().sum(-1)
+    q = torch.softmax(-d / t, dim=1)
+    return float(-(q * q.clamp_min(1e-300).log()).sum(1).mean())
+
+
+# ---- TemperatureControl ----------------------------------------------------------------------------------------------
+def test_calibration_meets_the_entropy_target_by_brute_force():
+    torch.manual_seed(0)
+    z, p = torch.randn(300, 5), torch.randn(40, 5)
+    control = TemperatureControl(40, target_entropy=2.0)
+    assert control.temperature is None and not control.ready
+    t = control.calibrate(z, p, keep=False)
+    assert not control.ready  # used once (evaluation before training): nothing kept
+    assert entropy64(z, p, float(t)) == pytest.approx(2.0, abs=1e-6)
+    control.calibrate(z, p, keep=True)
+    assert control.ready and control.temperature == pytest.approx(float(t), rel=0)
+    assert control.temperature_t.dtype == torch.float64
+
+
+def test_the_control_step_is_the_written_out_formula_and_binds_a_new_tensor():
+    control = TemperatureControl(16, temperature=0.5, target_entropy=1.5, rate=0.05)
+    before = control.temperature_t
+    control.step(torch.tensor(2.0), tokens=10)
+    assert control.temperature == pytest.approx(0.5 * math.exp(0.05 * (1.5 - 2.0)), rel=1e-15)
+    assert before.item() == 0.5  # the tensor a pending backward holds is unchanged
+    control.step(torch.tensor(float("nan")), tokens=10)  # a non-finite entropy leaves T
+    assert control.temperature == pytest.approx(0.5 * math.exp(0.05 * (1.5 - 2.0)), rel=1e-15)
+    fixed = TemperatureControl(16, temperature=0.5)
+    fixed.step(torch.tensor(2.0), tokens=10)
+    assert fixed.temperature == 0.5  # no target: T is fixed
+
+
+def test_setting_t_switches_the_control_off_unless_kept_and_half_keeps_float64():
+    control = TemperatureControl(16, temperature=0.5, target_entropy=1.5)
+    control.set(0.3, keep_control=True)
+    assert control.temperature == 0.3 and control.target_entropy == 1.5
+    with pytest.warns(UserWarning, match="switches its entropy control off"):
+        control.set(0.2)
+    assert control.target_entropy is None and control.temperature == 0.2
+    assert control.half().temperature_t.dtype == torch.float64 and control.temperature == 0.2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"target_entropy": math.log(16)}, r"below log\(num_codes\)"),
+    ({"target_entropy": 1.0, "rate": 1.01 * max_stable_rate(16)}, "too large for the entropy control"),
+    ({}, "needs a temperature or a target_entropy"),
+    ({"temperature": -1.0}, "temperature"),
+])
+def test_temperature_control_refuses_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TemperatureControl(16, **kwargs)
+
+
+# ---- EmaPrototypes -------------------------------------------------------------------------------------------------
+def test_hard_ema_step_matches_the_formula_and_an_unwon_code_stays():
+    torch.manual_seed(0)
+    codebook = torch.randn(4, 3)
+    ema = EmaPrototypes(codebook, decay=0.9)
+    z, indices = torch.randn(6, 3), torch.tensor([0, 0, 1, 1, 1, 3])
+    counts = code_counts(indices, 4, torch.float32)
+    mass = 0.9 * 1.0 + 0.1 * counts.double()
+    total = 0.9 * codebook.double() + 0.1 * torch.stack([z.double()[indices == k].sum(0) for k in range(4)])
+    start = codebook.clone()
+    ema.step_(codebook, z, indices=indices, counts=counts)
+    torch.testing.assert_close(ema.mass.double(), mass, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(codebook.double()[[0, 1, 3]], (total / mass[:, None])[[0, 1, 3]], rtol=1e-5, atol=1e-6)
+    assert torch.equal(codebook[2], start[2])  # code 2 won nothing: it stays, bit for bit
+
+
+def test_soft_ema_step_weights_tokens_by_their_assignments():
+    torch.manual_seed(1)
+    codebook = torch.randn(3, 2)
+    ema = EmaPrototypes(codebook, decay=0.5)
+    z, q = torch.randn(5, 2), torch.softmax(torch.randn(5, 3), dim=1)
+    mass = 0.5 + 0.5 * q.double().sum(0)
+    total = 0.5 * codebook.double() + 0.5 * q.double().t() @ z.double()
+    ema.step_(codebook, z, q=q)
+    torch.testing.assert_close(codebook.double(), total / mass[:, None], rtol=1e-5, atol=1e-6)
+
+
+def test_laplace_smoothed_ema_is_vq_vaes_update_and_restart_resets_the_statistics():
+    torch.manual_seed(2)
+    codebook = torch.randn(4, 2)
+    ema = EmaPrototypes(codebook, decay=0.99, epsilon=1e-5)
+    z, indices = torch.randn(8, 2), torch.tensor([0, 1, 1, 1, 2, 2, 0, 1])
+    counts = code_counts(indices, 4, torch.float32)
+    size = 0.99 + 0.01 * counts.double()
+    total = 0.99 * codebook.double() + 0.01 * torch.stack([z.double()[indices == k].sum(0) for k in range(4)])
+    n = size.sum()
+    smoothed = (size + 1e-5) / (n + 4 * 1e-5) * n
+    start = codebook.clone()
+    ema.step_(codebook, z, indices=indices, counts=counts)
+    torch.testing.assert_close(codebook.double()[:3], (total / smoothed[:, None])[:3], rtol=1e-5, atol=1e-6)
+    assert torch.equal(codebook[3], start[3])
+    dead = torch.tensor([False, False, False, True])
+    codebook[3] = torch.tensor([5.0, -5.0])
+    ema.restart_(dead, codebook, 2.0)
+    assert ema.mass[3].item() == 2.0 and ema.weighted_sum[3].tolist() == [10.0, -10.0]
+    assert ema.half().mass.dtype == torch.float32  # EMA steps are below bf16 resolution
+
+
+# ---- DeadCodeRestart -----------------------------------------------------------------------------------------------
+def test_code_counts_is_bincount():
+    indices = torch.randint(0, 7, (100,))
+    assert torch.equal(code_counts(indices, 7, torch.float32), torch.bincount(indices, minlength=7).float())
+
+
+def test_usage_starts_from_the_first_batch_then_decays_and_restart_moves_exactly_the_dead_codes():
+    restart = DeadCodeRestart(4, threshold=1.0, decay=0.5)
+    codebook = torch.zeros(4, 2)
+    z = torch.arange(10.0).reshape(5, 2) + 1  # no row is zero
+    assert not restart.restart_(codebook, z).any()  # no batch seen: nothing restarts
+    restart.update(torch.tensor([4.0, 0.0, 2.0, 0.5]))
+    assert restart.usage.tolist() == [4.0, 0.0, 2.0, 0.5]
+    restart.update(torch.tensor([0.0, 4.0, 2.0, 1.0]))
+    assert restart.usage.tolist() == [2.0, 2.0, 2.0, 0.75]
+    dead = restart.restart_(codebook, z)
+    assert dead.tolist() == [False, False, False, True] and restart.restarts == 1
+    assert any(torch.equal(codebook[3], row) for row in z) and not codebook[:3].any()
+    assert restart.usage[3].item() == 1.0  # a restarted code starts at the threshold
+
+
+def test_the_cap_lowers_the_threshold_to_a_fraction_of_the_mean_usage():
+    restart = DeadCodeRestart(4, threshold=1.0, decay=0.5, cap=0.25)
+    restart.update(torch.tensor([0.5, 0.5, 0.4, 0.2]))  # mean 0.4: the threshold in effect is 0.1
+    assert not restart.restart_(torch.zeros(4, 2), torch.ones(3, 2)).any()
+    uncapped = DeadCodeRestart(4, threshold=1.0, decay=0.5)
+    uncapped.update(torch.tensor([0.5, 0.5, 0.4, 0.2]))
+    assert uncapped.restart_(torch.zeros(4, 2), torch.ones(3, 2)).all()
+
+
+@pytest.mark.parametrize("num_codes,tokens,decay", [(512, 8192, 0.9), (4096, 8192, 1 - 8192 / (4096 * 64)),
+                                                      (16384, 8192, 0.97)])
+def test_auto_decay_remembers_64_tokens_per_code(num_codes, tokens, decay):
+    assert DeadCodeRestart(num_codes).usage_decay(tokens) == pytest.approx(decay, abs=1e-15)
+
+
+# ---- the layers compose the parts ----------------------------------------------------------------------------------
+def test_both_layers_hold_the_same_parts_and_their_options_have_one_place():
+    ddcl, hard = softvq.DDCLQuantizer(16, 4), softvq.HardVQ(16, 4, ema_decay=0.9, dead_code_threshold=1.0)
+    assert isinstance(ddcl.dead_codes, DeadCodeRestart) and isinstance(hard.dead_codes, DeadCodeRestart)
+    assert isinstance(ddcl.ema, EmaPrototypes) and isinstance(hard.ema, EmaPrototypes)
+    assert isinstance(ddcl.temperature_control, TemperatureControl)
+    ddcl.target_entropy = 1.0  # the layer's option is its part's
+    assert ddcl.temperature_control.target_entropy == 1.0
+    ddcl.dead_codes.threshold = 0.5
+    assert ddcl.dead_code_threshold == 0.5
+    assert not hasattr(softvq.HardVQ(16, 4), "ema")  # a gradient-trained codebook has no EMA part
+
+
+def test_a_state_dict_of_the_former_layout_loads_under_todays_names():
+    torch.manual_seed(0)
+    for layer in (softvq.DDCLQuantizer(8, 3), softvq.HardVQ(8, 3, ema_decay=0.9, dead_code_threshold=1.0)):
+        layer.train()(torch.randn(64, 3))
+        state = layer.state_dict()
+        former = {"dead_codes.usage": "usage", "ema.mass": "ema_mass", "ema.weighted_sum": "ema_sum"}
+        if isinstance(layer, softvq.HardVQ):
+            former.update({"ema.mass": "ema_cluster_size", "ema.weighted_sum": "ema_embed_sum",
+                           "prototypes": "embedding"})
+        old = {former.get(k, k): v for k, v in state.items()}
+        fresh = type(layer)(8, 3, **({"ema_decay": 0.9, "dead_code_threshold": 1.0}
+                                     if isinstance(layer, softvq.HardVQ) else {}))
+        fresh.load_state_dict(old)  # strict
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(fresh.state_dict()[key], value), key
