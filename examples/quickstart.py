@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         # itself and outputs the hard code; nothing else to configure, any optimizer.
         "ddcl": TokenAutoencoder(softvq.DDCLQuantizer(args.codes, 8)),
         # Hard VQ as most tutorials write it (a gradient-trained codebook): it leaves most codes dead.
-        "hard": TokenAutoencoder(softvq.HardVQ(args.codes, 8, beta=0.25)),
+        "hard": TokenAutoencoder(softvq.HardVQ(args.codes, 8, commitment_weight=0.25)),
         # The strong hard baseline: an EMA codebook and restarts of codes used less than once per batch.
         "hard_ema": TokenAutoencoder(softvq.HardVQ(args.codes, 8, ema_decay=0.99, dead_code_threshold=1.0)),
     }

@@ -1,8 +1,13 @@
-"""Loading state dicts saved by earlier versions of the layers: the one place that maps an old layout to today's.
+"""What earlier versions saved, brought to today's names: the one place that maps an old layout to the current one.
 
-Each layer's ``_load_from_state_dict`` calls :func:`upgrade_state_dict` before loading, so a checkpoint saved before
-the layers were composed of :mod:`softvq.parts` (its buffers at the layer's top level, under their former names)
-loads into today's layer unchanged in value. Saving always writes today's layout.
+- State dicts: each layer's ``_load_from_state_dict`` calls :func:`upgrade_state_dict` (:func:`upgrade_ddcl_state_dict`
+  for ``DDCLQuantizer``), so a checkpoint saved before the layers were composed of :mod:`softvq.parts` (its buffers at
+  the layer's top level, under their former names) loads into today's layer unchanged in value.
+- Options: a model's recorded ``quantizer_kwargs`` (:func:`upgrade_quantizer_kwargs`, when a checkpoint is loaded) and a
+  run's recorded settings (:func:`upgrade_settings`, when a run is resumed) take today's option names, and a setting
+  a record predates counts as the value it had then (:data:`PREDATED`).
+
+Saving always writes today's layout and names.
 """
 
 from __future__ import annotations
@@ -62,3 +67,40 @@ def become_plain(layer: nn.Module) -> None:
     layer.prototypes.requires_grad_(True)
     layer.target_entropy = None
     layer.dead_code_threshold = 0.0
+
+
+# Options renamed: (the quantizers that had it, its former name, today's name). HardVQ's ``beta`` is the commitment
+# weight, which both layers now call ``commitment_weight``.
+_RENAMED_OPTIONS = ((("hard", "rhard"), "beta", "commitment_weight"),)
+
+# Settings whose default changed after config.json began to record runs without them: a run whose config.json lacks
+# the key trained with this value, not with today's default (ddcl.renorm: plain batch standardisation until clipped
+# batch renormalisation became the default; ddcl.renorm_clip: Ioffe's (3, 5) until the tight clip did), so resuming it
+# with the new default counts as a change.
+PREDATED: dict[str, Any] = {"ddcl.renorm": False, "ddcl.renorm_clip": [3.0, 5.0]}
+
+
+def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``kwargs`` of quantizer ``quantizer`` (its name, e.g. ``"hard"``) with former option names renamed."""
+    if not kwargs:
+        return kwargs
+    out = dict(kwargs)
+    for quantizers, old, new in _RENAMED_OPTIONS:
+        if quantizer in quantizers and old in out and new not in out:
+            out[new] = out.pop(old)
+    return out
+
+
+def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
+    """Recorded settings as dotted keys (a run's config.json, or a checkpoint's hyperparameters) with former option
+    names renamed: ``hard.beta`` becomes ``hard.commitment_weight``, and ``quantizer_kwargs.beta`` likewise when the
+    record's quantizer is one that had it."""
+    out = dict(flat)
+    named = out.get("quantizer")
+    named = set(named) if isinstance(named, list) else {named}
+    for quantizers, old, new in _RENAMED_OPTIONS:
+        sections = list(quantizers) + (["quantizer_kwargs"] if named & set(quantizers) else [])
+        for section in sections:
+            if f"{section}.{old}" in out and f"{section}.{new}" not in out:
+                out[f"{section}.{new}"] = out.pop(f"{section}.{old}")
+    return out

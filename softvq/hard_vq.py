@@ -32,11 +32,11 @@ class HardVQ(nn.Module):
     other dimensions are flattened. ``quantized = z + sg[e - z]`` equals the nearest code ``e`` in value and
     passes the output's gradient to ``z`` unchanged.
 
-    Loss (element-mean MSE, as in VQ-VAE): ``mse(sg[z], e) + beta * mse(z, sg[e])``; with ``ema_decay`` set
+    Loss (element-mean MSE, as in VQ-VAE): ``mse(sg[z], e) + commitment_weight * mse(z, sg[e])``; with ``ema_decay`` set
     the codebook is instead an exponential moving average of its assigned tokens (updated in training mode
     only, Laplace-smoothed counts; a code that wins no token in a step stays where it is) and the loss is
-    ``beta * mse(z, sg[e])`` alone. In training, ``quantized`` is the code the token was assigned, before that step's
-    EMA update or restart moves it. The codebook and its statistics stay float32 under ``.half()`` or
+    ``commitment_weight * mse(z, sg[e])`` alone. In training, ``quantized`` is the code the token was assigned,
+    before that step's EMA update or restart moves it. The codebook and its statistics stay float32 under ``.half()`` or
     ``.to(torch.bfloat16)`` (float64 under ``.double()``); the distances are computed in float32 whatever the input.
 
     Dead-code restart: with ``dead_code_threshold > 0``, every training step a code whose running average
@@ -50,7 +50,7 @@ class HardVQ(nn.Module):
     Args:
         num_codes: ``K``.
         dim: ``D``.
-        beta: commitment weight (``>= 0``).
+        commitment_weight: the weight of the commitment term (VQ-VAE's ``beta``; ``>= 0``).
         ema_decay: ``None`` for a gradient-trained codebook, or a decay in ``(0, 1)`` for EMA updates.
         dead_code_threshold: restart codes used less than this many times per batch on average; 0 = never.
         epsilon: Laplace smoothing of the EMA cluster sizes.
@@ -61,7 +61,7 @@ class HardVQ(nn.Module):
         self,
         num_codes: int,
         dim: int,
-        beta: float = 0.25,
+        commitment_weight: float = 0.25,
         ema_decay: float | None = None,
         dead_code_threshold: float = 0.0,
         epsilon: float = 1e-5,
@@ -70,7 +70,7 @@ class HardVQ(nn.Module):
         super().__init__()
         self.num_codes = check_positive_int("num_codes", num_codes)
         self.dim = check_positive_int("dim", dim)
-        self.beta = check_float("beta", beta, allow_zero=True)
+        self.commitment_weight = check_float("commitment_weight", commitment_weight, allow_zero=True)
         if ema_decay is not None:
             try:
                 ema_decay = check_unit("ema_decay", ema_decay)
@@ -120,7 +120,8 @@ class HardVQ(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return (f"num_codes={self.num_codes}, dim={self.dim}, beta={self.beta:g}, ema_decay={self.ema_decay}, "
+        return (f"num_codes={self.num_codes}, dim={self.dim}, commitment_weight={self.commitment_weight:g}, "
+                f"ema_decay={self.ema_decay}, "
                 f"dead_code_threshold={self.dead_code_threshold:g}")
 
     def forward(self, z: Tensor) -> QuantizerOutput:
@@ -144,9 +145,9 @@ class HardVQ(nn.Module):
                 self._update_codebook(zf.detach(), indices)
             commitment = F.mse_loss(zf, codes.detach())
             if self.ema_decay is None:
-                loss = F.mse_loss(codes, zf.detach()) + self.beta * commitment
+                loss = F.mse_loss(codes, zf.detach()) + self.commitment_weight * commitment
             else:
-                loss = self.beta * commitment
+                loss = self.commitment_weight * commitment
             quantized = zf + (codes - zf).detach()  # straight-through
         per_token = commitment.detach() * self.dim
         terms = {"commitment": commitment.detach(), "l_q": per_token, "l_ols": per_token,

@@ -250,7 +250,7 @@ class ResidualHardVQ(ResidualQuantizer):
         num_quantizers, num_codes, dim: ``Q``, ``K`` per level, ``D``.
         ema_decay, dead_code_threshold: every level's :class:`~softvq.HardVQ` options.
         quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
-        **hard_options: more :class:`~softvq.HardVQ` options (``beta``, ``epsilon``, ``check_finite``).
+        **hard_options: more :class:`~softvq.HardVQ` options (``commitment_weight``, ``epsilon``, ``check_finite``).
     """
 
     def __init__(self, num_quantizers: int, num_codes: int, dim: int, *, ema_decay: float | None = 0.99,

@@ -301,7 +301,8 @@ def test_truncated_archive_in_the_data_module(tmp_path, tiny_cifar, monkeypatch)
 @pytest.mark.parametrize("make, message", [
     (lambda: DDCLQuantizer(16, 8, temperature=True), "temperature must be a positive finite number, got True"),
     (lambda: DDCLQuantizer(16, 8, temperature=np.bool_(True)), "temperature must be a positive finite number"),
-    (lambda: softvq.HardVQ(16, 8, beta=False), "beta must be a non-negative finite number, got False"),
+    (lambda: softvq.HardVQ(16, 8, commitment_weight=False),
+     "commitment_weight must be a non-negative finite number, got False"),
     (lambda: DDCLQuantizer(True, 8), "num_codes must be a positive integer, got True"),
     (lambda: softvq.HierarchicalDDCL((8, 4), 4, pool=2.0), "pool must be an int >= 1 or a sequence of windows"),
     (lambda: softvq.HierarchicalDDCL((8, 4), 4, pool="2"), "pool must be an int >= 1 or a sequence of windows"),

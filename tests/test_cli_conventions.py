@@ -70,14 +70,15 @@ def test_saved_config_is_resolved_and_reproduces_the_run(tiny_cifar, tmp_path):
 
 def test_print_config_round_trips_through_a_yaml_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        train_config.build_parser().parse_args(["--model.num_codes", "64", "--hard.beta", "0.5", "--print_config"])
+        train_config.build_parser().parse_args(["--model.num_codes", "64", "--hard.commitment_weight", "0.5",
+                                                "--print_config"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert yaml.safe_load(text)["model"]["num_codes"] == 64
     path = tmp_path / "run.yaml"
     path.write_text(text)
     cfg = train_config.parse(["--config", str(path), "--epochs", "4"])  # a flag after the file wins
-    assert cfg.model.num_codes == 64 and cfg.hard.beta == 0.5 and cfg.epochs == 4
+    assert cfg.model.num_codes == 64 and cfg.hard.commitment_weight == 0.5 and cfg.epochs == 4
 
 
 def test_invalid_setting_is_one_error_line_from_its_constructor_and_writes_nothing(tiny_cifar, tmp_path, capsys):

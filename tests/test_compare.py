@@ -143,7 +143,7 @@ def test_a_failing_run_names_its_log(tiny_cifar, tmp_path, monkeypatch):
     (["--train-args", "--model.num_codes -3"], "train_vqvae.py rejects '--model.num_codes -3': num_codes must be a "
                                                "positive integer, got -3"),
     (["--train-args", "--model.num_codes x"], "train_vqvae.py rejects '--model.num_codes x'"),
-    (["--train-args", "--hard.beta -1"], "beta must be a non-negative finite number, got -1"),
+    (["--train-args", "--hard.commitment_weight -1"], "commitment_weight must be a non-negative finite number, got -1"),
 ])
 def test_bad_arguments_are_refused(argv, match, capsys):
     with pytest.raises(SystemExit):

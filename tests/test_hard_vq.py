@@ -41,16 +41,16 @@ def test_straight_through_passes_output_gradient_to_z():
     torch.testing.assert_close(z.grad, g, rtol=0, atol=0)
 
 
-def test_loss_is_codebook_plus_beta_commitment():
+def test_loss_is_codebook_plus_weighted_commitment():
     torch.manual_seed(2)
-    vq = HardVQ(8, 4, beta=0.25)
+    vq = HardVQ(8, 4, commitment_weight=0.25)
     z = torch.randn(10, 4, requires_grad=True)
     out = vq(z)
     codes = vq.codebook[out.indices]
     mse = (z.detach() - codes).square().mean()
     torch.testing.assert_close(out.loss, 1.25 * mse)
     out.loss.backward()
-    # d/dz of beta * mse(z, sg e) and d/de of mse(e, sg z), element means
+    # d/dz of commitment_weight * mse(z, sg e) and d/de of mse(e, sg z), element means
     torch.testing.assert_close(z.grad, 0.25 * 2 * (z.detach() - codes) / z.numel())
     expected_codebook_grad = torch.zeros(8, 4).index_add_(0, out.indices, 2 * (codes - z.detach()) / z.numel())
     torch.testing.assert_close(vq.prototypes.grad, expected_codebook_grad)
@@ -119,7 +119,7 @@ def test_empty_batch_and_bad_input():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"num_codes": 0}, "num_codes"), ({"dim": -1}, "dim"), ({"beta": -1.0}, "beta"),
+    [({"num_codes": 0}, "num_codes"), ({"dim": -1}, "dim"), ({"commitment_weight": -1.0}, "commitment_weight"),
      ({"ema_decay": 1.0}, "ema_decay"), ({"ema_decay": 0.0}, "ema_decay"),
      ({"dead_code_threshold": -2.0}, "dead_code_threshold"), ({"epsilon": 0.0}, "epsilon")],
 )

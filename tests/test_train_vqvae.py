@@ -229,8 +229,9 @@ def test_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--quantizer", "--epochs", "--data.batch_size", "--data.train_subset", "--data.data_root", "--out",
                  "--seed", "--model.num_codes", "--model.code_dim", "--model.width", "--model.lr", "--model.eps",
-                 "--ddcl.temperature", "--model.temperature_schedule", "--model.temperature_final", "--hard.beta",
-                 "--hard.ema_decay", "--ddcl.ema_decay", "--hard.dead_code_threshold", "--ddcl.dead_code_threshold",
+                 "--ddcl.temperature", "--model.temperature_schedule", "--model.temperature_final",
+                 "--hard.commitment_weight", "--hard.ema_decay", "--ddcl.ema_decay", "--hard.dead_code_threshold",
+                 "--ddcl.dead_code_threshold",
                  "--resume", "--overwrite", "--data.download", "--model.latent_norm", "--ddcl.codebook_term",
                  "--ddcl.commitment_weight", "--ddcl.target_entropy", "--model.target_entropy", "--trainer.devices",
                  "--check_replicas", "--config", "--print_config"):
@@ -246,8 +247,8 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     assert ddcl["quantizer_kwargs"] == layer_defaults  # the flags' defaults are the layer's own: its recipe
     assert ddcl["quantizer_kwargs"]["recipe"] == "auto" and ddcl["quantizer_kwargs"]["temperature"] == "auto"
     assert hard["latent_norm"] is None
-    assert {k: hard["quantizer_kwargs"][k] for k in ("beta", "ema_decay", "dead_code_threshold")} == {
-        "beta": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}  # straight-through, gradient codebook
+    assert {k: hard["quantizer_kwargs"][k] for k in ("commitment_weight", "ema_decay", "dead_code_threshold")} == {
+        "commitment_weight": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}  # straight-through, gradient codebook
     model = VQVAE(**ddcl)  # what the library's own defaults build: the layer's recipe
     layer = model.quantizer
     assert model.latent_norm == "none" and VQVAE(**hard).latent_norm == "none"

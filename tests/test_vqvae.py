@@ -306,12 +306,12 @@ def test_build_quantizer_passes_options():
     key, not through ``codebook``): ``decode_indices`` of given indices returns those rows,
     and in evaluation it picks and outputs the row that brute-force nearest neighbour picks for tokens placed next
     to known rows (an independent reference, where ``codebook == prototypes`` held by construction)."""
-    q = build_quantizer("hard", 8, 4, beta=0.5, ema_decay=0.9)
-    assert isinstance(q, softvq.HardVQ) and q.beta == 0.5 and q.ema_decay == 0.9
+    q = build_quantizer("hard", 8, 4, commitment_weight=0.5, ema_decay=0.9)
+    assert isinstance(q, softvq.HardVQ) and q.commitment_weight == 0.5 and q.ema_decay == 0.9
     q = build_quantizer("ddcl", 8, 4, temperature=0.3, prototype_update="soft_ema")
     assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3 and q.prototype_update == "soft_ema"
     with pytest.raises(ValueError, match="invalid option for quantizer 'ddcl'"):
-        build_quantizer("ddcl", 8, 4, beta=0.5)
+        build_quantizer("ddcl", 8, 4, epsilon=0.5)
     torch.manual_seed(0)
     for name, options in (("hard", {}), ("ddcl", {"init": "normal"})):
         layer = build_quantizer(name, 8, 4, **options).eval()

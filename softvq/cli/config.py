@@ -28,6 +28,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from softvq import DDCLQuantizer, HardVQ, ResidualDDCL, ResidualHardVQ
 from softvq._checks import check_non_negative_int, check_positive_int
+from softvq._compat import PREDATED, upgrade_settings
 from softvq.cli.common import Hardware
 from softvq.cli.parsing import command_parser
 from softvq.data import CIFAR10DataModule
@@ -204,11 +205,6 @@ def never_changed(quantizer: str, model: VQVAE) -> set[str]:
     return {f"{quantizer}.{n}" for n in names} | {f"quantizer_kwargs.{n}" for n in names}
 
 
-# Settings whose default changed after config.json began to record runs without them: a run whose config.json lacks
-# the key trained with this value, not with today's default (ddcl.renorm: plain batch standardisation until clipped
-# batch renormalisation became the default; ddcl.renorm_clip: Ioffe's (3, 5) until the tight clip did), so resuming it
-# with the new default counts as a change.
-PREDATED: dict[str, Any] = {"ddcl.renorm": False, "ddcl.renorm_clip": [3.0, 5.0]}
 
 
 def default_values() -> dict[str, Any]:
@@ -231,9 +227,10 @@ def config_changes(recorded: dict[str, Any], now: dict[str, Any], ignore: set[st
                    defaults: dict[str, Any] | None = None) -> dict[str, list[Any]]:
     """``{dotted key: [recorded, now]}`` for every setting that differs between two resolved configurations, except
     the keys in ``ignore`` and, with ``defaults`` (:func:`default_values`), a key the record does not have (an option
-    newer than the run) whose value now is its default; with ``defaults``, a record without a :data:`PREDATED` key
-    counts as having that key's value then."""
-    a, b = flat(recorded), flat(now)
+    newer than the run) whose value now is its default; with ``defaults``, a record without a
+    :data:`softvq._compat.PREDATED` key counts as having that key's value then. A record's former option names are
+    today's (:func:`softvq._compat.upgrade_settings`)."""
+    a, b = upgrade_settings(flat(recorded)), flat(now)  # a record's former option names, today's (softvq._compat)
     a.update({k: v for k, v in PREDATED.items() if k in b and k not in a and defaults is not None})
     newer = {k for k in b.keys() - a.keys() if defaults is not None and k in defaults and _same(b[k], defaults[k])}
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys())

@@ -39,6 +39,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from softvq._compat import upgrade_settings
 from softvq.cli import config
 from softvq.cli.common import (
     GracefulStop,
@@ -75,7 +76,7 @@ def check_checkpoint(path: Path, model: dict[str, Any], ignore: set[str] = froze
     ckpt = load_torch_file(path, "checkpoint")  # UnsafeCheckpointError / ValueError naming the file
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a Lightning checkpoint of this trainer (no state_dict)")
-    saved, now = config.flat(ckpt.get("hyper_parameters") or {}), config.flat(model)
+    saved, now = upgrade_settings(config.flat(ckpt.get("hyper_parameters") or {})), config.flat(model)
     diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in now
             if k in saved and saved[k] != now[k] and k not in ignore]
     if diff:

@@ -24,6 +24,7 @@ import softvq
 import softvq.models._hierarchy as hierarchy
 from softvq._checks import check_choice, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum_
+from softvq._compat import upgrade_quantizer_kwargs
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
 from softvq.models._epoch_metrics import EpochMetrics
 from softvq.models._hierarchy import build_hierarchy, check_level_indices, level_views
@@ -84,7 +85,8 @@ class VQVAE(EpochMetrics, L.LightningModule):
         quantizer: ``"ddcl"``, ``"hard"``, or a quantizer module (then pass it again to ``load_from_checkpoint``).
         num_codes: ``K`` (ignored when ``quantizer`` is a module).
         code_dim: ``D``, the latent channels.
-        quantizer_kwargs: options of the quantizer class (e.g. ``temperature``, ``beta``, ``ema_decay``).
+        quantizer_kwargs: options of the quantizer class (e.g. ``temperature``, ``commitment_weight``, ``ema_decay``); a
+            checkpoint's former option names are upgraded (:mod:`softvq._compat`).
         in_channels, width, res_hidden, res_blocks, downsamples: see :class:`models.autoencoder.Encoder`.
         lr: encoder/decoder learning rate (Adam).
         eps: ``encoder lr / prototype lr`` for DDCL prototypes (the paper's timescale ratio).
@@ -138,6 +140,8 @@ class VQVAE(EpochMetrics, L.LightningModule):
         num_quantizers: int = 1,
     ) -> None:
         super().__init__()
+        # a checkpoint's former option names, today's (softvq._compat), before they are saved again
+        quantizer_kwargs = upgrade_quantizer_kwargs(quantizer, quantizer_kwargs)
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
         # Quantizer first, then encoder, decoder and latent norm: this order fixes the random initialisation and the
         # parameter order (saved optimizer states rely on it) and the state-dict keys.

@@ -1,0 +1,56 @@
+"""Checkpoints and records of earlier versions load as they were trained (softvq._compat): tiny VQ-VAE checkpoints of
+every quantizer kind written before the layers were composed of softvq.parts (tests/fixtures/make_checkpoints.py)
+reconstruct their saved batch as they did, and a run recorded with a former option name resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import softvq
+from softvq.cli import config
+from softvq.models import load_vqvae
+
+FIXTURES = Path(__file__).parent / "fixtures"
+KINDS = ("hard", "hard_ema_restart", "ddcl", "ddcl_2level", "rddcl", "rhard")
+# the build and CPU kernels the fixtures were written with (those of the golden file): bit for bit there
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "layers.json").read_text())
+SAME_BUILD = (torch.__version__, torch.backends.cpu.get_cpu_capability()) == (GOLDEN["torch"], GOLDEN["cpu"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_old_checkpoint_loads_and_reconstructs_as_saved(kind):
+    path = FIXTURES / f"vqvae_{kind}.ckpt"
+    saved = torch.load(path, weights_only=True)["softvq_fixture"]
+    model = load_vqvae(path)
+    with torch.no_grad():
+        recon = model(saved["batch"]).reconstruction
+    if SAME_BUILD:
+        assert torch.equal(recon, saved["reconstruction"])
+    else:  # other kernels sum in other orders
+        torch.testing.assert_close(recon, saved["reconstruction"], rtol=1e-5, atol=1e-6)
+    layers = [model.quantizer] if not hasattr(model.quantizer, "levels") else list(model.quantizer.levels)
+    assert all(isinstance(layer.dead_codes, softvq.parts.DeadCodeRestart) for layer in layers)
+    if kind.startswith("hard") or kind == "rhard":
+        assert "beta" not in model.hparams["quantizer_kwargs"]  # saved again under today's name
+        assert all(layer.commitment_weight == (0.5 if kind == "hard" else 0.25) for layer in layers)
+
+
+def test_a_run_recorded_with_a_former_option_name_resumes_and_a_changed_value_is_named():
+    recorded = {"quantizer": ["hard"], "hard": {"beta": 0.25, "ema_decay": 0.99}}
+    assert config.config_changes(recorded, {"quantizer": ["hard"], "hard": {"commitment_weight": 0.25,
+                                                                             "ema_decay": 0.99}}) == {}
+    assert config.config_changes(recorded, {"quantizer": ["hard"], "hard": {"commitment_weight": 0.5,
+                                                                             "ema_decay": 0.99}}) == {
+        "hard.commitment_weight": [0.25, 0.5]}
+    hparams = {"quantizer": "ddcl", "quantizer_kwargs": {"beta": 1.0}}  # not a hard quantizer's: left as it is
+    assert softvq._compat.upgrade_settings(config.flat(hparams)) == {"quantizer": "ddcl",
+                                                                     "quantizer_kwargs.beta": 1.0}
+
+
+def test_the_layers_take_only_todays_option_names():
+    with pytest.raises(TypeError, match="beta"):
+        softvq.HardVQ(8, 4, beta=0.25)
