@@ -13,8 +13,8 @@ ablations (eps, temperature) are read on the validation split only, from their l
 ``report.md``, ``results.json`` and the PNG plots.
 
 Runs:
-    methods      ``ddcl`` (the collapse-free defaults), ``hard`` (straight-through, commitment weight 0.25) and ``hard_ema``
-                 (EMA codebook, decay 0.99, and dead-code restart below 1 token per batch: the recipe
+    methods      ``ddcl`` (the collapse-free defaults), ``hard`` (straight-through, commitment weight 0.25) and
+                 ``hard_ema`` (EMA codebook, decay 0.99, and dead-code restart below 1 token per batch: the recipe
                  vector-quantize-pytorch recommends against collapse), every seed
     eps          the plain layer (``--ddcl.recipe plain``) with eps = 0.1 and 1.0 beside its 0.01
                  (``--ablation-seeds``)

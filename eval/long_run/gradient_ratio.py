@@ -1,6 +1,7 @@
 """The balance a commitment term gives the encoder: ``||d commitment / d tokens|| / ||d reconstruction / d output||``
-at the quantizer, for HardVQ (commitment weight 0.25 on its raw tokens) and for DDCL (weight 1 on its standardised tokens), every
-40 steps of a short run; with the raw tokens' standard deviation (the scale the decoder sees from HardVQ).
+at the quantizer, for HardVQ (commitment weight 0.25 on its raw tokens) and for DDCL (weight 1 on its standardised
+tokens), every 40 steps of a short run; with the raw tokens' standard deviation (the scale the decoder sees from
+HardVQ).
 
     python -m eval.long_run.gradient_ratio --data-root ../shared/data/cifar10-jpeg.tar.gz --method hard_ema
     python -m eval.long_run.gradient_ratio --data-root ../shared/data/cifar10-jpeg.tar.gz --method ddcl
