@@ -5,8 +5,8 @@
 - :class:`EmaPrototypes` — the codebook moved by an EMA k-means step (hard or soft responsibilities).
 - :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use.
 
-:class:`softvq.DDCLQuantizer` holds all four, :class:`softvq.HardVQ` the last two; docs/design.md, "Anatomy of the
-layer", has the table of which layer composes which part.
+:class:`softvq.DDCLQuantizer` holds all four, :class:`softvq.HardVQ` the last two. Which layer composes which part:
+docs/design.md, "Anatomy of the layer".
 """
 
 from softvq.norm import TokenStandardizer
