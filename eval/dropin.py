@@ -63,6 +63,14 @@ METHODS = tuple(LABELS)
 TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0),
                 ("utilization", "test util %", "{:.1f}", 100.0), ("dead_codes", "dead", "{:.0f}", 1.0),
                 ("perplexity", "perplexity", "{:.0f}", 1.0), ("num_codes", "K", "{:.0f}", 1.0))
+
+
+def columns(split: str) -> tuple[tuple[str, str, str, float], ...]:
+    """The table's columns, the utilization named after the split it was scored on (``"test"`` or ``"validation"``;
+    the figures sit under ``"test"`` in a record either way)."""
+    name = "test" if split == "test" else "val"
+    return tuple((key, f"{name} util %" if key == "utilization" else title, fmt, scale)
+                 for key, title, fmt, scale in TEST_COLUMNS)
 SINGLE = ("ddcl", "hard", "vqp_vq", "vqp_fsq", "vqp_simvq")
 RESIDUAL = ("rddcl", "vqp_rvq")  # indices (B, h, w, Q)
 DIM = 32
@@ -313,7 +321,7 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
             verdict.append(f"- {name} {side} {LABELS[key]} by {abs(rule['margin']):.2f} dB "
                            f"({statistics.fmean(a):.2f} vs {statistics.fmean(b):.2f}), {describe(rule)}.")
         util = float(values(groups[ours], "utilization").min()) * 100
-        verdict.append(f"- {name} test utilization, lowest seed" + (" and level" if ours == "rddcl" else "")
+        verdict.append(f"- {name} {args.split} utilization, lowest seed" + (" and level" if ours == "rddcl" else "")
                        + f": {util:.1f}% (target ≥ 99%).")
     lines = ["# Drop-in check: each quantizer in a foreign autoencoder, with its library's defaults", "",
              f"Regenerate: `{args.command}`", "", f"Code: {code_commit()} (the report; runs read back from --runs "
@@ -328,7 +336,7 @@ def write_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
                  f"perplexity, every level's dead codes" if set(groups) & set(RESIDUAL) else "")
              + ". See the module docstring of `eval/dropin.py` for each constructor. A margin counts beyond the seed "
              "spread when it exceeds the sum of the two sample stds over >= 3 paired seeds, with one sign on "
-             "every seed.", "", *test_table(groups, LABELS, TEST_COLUMNS), "", *verdict, ""]
+             "every seed.", "", *test_table(groups, LABELS, columns(args.split)), "", *verdict, ""]
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "report.md", "\n".join(lines))
     summary = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}

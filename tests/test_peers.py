@@ -121,7 +121,9 @@ def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_opt
     assert run["settings"]["ddcl_kwargs"] == {"renorm": True} and run["settings"]["split"] == "validation"
     assert "split" not in test_run["settings"] and "ddcl_kwargs" not in test_run["settings"]
     assert built[0]["renorm"] is True and "renorm" not in built[-1]
-    assert "validation split (24 held-out training images" in (tmp_path / "val" / "report.md").read_text()
+    val_text, test_text = ((tmp_path / split / "report.md").read_text() for split in ("val", "test"))
+    assert "validation split (24 held-out training images" in val_text
+    assert "val util %" in val_text and "test util %" not in val_text and "test util %" in test_text
     # the layer's evaluation with the running moments is scored beside its default, the applied statistics
     assert math.isfinite(run["test"]["psnr_hard_running_stats"])
     assert run["test"]["psnr_hard_running_stats"] != run["test"]["psnr_hard"]
