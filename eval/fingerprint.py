@@ -1,7 +1,8 @@
 """Fingerprints of the bottlenecks' numerics: which reports a code change makes stale, and which it does not.
 
 A method's fingerprint is a hash of a fixed tiny training run of its bottleneck (six steps of a linear encoder on
-fixed tensors, one torch thread: the codes, indices, gradients and state after every step, then an evaluation pass),
+fixed tensors, one torch thread: the codes, indices, gradients and state after every step (the state's tensors
+whatever their names and order), then an evaluation pass),
 with its values rounded to 5 significant digits so that the last bits of a float sum do not count. A refactor that
 changes no number leaves every fingerprint as it was; a new default changes the fingerprints of the methods that use
 it, and only theirs.
@@ -90,9 +91,13 @@ def fingerprint(method: str, build: Callable[[], nn.Module] | None = None) -> st
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            for t in (out.quantized, out.indices, encoder.weight.grad, encoder.weight, *layer.state_dict().values()):
-                if isinstance(t, torch.Tensor):
-                    digest.update(_rounded(t))
+            for t in (out.quantized, out.indices, encoder.weight.grad, encoder.weight):
+                digest.update(_rounded(t))
+            # the state whatever its keys are named or ordered (a layer composed of other parts holds the same
+            # numbers under other names): each tensor's hash, sorted
+            held = sorted(hashlib.sha256(_rounded(t)).hexdigest() for t in layer.state_dict().values()
+                          if isinstance(t, torch.Tensor))
+            digest.update("".join(held).encode())
         layer.eval()
         with torch.no_grad():
             out = layer(encoder(x[0]))

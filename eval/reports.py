@@ -23,6 +23,7 @@ study ran) is read as that commit.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -128,13 +129,44 @@ def status(header: Header, root: Path = ROOT, prints: dict[str, list[str]] | Non
     return "fresh"
 
 
+def backfill_record_fingerprints(records: Path, work: Path) -> bool:
+    """Give each record in ``records`` (``runs/*.json`` of a study that logs every start of a run, as
+    :mod:`eval.long_run` does) the ``fingerprints`` of its method at the commits its run was started or resumed at;
+    whether there were such records. A record that holds them already is left as it is."""
+    from eval import fingerprint
+
+    found = False
+    for path in sorted(records.glob("*.json")):
+        rec = json.loads(path.read_text())
+        name = fingerprint.canonical(rec.get("method", ""))
+        commits = [i["code"].rstrip("+") for i in rec.get("invocations", []) if i.get("code")]
+        if not name or not commits:
+            continue
+        found = True
+        if rec.get("fingerprints") or not all(known(c, ROOT) for c in commits):
+            continue
+        rec["fingerprints"] = sorted({fingerprint.at_commit(c, [name], work)[name] for c in dict.fromkeys(commits)})
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+    return found
+
+
 def backfill_fingerprints(work: Path, store: Path | None = None) -> None:
     """Record, for every committed report with fingerprinted methods, their fingerprints at the commits on its
-    ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with."""
+    ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with. A
+    study whose records log the commit of every start of their run (:mod:`eval.long_run`) gets each record's own
+    prints instead (:func:`backfill_record_fingerprints`), so that a method is not charged with the commits only
+    another method's runs were trained at."""
     from eval import fingerprint
+    from eval.long_run import report_fingerprints
 
     store = store or fingerprint.STORE
     for report in find_reports(ROOT):
+        key = report.relative_to(ROOT).as_posix()
+        if backfill_record_fingerprints(report.parent / "runs", work):
+            fingerprint.record(key, report_fingerprints(report.parent / "runs", fingerprint.load(store).get(key, {})),
+                               store)
+            print(f"{report.relative_to(ROOT)}: per record", flush=True)
+            continue
         names = fingerprint.report_methods(report)
         commits = [c for c in read_header(report).commits if known(c, ROOT)]
         if not names or not commits:

@@ -13,6 +13,8 @@ Public API:
 - :class:`ResidualDDCL` — residual quantization: ``Q`` DDCL codebooks, level q quantizing what levels ``< q`` left
   (indices ``(..., Q)``, decoding from any number of levels, quantize dropout); :class:`ResidualHardVQ`, the hard
   baseline with EMA and restarts per level; :class:`ResidualQuantizer`, the stack over any softvq layers.
+- :mod:`softvq.parts` — the mechanisms the layers are composed of (``TemperatureControl``, ``EmaPrototypes``,
+  ``DeadCodeRestart``, ``TokenStandardizer``), for a codebook of one's own.
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
 - :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
@@ -26,7 +28,7 @@ The core needs only torch and torchmetrics. With the ``train`` extra (``pip inst
 - :mod:`softvq.cli` — the ``softvq-train``, ``softvq-evaluate``, ``softvq-prior`` and ``softvq-sample`` commands.
 """
 
-from softvq import functional, utils
+from softvq import functional, parts, utils
 from softvq.ddcl import DDCLQuantizer
 from softvq.functional import assignment_entropy, codebook_usage, prototype_separation
 from softvq.hard_vq import HardVQ
@@ -58,6 +60,7 @@ __all__ = [
     "codebook_usage",
     "functional",
     "param_groups",
+    "parts",
     "prototype_separation",
     "utils",
 ]

@@ -206,3 +206,18 @@ def test_a_run_killed_between_its_last_epoch_and_its_record_is_scored_from_its_l
     again = {r["method"]: r for r in long_run.main(_argv(tiny_cifar, base))["finished"]}["hard_ema"]
     assert [i["from_epoch"] for i in again["invocations"]] == [0, 2]  # no epoch trained again
     assert again["test"] == before["test"] and again["history"] == before["history"]
+
+
+def test_a_reports_fingerprints_are_rebuilt_from_its_records(tmp_path):
+    """Each record carries the prints its run was trained with; a run trained again replaces its record and so its
+    print, and a method whose record predates prints keeps the stored ones."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name, method, prints in (("K16_ddcl_seed0", "ddcl", ["aaa"]), ("K16_ddcl_seed1", "ddcl", ["bbb", "aaa"]),
+                                 ("K16_hard_ema_seed0", "hard_ema", None), ("K16_vqp_vq_seed0", "vqp_vq", ["zzz"])):
+        rec = {"method": method, **({"fingerprints": prints} if prints else {})}
+        (runs / f"{name}.json").write_text(json.dumps(rec))
+    stored = {"ddcl": ["old"], "hard_ema": ["h1"]}
+    assert long_run.report_fingerprints(runs, stored) == {"ddcl": ["aaa", "bbb"], "hard_ema": ["h1"]}
+    (runs / "K16_ddcl_seed1.json").write_text(json.dumps({"method": "ddcl", "fingerprints": ["aaa"]}))  # retrained
+    assert long_run.report_fingerprints(runs, stored)["ddcl"] == ["aaa"]

@@ -157,9 +157,11 @@ def check_settings(directory: Path, settings: dict[str, Any]) -> bool:
     return False
 
 
-def _note_invocation(directory: Path, args: argparse.Namespace, from_epoch: int) -> None:
+def _note_invocation(directory: Path, args: argparse.Namespace, from_epoch: int, method: str) -> None:
+    name = fingerprint.canonical(method)  # the numerics this start or resume trains with (eval.reports --check)
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "code": args.code, "command": args.command, "from_epoch": from_epoch}
+              "code": args.code, "command": args.command, "from_epoch": from_epoch,
+              "fingerprint": fingerprint.fingerprint(name) if name else None}
     path = directory / "invocations.jsonl"
     write_atomic(path, (path.read_text() if path.exists() else "") + json.dumps(record) + "\n")
 
@@ -177,7 +179,7 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     remove_stale_temporaries(directory / "checkpoints")
     resume = ckpt.is_file()
     from_epoch = int(load_torch_file(ckpt, "checkpoint")["epoch"]) + 1 if resume else 0
-    _note_invocation(directory, args, from_epoch)
+    _note_invocation(directory, args, from_epoch, run.method)
     L.seed_everything(run.seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=run.seed)
@@ -213,7 +215,8 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     record = {"method": run.method, "num_codes": run.num_codes, "seed": run.seed, "label": peers.LABELS[run.method],
               "settings": settings_of(args, run.num_codes), "history": history, "test": test,
               "wall_s": sum(row["time_s"] for row in history) + time.perf_counter() - start,
-              "code": args.code, "command": args.command, "invocations": invocations}
+              "code": args.code, "command": args.command, "invocations": invocations,
+              "fingerprints": sorted({i["fingerprint"] for i in invocations if i.get("fingerprint")})}
     write_atomic(directory / "result.json", json.dumps(record, indent=1))
     return record
 
@@ -234,6 +237,9 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     tables it changes (:mod:`eval.render`) and that has no other uncommitted change (a failing git is logged, not
     raised)."""
     path = out / "runs" / f"{run.name}.json"
+    if path.is_file() and "fingerprints" not in record:  # a result.json from before records held their prints
+        held = json.loads(path.read_text()).get("fingerprints")
+        record = {**record, **({"fingerprints": held} if held else {})}
     text = json.dumps(record, indent=1) + "\n"
     if path.is_file() and path.read_text() == text:
         return
@@ -244,7 +250,8 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     # the numerics this run was made with, for eval.reports --check (the committed report's fingerprints)
     inside = fingerprint.STORE.parent in out.resolve().parents or out.resolve() == fingerprint.STORE.parent
     store = fingerprint.STORE if inside else out / "fingerprints.json"  # a study written elsewhere keeps its own
-    fingerprint.add(repo_relative(out / "report.md"), run.method, store)
+    report = repo_relative(out / "report.md")
+    fingerprint.record(report, report_fingerprints(out / "runs", fingerprint.load(store).get(report, {})), store)
     message = (f"long_run: {run.method} K={run.num_codes} seed {run.seed}: test hard PSNR "
                f"{record['test']['psnr_hard']:.2f} dB after {record['settings']['epochs']} epochs")
     try:
@@ -256,6 +263,26 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     except (OSError, subprocess.CalledProcessError) as err:
         log.warning("git commit of %s failed (%s); the file is written", path,
                     getattr(err, "stderr", None) or err)
+
+
+def report_fingerprints(records: Path, stored: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Per fingerprinted method, the fingerprints its records in ``records`` were trained with (each record's
+    ``fingerprints``, one per start or resume of its run): a run trained again replaces its record, and so its
+    prints. A method with a record from before records held them keeps its ``stored`` prints."""
+    prints: dict[str, set[str]] = {}
+    older: set[str] = set()
+    for path in sorted(records.glob("*.json")):
+        rec = json.loads(path.read_text())
+        name = fingerprint.canonical(rec.get("method", ""))
+        if name is None:
+            continue
+        if rec.get("fingerprints"):
+            prints.setdefault(name, set()).update(rec["fingerprints"])
+        else:
+            older.add(name)
+    for name in older:
+        prints.setdefault(name, set()).update(stored.get(name, []))
+    return {m: sorted(v) for m, v in prints.items() if v}
 
 
 def load_or_train(run: Run, args: argparse.Namespace, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any] | None:
