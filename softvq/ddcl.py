@@ -33,7 +33,6 @@ from torch import Tensor, nn
 from softvq._checks import (
     check_bool,
     check_choice,
-    check_feature_maps,
     check_finite_state,
     check_float,
     check_indices,
@@ -50,7 +49,7 @@ from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.restart import DeadCodeRestart, code_counts
 from softvq.parts.temperature import TemperatureControl
-from softvq.types import QuantizerOutput, empty_output, scatter_top_k
+from softvq.types import QuantizerOutput, channel_first_forward, empty_output, scatter_top_k
 
 Term = Literal["l_q", "l_ols", "free_energy"]
 CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
@@ -350,9 +349,7 @@ class DDCLQuantizer(nn.Module):
             (float32, or float64 for float64 input), scalar ``loss`` and ``terms``.
         """
         if self.channel_first:
-            check_feature_maps(z, self.dim)
-            out = self._forward_tokens(z.movedim(1, -1))
-            return out._replace(quantized=out.quantized.movedim(-1, 1))
+            return channel_first_forward(self._forward_tokens, z, self.dim)
         return self._forward_tokens(z)
 
     def _forward_tokens(self, z: Tensor) -> QuantizerOutput:

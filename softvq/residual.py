@@ -23,7 +23,6 @@ from torch import Tensor, nn
 
 from softvq._checks import (
     check_choice,
-    check_feature_maps,
     check_finite_state,
     check_indices,
     check_positive_int,
@@ -34,7 +33,7 @@ from softvq._replay import in_backward
 from softvq.ddcl import DDCLQuantizer
 from softvq.hard_vq import HardVQ
 from softvq.norm import TokenStandardizer
-from softvq.types import QuantizerOutput
+from softvq.types import QuantizerOutput, channel_first_forward
 
 
 def is_residual(module: object) -> bool:
@@ -108,9 +107,7 @@ class ResidualQuantizer(nn.Module):
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         if self.channel_first:
-            check_feature_maps(z, self.dim)
-            out = self._forward_tokens(z.movedim(1, -1))
-            return out._replace(quantized=out.quantized.movedim(-1, 1))
+            return channel_first_forward(self._forward_tokens, z, self.dim)
         return self._forward_tokens(z)
 
     def _forward_tokens(self, z: Tensor) -> QuantizerOutput:

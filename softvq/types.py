@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from softvq._checks import check_feature_maps
 from softvq._precision import compute_dtype
 
 
@@ -72,3 +74,12 @@ def empty_output(z: Tensor, num_codes: int, anchor: Tensor, term_names: tuple[st
         loss=zero,
         terms=terms,
     )
+
+
+def channel_first_forward(forward_tokens: Callable[[Tensor], QuantizerOutput], z: Tensor, dim: int) -> QuantizerOutput:
+    """A channel-last layer's ``forward_tokens`` on feature maps ``z (B, dim, *spatial)``: the tokens are ``z``'s
+    channels moved last, and ``quantized`` comes back in ``z``'s layout (``indices`` and ``probs`` stay
+    ``(B, *spatial, ...)``)."""
+    check_feature_maps(z, dim)
+    out = forward_tokens(z.movedim(1, -1))
+    return out._replace(quantized=out.quantized.movedim(-1, 1))

@@ -180,3 +180,18 @@ def test_a_state_dict_of_the_former_layout_loads_under_todays_names():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_each_stack_states_its_per_level_settings():
+    """The hierarchy's levels are the plain layer (no restarts) unless recipe='auto' gives each the recipe; the
+    residual stacks build every level alike: DDCL's defaults, and HardVQ with EMA 0.99 and restarts below 1."""
+    plain = softvq.HierarchicalDDCL([16, 8], 4, pool=2)
+    assert all(level.recipe == "plain" and level.dead_code_threshold == 0 and level.target_entropy is None
+               for level in plain.levels)
+    auto = softvq.HierarchicalDDCL([16, 8], 4, pool=2, recipe="auto")
+    assert all(level.dead_code_threshold == 1.0 and level.prototype_update == "ema" and level.target_entropy
+               for level in auto.levels)
+    assert all(level.dead_code_threshold == 1.0 and level.prototype_update == "ema"
+               for level in softvq.ResidualDDCL(2, 16, 4).levels)
+    assert all(level.ema_decay == 0.99 and level.dead_code_threshold == 1.0 and level.dead_codes.decay == 0.99
+               for level in softvq.ResidualHardVQ(2, 16, 4).levels)

@@ -164,3 +164,28 @@ def test_a_run_published_twice_at_the_same_numerics_adds_its_fingerprint_once(tm
     for _ in range(4):
         fingerprint.add("reports/x/report.md", "ddcl", store)
     assert fingerprint.load(store) == {"reports/x/report.md": {"ddcl": ["aaaa", "bbbb"]}}  # each numerics once
+
+
+def test_the_same_numbers_under_other_names_and_in_another_order_have_the_same_fingerprint():
+    """A refactor may rename a layer's state or register it in another order (parts holding what the layer held):
+    the fingerprint reads the numbers only."""
+    from collections import OrderedDict
+
+    from torch import nn
+
+    import softvq
+    from eval import fingerprint
+
+    class Moved(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = softvq.DDCLQuantizer(16, 8)
+
+        def forward(self, z):
+            return self.inner(z)
+
+        def state_dict(self, *args, **kwargs):
+            items = super().state_dict(*args, **kwargs).items()
+            return OrderedDict((f"renamed_{k}", v) for k, v in reversed(list(items)))
+
+    assert fingerprint.fingerprint("ddcl", Moved) == fingerprint.fingerprint("ddcl")
