@@ -72,6 +72,10 @@ def become_plain(layer: nn.Module) -> None:
 # Options renamed: (the quantizers that had it, its former name, today's name). HardVQ's ``beta`` is the commitment
 # weight, which both layers now call ``commitment_weight``.
 _RENAMED_OPTIONS = ((("hard", "rhard"), "beta", "commitment_weight"),)
+# DDCLQuantizer options whose "the recipe's value" was None before it was "auto" (None now means off, and these have
+# nothing to switch off): a record's None is "auto".
+_AUTO_WAS_NONE = (("ddcl", "rddcl"), ("temperature", "standardize", "prototype_update", "hard_output",
+                                      "dead_code_threshold"))
 
 # Settings whose default changed after config.json began to record runs without them: a run whose config.json lacks
 # the key trained with this value, not with today's default (ddcl.renorm: plain batch standardisation until clipped
@@ -81,20 +85,24 @@ PREDATED: dict[str, Any] = {"ddcl.renorm": False, "ddcl.renorm_clip": [3.0, 5.0]
 
 
 def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``kwargs`` of quantizer ``quantizer`` (its name, e.g. ``"hard"``) with former option names renamed."""
+    """``kwargs`` of quantizer ``quantizer`` (its name, e.g. ``"hard"``) with former option names renamed and DDCL's
+    former ``None`` for "the recipe's value" as ``"auto"``."""
     if not kwargs:
         return kwargs
     out = dict(kwargs)
     for quantizers, old, new in _RENAMED_OPTIONS:
         if quantizer in quantizers and old in out and new not in out:
             out[new] = out.pop(old)
+    quantizers, names = _AUTO_WAS_NONE
+    if quantizer in quantizers:
+        out.update({name: "auto" for name in names if name in out and out[name] is None})
     return out
 
 
 def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
     """Recorded settings as dotted keys (a run's config.json, or a checkpoint's hyperparameters) with former option
-    names renamed: ``hard.beta`` becomes ``hard.commitment_weight``, and ``quantizer_kwargs.beta`` likewise when the
-    record's quantizer is one that had it."""
+    names renamed (``hard.beta`` becomes ``hard.commitment_weight``, and ``quantizer_kwargs.beta`` likewise when the
+    record's quantizer is one that had it) and DDCL's former ``None`` for "the recipe's value" read as ``"auto"``."""
     out = dict(flat)
     named = out.get("quantizer")
     named = set(named) if isinstance(named, list) else {named}
@@ -103,4 +111,8 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
         for section in sections:
             if f"{section}.{old}" in out and f"{section}.{new}" not in out:
                 out[f"{section}.{new}"] = out.pop(f"{section}.{old}")
+    quantizers, names = _AUTO_WAS_NONE
+    for section in [*quantizers, *(["quantizer_kwargs"] if named & set(quantizers) else [])]:
+        keys = [f"{section}.{n}" for n in names]
+        out.update({key: "auto" for key in keys if key in out and out[key] is None})
     return out

@@ -19,33 +19,44 @@ from softvq._checks import check_bool, check_choice, check_float, check_unit
 from softvq._collectives import all_reduce_sum_, is_distributed
 
 
-def resolve(auto: bool, num_codes: int, temperature: float | str | None, *, standardize: bool | None,
-            output_scale: str | float, hard_output: bool | None, prototype_update: str | None, ema_decay: float,
-            target_entropy: float | str | None, dead_code_threshold: float | str | None) -> dict[str, Any]:
-    """The options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the recipe's, checked;
-    ``None`` (and ``"auto"`` for ``temperature``, ``target_entropy`` and ``dead_code_threshold``) means the recipe's
-    value. The options a part checks itself (the entropy target's range, the control's gain) are checked there."""
+def _is_auto(value: object) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize: bool | str,
+            output_scale: str | float, hard_output: bool | str, prototype_update: str, ema_decay: float,
+            target_entropy: float | str | None, dead_code_threshold: float | str) -> dict[str, Any]:
+    """The options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the recipe's, checked.
+    ``"auto"`` means the recipe's value and ``None`` means off, wherever an option takes them (``target_entropy=None``:
+    a fixed temperature); an option with nothing to switch off refuses ``None``. The options a part checks itself (the
+    entropy target's range, the control's gain) are checked there."""
+    given = {"temperature": temperature, "standardize": standardize, "hard_output": hard_output,
+             "prototype_update": prototype_update, "dead_code_threshold": dead_code_threshold}
+    for name, value in given.items():
+        if value is None:
+            raise ValueError(f"{name}=None: pass 'auto' for the recipe's value (the layer has no {name} to switch "
+                             f"off)")
     if isinstance(output_scale, str):
         output_scale = check_choice("output_scale", output_scale, ("input", "standardized"))
     else:  # a number: the standardised code times it
         output_scale = check_float("output_scale", output_scale)
-    if isinstance(target_entropy, str) and target_entropy == "auto":  # one code has no entropy to control: T fixed
+    if _is_auto(target_entropy):  # one code has no entropy to control: T fixed
         target_entropy = min(2.5, 0.5 * math.log(num_codes)) if auto and num_codes > 1 else None
-    temperature = None if isinstance(temperature, str) and temperature == "auto" else temperature
-    if temperature is None and target_entropy is None:
-        temperature = 1.0
-    threshold = None if isinstance(dead_code_threshold, str) and dead_code_threshold == "auto" else dead_code_threshold
+    start: float | None = None if _is_auto(temperature) else temperature  # None: calibrated on the first batch
+    if start is None and target_entropy is None:
+        start = 1.0
     return {
-        "standardize": check_bool("standardize", auto if standardize is None else standardize),
+        "standardize": check_bool("standardize", auto if _is_auto(standardize) else standardize),
         "output_scale": output_scale,
-        "hard_output": check_bool("hard_output", auto if hard_output is None else hard_output),
-        "prototype_update": check_choice("prototype_update", prototype_update or ("ema" if auto else "gradient"),
+        "hard_output": check_bool("hard_output", auto if _is_auto(hard_output) else hard_output),
+        "prototype_update": check_choice("prototype_update", ("ema" if auto else "gradient")
+                                         if _is_auto(prototype_update) else prototype_update,
                                          ("ema", "soft_ema", "gradient")),
         "ema_decay": check_unit("ema_decay", ema_decay),
         "target_entropy": target_entropy,
-        "temperature": temperature,
-        "dead_code_threshold": check_float("dead_code_threshold", (1.0 if auto else 0.0) if threshold is None
-                                           else threshold, allow_zero=True),
+        "temperature": start,
+        "dead_code_threshold": check_float("dead_code_threshold", (1.0 if auto else 0.0) if _is_auto(
+            dead_code_threshold) else dead_code_threshold, allow_zero=True),
     }
 
 

@@ -86,14 +86,14 @@ class DDCLQuantizer(nn.Module):
     Args:
         num_codes: ``K``, the number of prototypes.
         dim: ``D``, the token dimension.
-        temperature: the starting ``T > 0``, in squared standardised distance, or ``"auto"`` (or ``None``): calibrated
-            on the first training batch to ``target_entropy`` (1.0 for ``recipe="plain"``). Assigning
-            ``quantizer.temperature`` switches the entropy control off (:meth:`set_temperature`).
+        temperature: the starting ``T > 0``, in squared standardised distance, or ``"auto"``: calibrated on the first
+            training batch to ``target_entropy`` (1.0 for ``recipe="plain"``). Assigning ``quantizer.temperature``
+            switches the entropy control off (:meth:`set_temperature`).
         recipe: ``"auto"`` or ``"plain"``.
         target_entropy: the H(Q) in nats the control holds; ``None``: ``T`` fixed; ``"auto"``: ``min(2.5, log(K) / 2)``
             (about 12 prototypes share a token at K = 512), ``None`` for ``recipe="plain"``.
         temperature_rate: the control's gain per step (:class:`softvq.parts.TemperatureControl`).
-        standardize: standardise tokens inside the layer (the recipe's: on for ``"auto"``).
+        standardize: standardise tokens inside the layer (``"auto"``: the recipe's, on for ``recipe="auto"``).
         output_scale: with ``standardize``, codes in the standardised space (``"standardized"``: unit variance per
             dimension), on the input's scale (``"input"``: ``code * std + mean``) or times a number ``s``
             (docs/design.md, "Training to the end").
@@ -101,9 +101,10 @@ class DDCLQuantizer(nn.Module):
             docs/design.md, "Batch renormalisation"); ``False``: plain batch standardisation.
         renorm_clip: ``(r_max, d_max)``, the clip of its corrections (within 10% in scale, 0.1 std in shift).
         prototype_update: ``"ema"`` (hard k-means step), ``"soft_ema"`` (the free-energy M-step) or ``"gradient"``
-            (the recipe's: ``"ema"`` / ``"gradient"``).
+            (``"auto"``: the recipe's, ``"ema"`` / ``"gradient"`` for ``"plain"``).
         ema_decay: the EMA's decay in ``(0, 1)`` (:class:`softvq.parts.EmaPrototypes`).
-        hard_output: output the argmax prototype with the soft centroid's gradient (the recipe's: on for ``"auto"``).
+        hard_output: output the argmax prototype with the soft centroid's gradient (``"auto"``: on for
+            ``recipe="auto"``).
         distance: ``"euclidean"`` or ``"cosine"`` (tokens and prototypes L2-normalised; ``d = 2 - 2 cos``).
         codebook_term: the term that trains gradient-trained prototypes: ``"free_energy"``
             (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (pushes far prototypes away,
@@ -118,7 +119,7 @@ class DDCLQuantizer(nn.Module):
             ``N(0, init_scale^2)``.
         init_scale: the standard deviation of ``init="normal"``.
         dead_code_threshold: restart a prototype whose running number of won tokens per batch is below this; 0: never;
-            ``"auto"`` (or ``None``): 1.0, or 0 for ``recipe="plain"`` (:class:`softvq.parts.DeadCodeRestart`).
+            ``"auto"``: 1.0, or 0 for ``recipe="plain"`` (:class:`softvq.parts.DeadCodeRestart`).
         dead_code_decay: that running count's decay in ``(0, 1)``, or ``"auto"``: long enough to remember 64 tokens
             per code, between 0.9 and 0.97 (docs/design.md, "Dead-code restart at large K").
         dead_code_cap: the threshold in effect is at most this fraction of the mean tokens per code per batch, so a
@@ -139,18 +140,18 @@ class DDCLQuantizer(nn.Module):
         self,
         num_codes: int,
         dim: int,
-        temperature: float | Literal["auto"] | None = "auto",
+        temperature: float | Literal["auto"] = "auto",
         *,
         recipe: Literal["auto", "plain"] = "auto",
         target_entropy: float | Literal["auto"] | None = "auto",
         temperature_rate: float = 0.01,
-        standardize: bool | None = None,
+        standardize: bool | Literal["auto"] = "auto",
         output_scale: Literal["input", "standardized"] | float = "standardized",
         renorm: bool = True,
         renorm_clip: tuple[float, float] = (1.1, 0.1),
-        prototype_update: Literal["ema", "soft_ema", "gradient"] | None = None,
+        prototype_update: Literal["auto", "ema", "soft_ema", "gradient"] = "auto",
         ema_decay: float = 0.99,
-        hard_output: bool | None = None,
+        hard_output: bool | Literal["auto"] = "auto",
         distance: Literal["euclidean", "cosine"] = "euclidean",
         codebook_term: Term = "free_energy",
         codebook_weight: float = 1.0,
@@ -158,7 +159,7 @@ class DDCLQuantizer(nn.Module):
         commitment_weight: float = 0.0,
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
-        dead_code_threshold: float | Literal["auto"] | None = "auto",
+        dead_code_threshold: float | Literal["auto"] = "auto",
         dead_code_decay: float | Literal["auto"] = "auto",
         dead_code_cap: float | None = 0.25,
         top_k: int | None = None,

@@ -34,7 +34,7 @@ _DEFAULTS: dict[str, Any] = {"recipe": "plain", "temperature": 1.0, "standardize
 _FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "recipe": (("plain",), "the readout is the plain layer; set the parts of the recipe it supports one by one "
                            "(standardize, prototype_update, target_entropy, dead_code_threshold, ...)"),
-    "hard_output": ((False, None), "slots and pooled are built from the soft assignments and soft centroids, "
+    "hard_output": ((False, "auto"), "slots and pooled are built from the soft assignments and soft centroids, "
                                    "not from the argmax codes"),
     "channel_first": ((False,), "the readout takes tokens (B, T, D) and a padding mask, not feature maps"),
 }

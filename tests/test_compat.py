@@ -54,3 +54,17 @@ def test_a_run_recorded_with_a_former_option_name_resumes_and_a_changed_value_is
 def test_the_layers_take_only_todays_option_names():
     with pytest.raises(TypeError, match="beta"):
         softvq.HardVQ(8, 4, beta=0.25)
+
+
+@pytest.mark.parametrize("name", ["temperature", "standardize", "prototype_update", "hard_output",
+                                  "dead_code_threshold"])
+def test_none_is_off_so_an_option_with_nothing_to_switch_off_refuses_it_and_a_record_reads_it_as_auto(name):
+    with pytest.raises(ValueError, match=rf"{name}=None: pass 'auto'"):
+        softvq.DDCLQuantizer(8, 2, **{name: None})
+    assert softvq._compat.upgrade_quantizer_kwargs("ddcl", {name: None}) == {name: "auto"}
+    assert softvq._compat.upgrade_quantizer_kwargs("hard", {"epsilon": None}) == {"epsilon": None}
+    saved = config.flat({"quantizer": "ddcl", "quantizer_kwargs": {name: None}})
+    assert softvq._compat.upgrade_settings(saved)[f"quantizer_kwargs.{name}"] == "auto"
+    # "auto" resolves as the former None did: the recipe's value
+    assert getattr(softvq.DDCLQuantizer(8, 2, **{name: "auto"}), name, None) == getattr(softvq.DDCLQuantizer(8, 2),
+                                                                                        name, None)
