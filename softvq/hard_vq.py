@@ -20,6 +20,7 @@ from softvq._checks import (
 from softvq._compat import upgrade_state_dict
 from softvq._kernels import max_rows, squared_distances
 from softvq._precision import apply_keeping_precision, compute_dtype
+from softvq._recipe import PartOption
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.restart import DeadCodeRestart, code_counts
 from softvq.types import QuantizerOutput, empty_output
@@ -77,7 +78,6 @@ class HardVQ(nn.Module):
             except ValueError:
                 raise ValueError(f"ema_decay must be None or in (0, 1), got {ema_decay!r}") from None
         self.ema_decay = ema_decay
-        self.dead_code_threshold = check_float("dead_code_threshold", dead_code_threshold, allow_zero=True)
         self.epsilon = check_float("epsilon", epsilon)
         self.check_finite = check_bool("check_finite", check_finite)
         num_codes, dim = self.num_codes, self.dim
@@ -89,8 +89,11 @@ class HardVQ(nn.Module):
             # the k-means step averaged over batches, with VQ-VAE's Laplace-smoothed masses (softvq.parts.ema)
             self.ema = EmaPrototypes(init, self.ema_decay, epsilon=self.epsilon)
         # usage per batch (decay ema_decay, or 0.99 without EMA) and restarts; usage is tracked even with threshold 0
-        self.dead_codes = DeadCodeRestart(num_codes, self.dead_code_threshold,
+        self.dead_codes = DeadCodeRestart(num_codes, dead_code_threshold,
                                           decay=self.ema_decay if self.ema_decay is not None else 0.99)
+
+    # the restart threshold is the restart part's (one place): DeadCodeRestart checks it
+    dead_code_threshold = PartOption("dead_codes", "threshold")
 
     @property
     def restarts(self) -> int:
