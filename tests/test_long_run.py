@@ -120,6 +120,21 @@ def test_the_record_holds_the_test_figures_and_the_report_tables_them(studies):
     assert header.command.startswith("python -m eval.long_run --no-train") and header.commits
 
 
+def test_a_probe_as_long_run_trains_the_long_runs_run_epoch_for_epoch(studies, tiny_cifar, tmp_path):
+    from eval.long_run import probe
+
+    out = tmp_path / "probe.jsonl"
+    flags = TINY[TINY.index("--epochs"):TINY.index("--threads")]
+    probe.main(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), "--as-long-run", "--seed", "0",
+                "--num-codes", "16", "--every", "1000", "--val-images", "8", *flags])
+    ends = [json.loads(line) for line in out.read_text().splitlines() if "epoch_end" in line]
+    history = read_history(studies["straight"] / "runs" / "K16" / "ddcl" / "seed0" / "history.jsonl")
+    assert [e["epoch_end"] for e in ends] == [h["epoch"] for h in history] == [1, 2]
+    for e, h in zip(ends, history, strict=True):
+        assert (e["train_mse"], e["val_psnr_hard"], e["restarts"]) == (h["train_mse"], h["val_psnr_hard"],
+                                                                         h["restarts"])
+
+
 def test_a_record_holds_no_absolute_path(studies):
     base = studies["resumed"]
     text = (base / "out" / "runs" / "K16_hard_ema_seed0.json").read_text()

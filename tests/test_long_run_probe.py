@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from eval.long_run import probe
@@ -52,14 +53,15 @@ def test_scoring_every_step_leaves_the_run_bit_for_bit_and_scores_the_hard_codes
     assert abs(scored[-1]["psnr"] - float(by_hand)) < 1e-4
 
 
-def test_straight_through_plus_gives_the_identity_plus_the_soft_centroid_jacobian():
+@pytest.mark.parametrize("gradient", ["straight_through_plus", "straight_through"])
+def test_straight_through_gives_the_identity_plus_or_without_the_soft_centroid_jacobian(gradient):
     torch.manual_seed(0)
     layer = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, dead_code_threshold=0.0, init="normal",
                           renorm=False).double()
     plain = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, dead_code_threshold=0.0, init="normal",
                           renorm=False).double()
     plain.load_state_dict(layer.state_dict())
-    wrapped = probe.GradientProbe(layer, "straight_through_plus")
+    wrapped = probe.GradientProbe(layer, gradient)
     z = torch.randn(20, 3, dtype=torch.float64)
     w = torch.randn(20, 3, dtype=torch.float64)
     z1, z2, z3 = (z.clone().requires_grad_(True) for _ in range(3))
@@ -71,7 +73,9 @@ def test_straight_through_plus_gives_the_identity_plus_the_soft_centroid_jacobia
     mean, var = z3.mean(0), z3.var(0, unbiased=False)
     zs = (z3 - mean) / (var + 1e-5 * var.detach().mean()).sqrt()  # the layer's eps, detached as there
     (zs * w).sum().backward()  # the identity part, through the same standardisation
-    torch.testing.assert_close(z1.grad, z2.grad + z3.grad, rtol=1e-10, atol=1e-12)
+    expected = z2.grad + z3.grad if gradient == "straight_through_plus" else z3.grad
+    assert not torch.allclose(z2.grad, torch.zeros_like(z2.grad))  # J g is not nothing: the two cases differ
+    torch.testing.assert_close(z1.grad, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_gradient_ratio_scores_every_few_steps_on_both_methods(tiny_cifar):

@@ -6,6 +6,8 @@ behind the long-training study (which setting keeps DDCL learning after the firs
     python -m eval.long_run.probe ... --method hard_ema            # the strongest hard VQ, as eval.peers builds it
     python -m eval.long_run.probe ... --kwargs '{"commitment_weight": 0.01}'   # any option of the layer
     python -m eval.long_run.probe ... --gradient straight_through_plus   # the encoder gets (I + J) g, not J g
+    python -m eval.long_run.probe ... --gradient straight_through   # I g alone (with a commitment_weight: VQ-VAE's)
+    python -m eval.long_run.probe ... --as-long-run --num-codes 4096 --seed 0   # the long run's run, and its seeding
     python -m eval.long_run.probe ... --anneal-entropy 2.5 1.0    # the entropy target falls linearly over the run
     python -m eval.long_run.probe ... --output-scale 0.1          # the decoder sees DDCL's codes at a tenth
     python -m eval.long_run.probe ... --detach-statistics         # no gradient through the standardiser's moments
@@ -44,13 +46,14 @@ from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 from softvq.norm import TokenStandardizer
 
-GRADIENTS = ("soft_centroid", "straight_through_plus")
+GRADIENTS = ("soft_centroid", "straight_through_plus", "straight_through")
 
 
 class GradientProbe(nn.Module):
     """A :class:`softvq.DDCLQuantizer` whose training output carries another gradient to its input, the value unchanged
     (the argmax code): ``"straight_through_plus"`` adds ``zs - sg(zs)`` (``zs`` the standardised tokens, read by a hook
-    on the layer's standardiser), so the encoder gets ``(I + J) g`` instead of the soft centroid's ``J g``. With
+    on the layer's standardiser), so the encoder gets ``(I + J) g`` instead of the soft centroid's ``J g``;
+    ``"straight_through"`` gives it ``I g`` alone (VQ-VAE's estimator, through the standardisation). With
     ``scale`` every output (and every decoded code) is multiplied by it: the decoder sees codes of that scale."""
 
     def __init__(self, layer: DDCLQuantizer, gradient: str, scale: float = 1.0) -> None:
@@ -81,8 +84,10 @@ class GradientProbe(nn.Module):
     def forward(self, z: Tensor) -> QuantizerOutput:
         out = self.layer(z)
         quantized = out.quantized
-        if self.training and self.gradient == "straight_through_plus":
+        if self.training and self.gradient != "soft_centroid":
             zs = self._standardised.reshape(quantized.shape)
+            if self.gradient == "straight_through":  # the code's value, the identity's gradient alone
+                quantized = quantized.detach()
             quantized = quantized + (zs - zs.detach())
         return out._replace(quantized=quantized * self.scale if self.scale != 1.0 else quantized)
 
@@ -207,16 +212,35 @@ def detach_statistics(layer: nn.Module) -> None:
         m._renormalise = lambda mean, var, f=renormalise: tuple(t.detach() for t in f(mean, var))
 
 
-def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0,
-                detach: bool = False) -> VQVAE:
-    quantizer = peers.build(method, num_codes, 64, kwargs)
+def build_quantizer(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0,
+                    detach: bool = False, dim: int = 64) -> nn.Module:
+    quantizer = peers.build(method, num_codes, dim, kwargs)
     if detach:
         detach_statistics(quantizer)
     if gradient != "soft_centroid" or scale != 1.0:
         if not isinstance(quantizer, DDCLQuantizer):
             raise ValueError(f"--gradient and --output-scale probe DDCL's output; --method is {method!r}")
         quantizer = GradientProbe(quantizer, gradient, scale)
-    return VQVAE(quantizer=quantizer, code_dim=64)
+    return quantizer
+
+
+def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0,
+                detach: bool = False) -> VQVAE:
+    return VQVAE(quantizer=build_quantizer(method, num_codes, kwargs, gradient, scale, detach), code_dim=64)
+
+
+class ScoringImages(L.Callback):
+    """Hands ``snapshots`` the first ``count`` validation images once the trainer has set the data up (so that reading
+    them draws nothing before training starts: the run stays the long run's)."""
+
+    def __init__(self, snapshots: Snapshots, count: int) -> None:
+        self.snapshots, self.count = snapshots, count
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: VQVAE) -> None:
+        val = trainer.datamodule.val_set
+        state = torch.get_rng_state()
+        self.snapshots.images = torch.stack([val[i][0] for i in range(min(self.count, len(val)))])
+        torch.set_rng_state(state)
 
 
 def main(argv: list[str] | None = None) -> VQVAE:
@@ -231,34 +255,42 @@ def main(argv: list[str] | None = None) -> VQVAE:
     p.add_argument("--detach-statistics", action="store_true",
                    help="the standardiser's shift and scale carry no gradient (their values unchanged)")
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--every", type=int, default=22, help="optimizer steps between two scorings")
     p.add_argument("--val-images", type=int, default=1024)
-    p.add_argument("--train-subset", type=int, default=None, help="training images (default: all 45,000)")
-    p.add_argument("--val-size", type=int, default=5000)
-    p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--num-codes", type=int, default=512)
-    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--as-long-run", action="store_true",
+                   help="seed and build as eval.long_run does: with no other option the run is the long run's run of "
+                        "that seed and K, epoch for epoch (its history is the baseline)")
     p.add_argument("--out", type=Path, required=True, help="JSONL file the scorings are appended to")
+    peers.add_vqvae_arguments(p)  # the VQ-VAE's flags, as the long run's
+    p.set_defaults(epochs=3, train_subset=None)
     args = p.parse_args(argv)
     if args.every < 1 or args.val_images < 1:
         p.error("--every and --val-images must be positive")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads or 1)
     L.seed_everything(args.seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=args.seed)
-    data.setup("fit")
-    images = torch.stack([data.val_set[i][0] for i in range(min(args.val_images, len(data.val_set)))])
-    model = build_model(args.method, args.num_codes, args.kwargs, args.gradient, args.output_scale,
-                        args.detach_statistics)
+    options = (args.method, args.num_codes, args.kwargs, args.gradient, args.output_scale, args.detach_statistics)
+    images: Tensor | None = None
+    if args.as_long_run:  # eval.long_run.train_run's seeding between data, bottleneck and autoencoder
+        quantizer = build_quantizer(*options, dim=args.code_dim)
+        L.seed_everything(args.seed, workers=True, verbose=False)
+        model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
+                      res_hidden=args.res_hidden, lr=args.lr)
+    else:  # the probe's own seeding (the committed probe lines before --as-long-run)
+        data.setup("fit")
+        images = torch.stack([data.val_set[i][0] for i in range(min(args.val_images, len(data.val_set)))])
+        model = build_model(*options)
     L.seed_everything(args.seed, workers=True, verbose=False)
     with open(args.out, "a") as f:
         f.write(json.dumps({"probe": vars(args) | {"data_root": str(args.data_root), "out": str(args.out)}}) + "\n")
+    snapshots = Snapshots(images, args.every, args.out, tuple(args.anneal_entropy) if args.anneal_entropy else None)
+    callbacks: list[L.Callback] = [snapshots] + ([ScoringImages(snapshots, args.val_images)] if images is None else [])
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[Snapshots(images, args.every, args.out,
-                                             tuple(args.anneal_entropy) if args.anneal_entropy else None)])
+                        callbacks=callbacks)
     trainer.fit(model, datamodule=data)
     return model
 
