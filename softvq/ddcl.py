@@ -1,29 +1,24 @@
 """DDCL soft codebook: global prototypes, Boltzmann soft assignments, the argmax code with the soft centroid's gradient.
 
-Math (docs/design.md, "The layer: L_q = L_OLS + V"; arXiv 2604.03850). Tokens ``z_n``, prototypes ``p_k``,
-temperature ``T``::
+The math (``d_nk``, ``q_nk = softmax_k(-d_nk / T)``, the soft centroid ``mu_n`` and the exact identity
+``L_q = L_OLS + V``) is docs/design.md, "The layer: L_q = L_OLS + V" (arXiv 2604.03850). Where each piece lives:
 
-    d_nk  = ||z_n - p_k||^2                    (cosine: z and p L2-normalised first)
-    q_nk  = softmax_k(-d_nk / T)               assignments, rows sum to 1
-    mu_n  = sum_k q_nk p_k                     soft centroid (the output of recipe="plain"; the defaults output
-                                               the argmax code in the standardised space, with mu_n's gradient)
-    L_q   = mean_n sum_k q_nk d_nk             competitive loss
-    L_OLS = mean_n ||z_n - mu_n||^2            reconstruction term
-    V     = mean_n sum_k q_nk ||p_k - mu_n||^2 prototype variance, >= 0
-    L_q   = L_OLS + V                          exact identity
-
-The forward pass and its gradient are one :class:`torch.autograd.Function` (``softvq._soft_centroid``) so that
-distances take one ``(N, D) x (D, K)`` matmul, no ``(N, K, D)`` tensor is ever built, everything runs in float32
-(float64 for float64 input) under autocast, and the training objective can send *different* terms to the encoder
-and to the prototypes without recomputing the layer (see :class:`DDCLQuantizer`). The mechanisms the recipe adds are
-parts the layer holds (:mod:`softvq.parts`: ``standardizer``, ``temperature_control``, ``ema``, ``dead_codes``); which
-options they get is ``softvq._recipe``.
+- this file: :class:`DDCLQuantizer`, its options and state, and the outline of its forward pass;
+- ``softvq._soft_centroid``: the forward pass and its gradient as one :class:`torch.autograd.Function`, so that
+  distances take one ``(N, D) x (D, K)`` matmul, no ``(N, K, D)`` tensor is ever built, everything runs in float32
+  (float64 for float64 input) under autocast, and the training objective can send *different* terms to the encoder
+  and to the prototypes without recomputing the layer;
+- ``softvq._ddcl_forward``: the forward's steps (the codebook space, data initialisation, the output's codes, the
+  updates after a training step);
+- the parts the layer holds (:mod:`softvq.parts`; docs/design.md, "Anatomy of the layer"): the temperature ``T`` and
+  its entropy control in ``softvq/parts/temperature.py`` (``temperature_control``), ``ema``, ``dead_codes``, and the
+  ``standardizer`` (``softvq/norm.py``);
+- ``softvq._recipe``: which options the parts get; ``softvq._compat``: the extra state and older checkpoints.
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any, Literal
 
 import torch
@@ -39,17 +34,18 @@ from softvq._checks import (
     check_positive_int,
     flatten_tokens,
 )
-from softvq._collectives import codes_from_tokens, is_distributed
-from softvq._compat import upgrade_ddcl_state_dict
+from softvq._collectives import is_distributed
+from softvq._compat import ddcl_extra_state, load_ddcl_extra_state, upgrade_ddcl_state_dict
+from softvq._ddcl_forward import forward_tokens, init_from_tokens
 from softvq._precision import apply_keeping_precision, compute_dtype
-from softvq._recipe import PartOption, can_start, inert_options, refuse_inert_options, resolve
-from softvq._replay import ForwardRecords, in_backward, replayed_prototypes
-from softvq._soft_centroid import Objective, _SoftCentroid
+from softvq._recipe import PartOption, inert_options, refuse_inert_options, resolve
+from softvq._replay import ForwardRecords
+from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
 from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
-from softvq.parts.restart import DeadCodeRestart, code_counts
+from softvq.parts.restart import DeadCodeRestart
 from softvq.parts.temperature import TemperatureControl
-from softvq.types import QuantizerOutput, channel_first_forward, empty_output, scatter_top_k
+from softvq.types import QuantizerOutput, channel_first_forward
 
 Term = Literal["l_q", "l_ols", "free_energy"]
 CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
@@ -253,17 +249,10 @@ class DDCLQuantizer(nn.Module):
     inert_options = inert_options  # the options without effect in this combination (softvq._recipe)
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "initialized": self._initialized, "restarts": self.restarts,
-                "version": self.VERSION}
+        return ddcl_extra_state(self)  # T, initialized, restarts, version (softvq._compat)
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
-            raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
-                             f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
-        t = state["temperature"]
-        self.temperature_control.load(None if t is None else check_float("temperature", t))
-        self._initialized = bool(state["initialized"])
-        self.dead_codes.restart_count.fill_(int(state.get("restarts", 0)))
+        load_ddcl_extra_state(self, state)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         upgrade_ddcl_state_dict(self, state_dict, prefix)  # a state dict of an earlier layout (softvq._compat)
@@ -329,17 +318,7 @@ class DDCLQuantizer(nn.Module):
             raise ValueError("init_from_data needs at least one token, got an empty tensor")
         if self.standardize:
             flat = self.standardizer.standardize(flat.to(compute_dtype(flat.dtype)))
-        self._init_from_tokens(flat)
-
-    @torch.no_grad()
-    def _init_from_tokens(self, flat: Tensor) -> None:
-        """:meth:`init_from_data` on validated tokens ``(N, D)``, without a synchronisation in one process."""
-        chosen = codes_from_tokens(flat, self.num_codes, self.prototypes.dtype)
-        if chosen is None:
-            raise ValueError("init_from_data needs at least one token, got an empty tensor")
-        self.prototypes.copy_(chosen)
-        self.ema.reset_(chosen)
-        self._initialized = True
+        init_from_tokens(self, flat)  # softvq._ddcl_forward
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, z: Tensor) -> QuantizerOutput:
@@ -353,116 +332,8 @@ class DDCLQuantizer(nn.Module):
             return channel_first_forward(self._forward_tokens, z, self.dim)
         return self._forward_tokens(z)
 
-    def _forward_tokens(self, z: Tensor) -> QuantizerOutput:
-        flat = flatten_tokens(z, self.dim, check_finite=self.check_finite)  # (N, D)
-        lead = z.shape[:-1]
-        if flat.shape[0] == 0:
-            return empty_output(z, self.num_codes, self.prototypes,
-                                ("l_q", "l_ols", "v", "identity_residual", "entropy"))
-        ctype = compute_dtype(z.dtype)
-        # A training forward pass made during backward is a recomputation (activation checkpointing): it replays what
-        # the first pass read and changes no state (softvq._replay). Under torch.compile the compiler recomputes
-        # inside its own graph, and no Python runs in the backward pass.
-        eager = self.training and not torch.compiler.is_compiling()
-        recompute = eager and in_backward()
-        replay = self._records.replay() if recompute else None
-        update = self.training and not recompute
-        # a batch that cannot start the codebook (initialise it, calibrate T) is used for its output only
-        start = update and not (self._initialized and self.temperature_control.ready)
-        deferred = start and not can_start(self, flat)
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            zf, mean, std = self._codebook_space(flat.to(ctype), update, update and not deferred)
-            p_raw = self.prototypes.to(ctype)
-            if replay is not None:
-                p_raw = replayed_prototypes(p_raw, replay)
-            p = F.normalize(p_raw, dim=-1) if self.distance == "cosine" else p_raw
-            control = self.temperature_control
-            if replay is not None:
-                temperature = replay.temperature
-            elif control.ready:
-                temperature = control.temperature_t
-            else:  # set by the first training batch; evaluation before it calibrates, keeps nothing
-                temperature = control.calibrate(zf.detach(), p.detach(), keep=update and not deferred)
-            record = self._records.push(p_raw, temperature) if eager and update else None
-            mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(zf, p, temperature, self._objective(), record,
-                                                                      self.top_k or 0)
-            out = mu
-            if self.hard_output or self.commitment_term == "hard":
-                codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
-                if self.hard_output:
-                    # the code in value, bit for bit (mu - sg(mu) is exactly 0), and the soft centroid's Jacobian
-                    out = codes + (mu - mu.detach())
-                if self.commitment_term == "hard" and self.commitment_weight > 0:
-                    loss = loss + self.commitment_weight * F.mse_loss(zf, codes)
-            if std is not None and self.output_scale == "input":
-                out = out * std + mean
-            elif std is not None and not isinstance(self.output_scale, str):
-                out = out * self.output_scale
-        l_q, l_ols, v, entropy = stats.unbind()
-        # top-k: ``q`` is (N, k), the assignments of the prototypes ``chosen``; kept so (the caller asks for dense)
-        sparse = chosen.numel() > 0
-        if update and not deferred:
-            soft = q.detach()
-            if sparse and self.prototype_update == "soft_ema":  # its M-step reads every code's (N, K) column
-                soft = scatter_top_k(soft, chosen, self.num_codes)
-            self._after_step(zf.detach(), soft, indices, entropy)
-        residual = (l_q - l_ols - v).abs() / l_q.abs().clamp_min(torch.finfo(stats.dtype).tiny)
-        terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual, "entropy": entropy}
-        return QuantizerOutput(
-            quantized=out.to(z.dtype).reshape(z.shape),
-            indices=indices.reshape(lead),
-            probs=q.reshape(*lead, q.shape[-1]),
-            loss=loss,
-            terms=terms,
-            prob_codes=chosen.reshape(*lead, chosen.shape[-1]) if sparse else None,
-        )
-
-    def _codebook_space(self, zf: Tensor, update: bool, update_codebook: bool) -> tuple[Tensor, Tensor | None,
-                                                                                      Tensor | None]:
-        """Tokens ``(N, D)`` in the compute dtype -> the tokens the distances see (standardised; L2-normalised for
-        cosine) and the standardiser's ``mean`` and ``std`` (``None`` without ``standardize``). With ``update`` (a
-        training step, not a recomputation) moves the standardiser's running statistics; with ``update_codebook``
-        (such a step on a batch that can start the codebook) first initialises the prototypes from data and restarts
-        dead codes, both on the standardised tokens."""
-        mean = std = None
-        if self.standardize:
-            zf, mean, std = self.standardizer(zf, update=update)
-        if not self._initialized:
-            if update_codebook:
-                self._init_from_tokens(zf.detach())
-            elif not self.training:
-                warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
-                              "its prototypes: it is using random placeholder prototypes", stacklevel=4)
-        if update_codebook and self.dead_code_threshold > 0:  # before the forward: no tensor saved for backward moves
-            dead = self.dead_codes.restart_(self.prototypes.data, zf.detach())
-            self.ema.restart_(dead, self.prototypes.data, 1.0)  # a restarted code's EMA: one pseudo-token there
-        if self.distance == "cosine":
-            zf = F.normalize(zf, dim=-1)
-        return zf, mean, std
-
-    def _objective(self) -> Objective:
-        """The terms the autograd function computes: the codebook term only for gradient-trained prototypes, the
-        commitment term unless it is ``"hard"`` (added outside it)."""
-        soft_commitment = ("l_ols", 0.0) if self.commitment_term == "hard" else (self.commitment_term,
-                                                                                  self.commitment_weight)
-        return Objective(self.codebook_term, self.codebook_weight if self.prototype_update == "gradient" else 0.0,
-                         *soft_commitment)
-
-
-    @torch.no_grad()
-    def _after_step(self, z: Tensor, q: Tensor, indices: Tensor, entropy: Tensor) -> None:
-        """After a training forward: the usage for dead-code restart, the EMA prototype update and the temperature
-        control, each with its statistics summed over processes (every process ends with the same state). No
-        host-device synchronisation."""
-        if self.dead_code_threshold > 0 or self.prototype_update == "ema":
-            counts = code_counts(indices, self.num_codes, self.dead_codes.usage.dtype)
-            if self.dead_code_threshold > 0:
-                self.dead_codes.update(counts)
-        if self.prototype_update == "ema":
-            self.ema.step_(self.prototypes, z, indices=indices, counts=counts)
-        elif self.prototype_update == "soft_ema":  # the free-energy M-step, tokens weighted by their assignments
-            self.ema.step_(self.prototypes, z, q=q)
-        self.temperature_control.step(entropy, indices.numel())
+    # The forward pass on channel-last tokens, step by step: softvq/_ddcl_forward.py.
+    _forward_tokens = forward_tokens
 
 
 # The constructor's defaults, which an inert option is compared with (softvq._recipe.refuse_inert_options).
