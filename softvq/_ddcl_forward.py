@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from softvq._checks import flatten_tokens
-from softvq._collectives import codes_from_tokens
+from softvq._collectives import codes_from_tokens, is_distributed
 from softvq._precision import compute_dtype
 from softvq._recipe import can_start
 from softvq._replay import ForwardRecord, in_backward, replayed_prototypes
@@ -60,6 +60,18 @@ def forward_tokens(layer: nn.Module, z: Tensor) -> QuantizerOutput:
             soft = scatter_top_k(soft, chosen, layer.num_codes)
         after_step(layer, zf.detach(), soft, indices, stats[3])  # stats: l_q, l_ols, v, entropy
     return assemble(z, out, q, indices, loss, stats, chosen)
+
+
+@torch.no_grad()
+def init_from_data(layer: nn.Module, z: Tensor) -> None:
+    """:meth:`DDCLQuantizer.init_from_data`: tokens ``z (..., D)`` checked, standardised as the codebook will see them
+    (with ``standardize``), then :func:`init_from_tokens`."""
+    flat = flatten_tokens(z, layer.dim, check_finite=True)
+    if flat.shape[0] == 0 and not is_distributed():
+        raise ValueError("init_from_data needs at least one token, got an empty tensor")
+    if layer.standardize:
+        flat = layer.standardizer.standardize(flat.to(compute_dtype(flat.dtype)))
+    init_from_tokens(layer, flat)
 
 
 @torch.no_grad()
@@ -138,6 +150,20 @@ def output_codes(layer: nn.Module, zf: Tensor, p: Tensor, mu: Tensor, indices: T
     elif std is not None and not isinstance(layer.output_scale, str):
         out = out * layer.output_scale
     return out, loss
+
+
+def evaluation_codes(layer: nn.Module) -> Tensor:
+    """``(K, D)``, the codes as the layer outputs them in evaluation (:attr:`DDCLQuantizer.codebook`): the prototypes
+    in the space of the distances (standardised; L2-normalised for cosine), scaled as :func:`output_codes` scales its
+    output."""
+    p = layer.prototypes.detach()
+    p = F.normalize(p, dim=-1) if layer.distance == "cosine" else p
+    if layer.standardize and layer.output_scale == "input":
+        mean, std = layer.standardizer.evaluation_statistics()
+        p = p * std.to(p.dtype) + mean.to(p.dtype)
+    elif layer.standardize and not isinstance(layer.output_scale, str):
+        p = p * layer.output_scale
+    return p
 
 
 def assemble(z: Tensor, out: Tensor, q: Tensor, indices: Tensor, loss: Tensor, stats: Tensor,

@@ -1,19 +1,17 @@
 """DDCL soft codebook: global prototypes, Boltzmann soft assignments, the argmax code with the soft centroid's gradient.
 
-The math (``d_nk``, ``q_nk = softmax_k(-d_nk / T)``, the soft centroid ``mu_n`` and the exact identity
-``L_q = L_OLS + V``) is docs/design.md, "The layer: L_q = L_OLS + V" (arXiv 2604.03850). Where each piece lives:
+The math is docs/design.md, "The layer: L_q = L_OLS + V" (arXiv 2604.03850). This file holds :class:`DDCLQuantizer`:
+its options, state and codebook. The rest of the layer lives beside it:
 
-- this file: :class:`DDCLQuantizer`, its options and state, and the outline of its forward pass;
-- ``softvq._soft_centroid``: the forward pass and its gradient as one :class:`torch.autograd.Function`, so that
-  distances take one ``(N, D) x (D, K)`` matmul, no ``(N, K, D)`` tensor is ever built, everything runs in float32
-  (float64 for float64 input) under autocast, and the training objective can send *different* terms to the encoder
-  and to the prototypes without recomputing the layer;
-- ``softvq._ddcl_forward``: the forward's steps (the codebook space, data initialisation, the output's codes, the
-  updates after a training step);
-- the parts the layer holds (:mod:`softvq.parts`; docs/design.md, "Anatomy of the layer"): the temperature ``T`` and
-  its entropy control in ``softvq/parts/temperature.py`` (``temperature_control``), ``ema``, ``dead_codes``, and the
-  ``standardizer`` (``softvq/norm.py``);
-- ``softvq._recipe``: which options the parts get; ``softvq._compat``: the extra state and older checkpoints.
+- ``softvq/_ddcl_forward.py``: the forward pass, step by step;
+- ``softvq/_soft_centroid.py``: its core, one :class:`torch.autograd.Function`: one ``(N, D) x (D, K)`` matmul, no
+  ``(N, K, D)`` tensor, float32 (float64 for float64 input) under autocast, and *different* terms to the encoder and
+  to the prototypes without recomputing the layer;
+- the parts it holds (:mod:`softvq.parts`; docs/design.md, "Anatomy of the layer"): the temperature ``T`` and its
+  entropy control (``softvq/parts/temperature.py``), the EMA prototypes, dead-code restart and the token standardiser
+  (``softvq/norm.py``);
+- ``softvq/_recipe.py``: the options, checked, and which the parts get; ``softvq/_compat.py``: the extra state and
+  checkpoints of earlier layouts.
 """
 
 from __future__ import annotations
@@ -25,20 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq._checks import (
-    check_bool,
-    check_choice,
-    check_finite_state,
-    check_float,
-    check_indices,
-    check_positive_int,
-    flatten_tokens,
-)
-from softvq._collectives import is_distributed
+from softvq._checks import check_finite_state, check_indices
 from softvq._compat import ddcl_extra_state, load_ddcl_extra_state, upgrade_ddcl_state_dict
-from softvq._ddcl_forward import forward_tokens, init_from_tokens
-from softvq._precision import apply_keeping_precision, compute_dtype
-from softvq._recipe import PartOption, inert_options, refuse_inert_options, resolve
+from softvq._ddcl_forward import evaluation_codes, forward_tokens, init_from_data
+from softvq._precision import apply_keeping_precision
+from softvq._recipe import LAYER_OPTIONS, PartOption, check_options, inert_options, options_repr, refuse_inert_options
+from softvq._recipe import TERMS as _TERMS  # noqa: F401 (importable from here)
 from softvq._replay import ForwardRecords
 from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
 from softvq.norm import TokenStandardizer
@@ -46,10 +36,6 @@ from softvq.parts.ema import EmaPrototypes
 from softvq.parts.restart import DeadCodeRestart
 from softvq.parts.temperature import TemperatureControl
 from softvq.types import QuantizerOutput, channel_first_forward
-
-Term = Literal["l_q", "l_ols", "free_energy"]
-CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
-_TERMS = ("l_q", "l_ols", "free_energy")
 
 
 class DDCLQuantizer(nn.Module):
@@ -63,20 +49,17 @@ class DDCLQuantizer(nn.Module):
     ``identity_residual = |l_q - l_ols - v| / l_q`` (float rounding: the identity is exact) and ``entropy`` H(Q).
 
     **The recipe is in the layer** (``recipe="auto"``): ``DDCLQuantizer(K, D)`` trains collapse-free as the bottleneck
-    of any model under any optimizer, with nothing else to set. It is composed of four parts (:mod:`softvq.parts`;
-    docs/design.md, "Anatomy of the layer"): ``standardizer`` standardises tokens per dimension, so the encoder cannot
-    shrink what the codebook sees; ``temperature_control`` calibrates ``T`` on the first training batch and holds
-    H(Q) at ``target_entropy``; ``ema`` moves each prototype toward the tokens it wins (a k-means step independent of
-    the optimizer); ``dead_codes`` restarts a prototype that wins too little on a token of the batch. How each default
-    was chosen: docs/design.md, "The recipe inside the layer". ``recipe="plain"`` is the paper's layer: no
-    standardisation, a fixed ``T`` (1.0 unless given), prototypes trained by the gradient (:func:`softvq.param_groups`),
-    the soft centroid as output, no restarts. An explicit option overrides the recipe's; one that has no effect in the
-    combination given (``ema_decay`` with ``prototype_update="gradient"``) is a ``ValueError`` naming both options.
+    of any model under any optimizer, with nothing else to set. Its parts (:mod:`softvq.parts`; docs/design.md,
+    "Anatomy of the layer"): ``standardizer`` (tokens standardised per dimension), ``temperature_control`` (``T``,
+    calibrated on the first training batch, then holding H(Q) at ``target_entropy``), ``ema`` (a k-means step) and
+    ``dead_codes`` (restarts); what each does and how its default was chosen, and ``recipe="plain"``, the paper's
+    layer: docs/design.md, "The recipe inside the layer". An explicit option overrides the recipe's; one that has no
+    effect in the combination given (``ema_decay`` with ``prototype_update="gradient"``) is a ``ValueError`` naming
+    both options.
 
-    What reaches what (gradient-trained prototypes): ``codebook_weight * codebook_term(sg[z], P) / dim`` reaches only
-    the prototypes, ``commitment_weight * commitment_term(z, sg[P]) / dim`` only the encoder. Several calls before one
-    backward, activation checkpointing, gradient accumulation, the precision of the state (float32 under ``.half()``)
-    and steps without a host-device synchronisation (``check_finite=False``, ``torch.compile(fullgraph=True)``):
+    What reaches what (the codebook term: gradient-trained prototypes only; the commitment term: the encoder only):
+    docs/design.md, "What reaches the encoder and what reaches the prototypes". Several calls before one backward,
+    checkpointing, gradient accumulation, ``.half()`` and steps without a host-device synchronisation:
     docs/design.md, "Anatomy of the layer".
 
     Args:
@@ -149,9 +132,9 @@ class DDCLQuantizer(nn.Module):
         ema_decay: float = 0.99,
         hard_output: bool | Literal["auto"] = "auto",
         distance: Literal["euclidean", "cosine"] = "euclidean",
-        codebook_term: Term = "free_energy",
+        codebook_term: Literal["l_q", "l_ols", "free_energy"] = "free_energy",
         codebook_weight: float = 1.0,
-        commitment_term: CommitTerm = "hard",
+        commitment_term: Literal["hard", "l_q", "l_ols", "free_energy"] = "hard",
         commitment_weight: float = 0.0,
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
@@ -163,41 +146,20 @@ class DDCLQuantizer(nn.Module):
         check_finite: bool = True,
     ) -> None:
         super().__init__()
-        self.num_codes = check_positive_int("num_codes", num_codes)
-        self.dim = check_positive_int("dim", dim)
-        self.recipe = check_choice("recipe", recipe, ("auto", "plain"))
-        self.distance = check_choice("distance", distance, ("euclidean", "cosine"))
-        self.codebook_term = check_choice("codebook_term", codebook_term, _TERMS)
-        self.commitment_term = check_choice("commitment_term", commitment_term, (*_TERMS, "hard"))
-        self.codebook_weight = check_float("codebook_weight", codebook_weight, allow_zero=True)
-        self.commitment_weight = check_float("commitment_weight", commitment_weight, allow_zero=True)
-        self.init = check_choice("init", init, ("data", "normal"))
-        init_scale = check_float("init_scale", init_scale)
-        self.check_finite = check_bool("check_finite", check_finite)
-        self.top_k = None if top_k is None else check_positive_int("top_k", top_k)
-        self.channel_first = check_bool("channel_first", channel_first)
-        resolved = resolve(recipe == "auto", self.num_codes, temperature, standardize=standardize,
-                           output_scale=output_scale, hard_output=hard_output, prototype_update=prototype_update,
-                           ema_decay=ema_decay, target_entropy=target_entropy, dead_code_threshold=dead_code_threshold)
-        self.standardize: bool = resolved["standardize"]
-        self.output_scale: str | float = resolved["output_scale"]
-        self.hard_output: bool = resolved["hard_output"]
-        self.prototype_update: str = resolved["prototype_update"]
+        given = {name: value for name, value in locals().items() if name in _DEFAULTS}  # every option, as passed
+        o = check_options(given)  # checked, with the recipe's values resolved (softvq._recipe)
+        for name in LAYER_OPTIONS:  # the options the layer holds itself
+            setattr(self, name, o[name])
         # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its options and state.
-        self.standardizer = TokenStandardizer(dim, renorm=check_bool("renorm", renorm), renorm_clip=renorm_clip)
-        self.temperature_control = TemperatureControl(num_codes, resolved["temperature"], resolved["target_entropy"],
-                                                      temperature_rate)
-        self.dead_codes = DeadCodeRestart(num_codes, resolved["dead_code_threshold"], dead_code_decay, dead_code_cap)
-        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
+        self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=renorm_clip)
+        self.temperature_control = TemperatureControl(num_codes, o["temperature"], o["target_entropy"],
+                                                      temperature_rate)  # T lives there
+        self.dead_codes = DeadCodeRestart(num_codes, o["dead_code_threshold"], dead_code_decay, dead_code_cap)
+        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * o["init_scale"],  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
-        self.ema = EmaPrototypes(self.prototypes, resolved["ema_decay"])
-        refuse_inert_options(
-            self, {"codebook_term": codebook_term, "codebook_weight": codebook_weight, "output_scale": output_scale,
-                   "renorm": renorm, "renorm_clip": self.standardizer.renorm_clip, "ema_decay": ema_decay,
-                   "temperature_rate": temperature_rate, "init_scale": init_scale,
-                   "dead_code_decay": dead_code_decay, "dead_code_cap": dead_code_cap,
-                   "commitment_term": commitment_term},
-            _DEFAULTS)
+        self.ema = EmaPrototypes(self.prototypes, o["ema_decay"])
+        refuse_inert_options(self, {**given, "renorm_clip": self.standardizer.renorm_clip,
+                                    "init_scale": o["init_scale"]}, _DEFAULTS)
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved by get_extra_state.
         self._initialized = init != "data"
         self._warned_start = False  # a batch that could not start the codebook has been reported
@@ -266,33 +228,13 @@ class DDCLQuantizer(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        t = "auto" if not self.temperature_control.ready else f"{self.temperature:g}"
-        return (
-            f"num_codes={self.num_codes}, dim={self.dim}, recipe={self.recipe!r}, temperature={t}, "
-            f"target_entropy={self.target_entropy}, standardize={self.standardize}, "
-            f"prototype_update={self.prototype_update!r}, hard_output={self.hard_output}, "
-            f"distance={self.distance!r}, codebook={self.codebook_weight:g}*{self.codebook_term}, "
-            f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
-            f"dead_code_threshold={self.dead_code_threshold:g}, dead_code_cap={self.dead_code_cap}"
-            + (f", top_k={self.top_k}" if self.top_k is not None else "")
-        )
+        return options_repr(self)  # softvq._recipe
 
     # ---- codebook ---------------------------------------------------------------------------------------------
-    def _unit_codebook(self) -> Tensor:
-        """``(K, D)``, the prototypes in the space of the distances (standardised; L2-normalised for cosine)."""
-        p = self.prototypes.detach()
-        return F.normalize(p, dim=-1) if self.distance == "cosine" else p
-
     @property
     def codebook(self) -> Tensor:
         """``(K, D)``, the codes as the layer outputs them in evaluation (see ``output_scale``)."""
-        p = self._unit_codebook()
-        if self.standardize and self.output_scale == "input":
-            mean, std = self.standardizer.evaluation_statistics()
-            p = p * std.to(p.dtype) + mean.to(p.dtype)
-        elif self.standardize and not isinstance(self.output_scale, str):
-            p = p * self.output_scale
-        return p
+        return evaluation_codes(self)  # softvq._ddcl_forward
 
     def decode_indices(self, indices: Tensor) -> Tensor:
         """Map code indices ``(...)`` to their codes ``(..., D)`` (for ``channel_first``, ``(B, *spatial)`` to
@@ -313,12 +255,7 @@ class DDCLQuantizer(nn.Module):
         ``z`` together (:func:`softvq._collectives.codes_from_tokens`): every process gets the same prototypes, the
         ones a single process would draw from the concatenated batches.
         """
-        flat = flatten_tokens(z, self.dim, check_finite=True)
-        if flat.shape[0] == 0 and not is_distributed():
-            raise ValueError("init_from_data needs at least one token, got an empty tensor")
-        if self.standardize:
-            flat = self.standardizer.standardize(flat.to(compute_dtype(flat.dtype)))
-        init_from_tokens(self, flat)  # softvq._ddcl_forward
+        init_from_data(self, z)  # softvq._ddcl_forward
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, z: Tensor) -> QuantizerOutput:
@@ -337,4 +274,5 @@ class DDCLQuantizer(nn.Module):
 
 
 # The constructor's defaults, which an inert option is compared with (softvq._recipe.refuse_inert_options).
-_DEFAULTS: dict[str, Any] = {k: p.default for k, p in inspect.signature(DDCLQuantizer.__init__).parameters.items()}
+_DEFAULTS: dict[str, Any] = {k: p.default for k, p in inspect.signature(DDCLQuantizer.__init__).parameters.items()
+                              if k != "self"}
