@@ -400,6 +400,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
                 continue
             mean_entropy = self.all_gather(level_entropy).mean() \
                 if trainer is not None and trainer.world_size > 1 else level_entropy
+            # the rule is the layer's own control's (softvq/parts/temperature.py, entropy_control_factor), on floats
             layer.temperature = softvq.adapt_temperature(
                 layer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
 
