@@ -3,34 +3,34 @@
 Its parts live beside it: the encoder and decoder in ``autoencoder.py``; the quantizer names, their defaults and
 ``LatentNorm`` in ``bottleneck.py``; how the model builds its quantizer and autoencoder in ``_build.py``; what the
 model does to its codebooks' temperature (a schedule or an entropy control, for layers that do not hold their own)
-in ``_temperature.py``; what the model measures and the per-epoch record in ``_epoch_metrics.py`` (a mixin of
-:class:`VQVAE`), with a hierarchy's per-level keys in ``_hierarchy.py``; checkpoint loading in ``loading.py``. The
-names those modules took from here are still importable from here.
+in ``_temperature.py``; what the model measures and the per-epoch record in ``_epoch_metrics.py`` (functions of
+the model that its Lightning hooks call), with a hierarchy's per-level keys in ``_hierarchy.py``; what it refuses
+(bad images, NaN/Inf batches) in ``_batch_checks.py``; checkpoint loading in ``loading.py`` and the RNG states its
+checkpoints carry in ``checkpoint_io.py``. The names those modules took from here are still importable from here.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import lightning as L
-import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
 import softvq
+import softvq.models._epoch_metrics as metrics
 import softvq.models._hierarchy as hierarchy
 import softvq.models._temperature as model_temperature
 from softvq._checks import check_float
 from softvq._collectives import all_reduce_sum_
 from softvq._compat import upgrade_quantizer_kwargs
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
+from softvq.models._batch_checks import check_finite_batch, check_images
 from softvq.models._build import build_autoencoder_, build_quantizer_
-from softvq.models._epoch_metrics import EpochMetrics
 from softvq.models._hierarchy import check_level_indices, level_views
 from softvq.models.bottleneck import (
     DDCL_TARGET_ENTROPY,
@@ -41,6 +41,7 @@ from softvq.models.bottleneck import (
     LatentNorm,
     build_quantizer,
 )
+from softvq.models.checkpoint_io import load_rng_state, save_rng_state
 from softvq.models.loading import load_module
 from softvq.optim import has_trainable_prototypes
 from softvq.residual import is_residual
@@ -69,7 +70,7 @@ class VQVAEOutput(NamedTuple):
     quantizer: QuantizerOutput | HierarchicalOutput
 
 
-class VQVAE(EpochMetrics, L.LightningModule):
+class VQVAE(L.LightningModule):
     """A VQ-VAE whose bottleneck is any softvq quantizer (DDCL soft codebook or hard straight-through VQ).
 
     Training loss: ``mse(reconstruction, x) + quantizer.loss`` (pixels in ``[0, 1]``). For a DDCL codebook the
@@ -157,7 +158,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
         # the model-side temperature (a schedule or an entropy control): softvq/models/_temperature.py
         model_temperature.check_settings(self, temperature_schedule, temperature_final, target_entropy,
                                          temperature_rate)
-        self._build_metrics()
+        metrics.build(self)  # the per-epoch metrics (softvq/models/_epoch_metrics.py)
 
     @property
     def target_entropy(self) -> float | None:
@@ -187,17 +188,6 @@ class VQVAE(EpochMetrics, L.LightningModule):
             self.quantizer.compile(**{"fullgraph": True, **compile_kwargs})
 
     # ---- model API -----------------------------------------------------------------------------------------
-    def _check_images(self, x: Tensor) -> None:
-        factor = 2 ** self.downsamples
-        if not isinstance(x, Tensor) or x.ndim != 4 or x.shape[1] != self.in_channels:
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"expected images of shape (B, {self.in_channels}, H, W), got {shape}")
-        if x.shape[2] % factor or x.shape[3] % factor:
-            raise ValueError(f"image height and width must be multiples of {factor} (2^downsamples), "
-                             f"got {tuple(x.shape[2:])}")
-        if not x.is_floating_point():
-            raise ValueError(f"expected float images in [0, 1], got dtype {x.dtype}")
-
     def _decode(self, z_q: Tensor | Sequence[Tensor]) -> Tensor:
         """Channel-last quantized tokens ``(B, h, w, D)`` -> images in ``[0, 1]`` units ``(B, C, H, W)``; with
         ``levels > 1`` one ``(B, h_l, w_l, D)`` tensor per level, upsampled to level 0's grid and concatenated."""
@@ -210,7 +200,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
     def latents(self, x: Tensor) -> Tensor:
         """Images ``(B, C, H, W)`` in ``[0, 1]`` -> the latents the quantizer sees, ``(B, D, h, w)`` (after
         ``latent_norm``); what downstream readouts of a trained codebook should consume."""
-        self._check_images(x)
+        check_images(x, self.in_channels, self.downsamples)
         return self.norm(self.encoder(x - PIXEL_SHIFT))
 
     def forward(self, x: Tensor) -> VQVAEOutput:
@@ -261,7 +251,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
         fresh = [not getattr(layer, "initialized", True) for layer in self._codebooks()]
         latents = self.latents(x)
         where = f"training batch {batch_idx} of epoch {self.current_epoch + 1} (global step {self.global_step})"
-        self._check_finite(x, latents, where)
+        check_finite_batch(x, latents, where)
         out = self._quantize_decode(latents)
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
@@ -274,47 +264,54 @@ class VQVAE(EpochMetrics, L.LightningModule):
         n = x.shape[0]
         # a residual stack says how many levels ran (quantize dropout): a host number, no device sync
         ran = out.quantizer.terms.get("levels") if is_residual(self.quantizer) else None
-        entropies = self._update_train_metrics(views, rec.detach(), n, None if ran is None else int(ran))
+        entropies = metrics.update_train(self, views, rec.detach(), n, None if ran is None else int(ran))
         if self.target_entropy is not None:
             model_temperature.control_(self, entropies)  # softvq/models/_temperature.py
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
         self.log("train/mse", rec.detach(), batch_size=n)
         return loss
 
-    @staticmethod
-    def _check_finite(x: Tensor, latents: Tensor, where: str) -> None:
-        """Stops on NaN/Inf pixels (corrupt data) or latents (diverged training), naming ``where``.
+    # ---- per-epoch metrics: the hooks, each one function of softvq/models/_epoch_metrics.py -------------------
+    def on_train_epoch_start(self) -> None:
+        metrics.start_train_epoch(self)
 
-        Counted over every process (one all-reduce under DDP), so that all of them stop at the same step instead of
-        the others waiting forever in the next collective.
+    def epoch_summary(self) -> dict[str, Any]:
+        """This training epoch's record (the keys of ``history.jsonl``), computed once per epoch and step.
+
+        Call at the end of a training epoch on every process (the metrics synchronise across processes).
+        Validation keys are ``None`` when no validation ran this epoch.
         """
-        counts = torch.stack([(~torch.isfinite(x)).sum(), (~torch.isfinite(latents)).sum(),
-                              torch.tensor(x.numel(), device=x.device), torch.tensor(latents.numel(), device=x.device)])
-        bad_pixels, bad_latents, pixels, values = all_reduce_sum_(counts).tolist()
-        if bad_pixels:
-            raise FloatingPointError(f"{where} holds {bad_pixels} NaN/Inf pixel value(s) out of {pixels}: the "
-                                     f"data is corrupt")
-        if bad_latents:
-            raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of {values} in "
-                                     f"{where}: training diverged (lower --lr?)")
+        return metrics.epoch_summary(self)
+
+    def on_train_epoch_end(self) -> None:
+        metrics.log_train_epoch(self)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
+        return metrics.eval_step(self, batch, batch_idx)
+
+    def on_validation_epoch_start(self) -> None:
+        metrics.eval_reset(self)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics.end_validation_epoch(self)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        metrics.eval_step(self, batch, batch_idx)
+
+    def on_test_epoch_start(self) -> None:
+        metrics.eval_reset(self)
+
+    def on_test_epoch_end(self) -> None:
+        """Fills :attr:`test_summary` (the ``test_*`` keys) and :attr:`test_code_counts` (tokens per code, ``(K,)``,
+        summed over processes)."""
+        metrics.end_test_epoch(self)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The global RNG states, so a resumed run draws the same data order and restarts as an uninterrupted one
-        # (exactly so with num_workers=0 or non-persistent workers on CPU; Lightning does not save them itself).
-        # Plain types only, so that Lightning's weights_only loading accepts the checkpoint.
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        checkpoint["softvq_rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                                    "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
-                                              int(has_gauss), float(cached)]}
+        save_rng_state(checkpoint)  # so a resumed run draws as an uninterrupted one (models/checkpoint_io.py)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("softvq_rng")
-        if state is not None:
-            torch.set_rng_state(state["torch"])
-            random.setstate(state["python"])
-            name, keys, pos, has_gauss, cached = state["numpy"]
-            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        load_rng_state(checkpoint)
 
 
 def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu", freeze: bool = True) -> VQVAE:
