@@ -9,12 +9,10 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+from torch import nn
 
 from softvq.models.vqvae import VQVAE
-
-if TYPE_CHECKING:
-    from softvq.models.prior import CodePrior
 
 log = logging.getLogger("softvq")
 
@@ -47,7 +45,7 @@ def vqvae_record(model: VQVAE, path: str | os.PathLike, sha256: str, image_size:
                        None if classes is None else list(classes))
 
 
-def check_pairing(prior: CodePrior, vqvae: VQVAE, sha256: str, vqvae_path: str | os.PathLike = "the VQ-VAE",
+def check_pairing(prior: nn.Module, vqvae: VQVAE, sha256: str, vqvae_path: str | os.PathLike = "the VQ-VAE",
                   allow_other_vqvae: bool = False) -> None:
     """Refuse to pair a prior with a VQ-VAE whose codes it does not model.
 

@@ -6,15 +6,12 @@ baselines a prior must beat (:func:`unigram_bits`, :func:`unigram_cross_entropy_
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from softvq._checks import check_float, check_positive_int
-
-if TYPE_CHECKING:
-    from softvq.models.prior import CodePrior
 
 LN2 = math.log(2.0)
 
@@ -34,10 +31,10 @@ class PriorEvaluation(NamedTuple):
 
 
 @torch.no_grad()
-def evaluate_prior(prior: CodePrior, codes: Tensor, labels: Tensor | None = None,
+def evaluate_prior(prior: nn.Module, codes: Tensor, labels: Tensor | None = None,
                    batch_size: int = 500) -> PriorEvaluation:
-    """The prior's NLL on code grids ``codes (N, h, w)`` (with ``labels (N,)`` if it is class-conditional), in eval
-    mode, in bits per code position."""
+    """The NLL of ``prior`` (a :class:`~softvq.models.CodePrior`) on code grids ``codes (N, h, w)`` (with
+    ``labels (N,)`` if it is class-conditional), in eval mode, in bits per code position."""
     check_positive_int("batch_size", batch_size)
     if codes.shape[0] == 0:
         raise ValueError("no code grids to evaluate")
