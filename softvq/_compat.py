@@ -3,6 +3,8 @@
 - State dicts: each layer's ``_load_from_state_dict`` calls :func:`upgrade_state_dict` (:func:`upgrade_ddcl_state_dict`
   for ``DDCLQuantizer``), so a checkpoint saved before the layers were composed of :mod:`softvq.parts` (its buffers at
   the layer's top level, under their former names) loads into today's layer unchanged in value.
+- The extra state (:func:`ddcl_extra_state`, :func:`load_ddcl_extra_state`): what ``DDCLQuantizer`` saves besides its
+  tensors (the temperature, whether data initialisation ran, the restart count, the layout's version), and its reading.
 - Options: a model's recorded ``quantizer_kwargs`` (:func:`upgrade_quantizer_kwargs`, when a checkpoint is loaded) and a
   run's recorded settings (:func:`upgrade_settings`, when a run is resumed) take today's option names, and a setting
   a record predates counts as the value it had then (:data:`PREDATED`).
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from softvq._checks import check_float
 
 # former top-level buffer name -> its place in today's parts (both layers' former vocabularies)
 _RENAMED = {
@@ -55,6 +59,26 @@ def upgrade_ddcl_state_dict(layer: nn.Module, state_dict: dict[str, Any], prefix
     state_dict.setdefault(prefix + "ema.weighted_sum", prototypes.detach().clone())
     for name, value in type(layer.standardizer)(layer.dim).state_dict().items():  # a fresh one: never used by v1
         state_dict.setdefault(f"{prefix}standardizer.{name}", value)
+
+
+def ddcl_extra_state(layer: nn.Module) -> dict[str, Any]:
+    """What a :class:`softvq.DDCLQuantizer` saves besides its tensors (its ``get_extra_state``): the temperature (its
+    ``temperature_control``'s ``T``, ``None`` until calibrated), whether data initialisation ran, the restart count
+    and the layout's version (``layer.VERSION``; a state without one is version 1, the plain layer)."""
+    return {"temperature": layer.temperature, "initialized": layer._initialized, "restarts": layer.restarts,
+            "version": layer.VERSION}
+
+
+def load_ddcl_extra_state(layer: nn.Module, state: dict[str, Any]) -> None:
+    """Restore what :func:`ddcl_extra_state` saved (its ``set_extra_state``); a state of version 1 has no restart
+    count. A ValueError for anything else (a checkpoint of another layer)."""
+    if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
+        raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
+                         f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
+    t = state["temperature"]
+    layer.temperature_control.load(None if t is None else check_float("temperature", t))
+    layer._initialized = bool(state["initialized"])
+    layer.dead_codes.restart_count.fill_(int(state.get("restarts", 0)))
 
 
 def become_plain(layer: nn.Module) -> None:

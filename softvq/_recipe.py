@@ -1,5 +1,5 @@
-"""The in-layer recipe of :class:`softvq.DDCLQuantizer`: resolving its options, refusing the ones that have no effect,
-and deciding whether a training batch can start the codebook.
+"""The in-layer recipe of :class:`softvq.DDCLQuantizer`: checking and resolving its options, refusing the ones that have
+no effect, and deciding whether a training batch can start the codebook.
 
 The mechanisms the recipe attaches are the modules of :mod:`softvq.parts` (the temperature control, EMA prototypes,
 dead-code restart, the token standardiser); this module only says which options they get. ``recipe="auto"`` gives
@@ -15,8 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from softvq._checks import check_bool, check_choice, check_float, check_unit
+from softvq._checks import check_bool, check_choice, check_float, check_positive_int, check_unit
 from softvq._collectives import all_reduce_sum_, is_distributed
+
+TERMS = ("l_q", "l_ols", "free_energy")  # the terms codebook_term and commitment_term name
+
+# The options the layer holds itself; a part holds each of the others (PartOption below).
+LAYER_OPTIONS = ("num_codes", "dim", "recipe", "distance", "codebook_term", "commitment_term", "codebook_weight",
+                 "commitment_weight", "init", "check_finite", "top_k", "channel_first", "standardize", "output_scale",
+                 "hard_output", "prototype_update")
 
 
 def _is_auto(value: object) -> bool:
@@ -58,6 +65,45 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         "dead_code_threshold": check_float("dead_code_threshold", (1.0 if auto else 0.0) if _is_auto(
             dead_code_threshold) else dead_code_threshold, allow_zero=True),
     }
+
+
+def check_options(given: dict[str, Any]) -> dict[str, Any]:
+    """``DDCLQuantizer``'s options (``given``: every argument of its constructor, as passed) checked, with the recipe's
+    values resolved (:func:`resolve`): what the layer and its parts are built from. The parts check the options they
+    own themselves (``renorm_clip``, ``temperature_rate``, ``dead_code_decay``, ...), when they are built."""
+    o = dict(given)
+    o["num_codes"] = check_positive_int("num_codes", o["num_codes"])
+    o["dim"] = check_positive_int("dim", o["dim"])
+    o["recipe"] = check_choice("recipe", o["recipe"], ("auto", "plain"))
+    o["distance"] = check_choice("distance", o["distance"], ("euclidean", "cosine"))
+    o["codebook_term"] = check_choice("codebook_term", o["codebook_term"], TERMS)
+    o["commitment_term"] = check_choice("commitment_term", o["commitment_term"], (*TERMS, "hard"))
+    o["codebook_weight"] = check_float("codebook_weight", o["codebook_weight"], allow_zero=True)
+    o["commitment_weight"] = check_float("commitment_weight", o["commitment_weight"], allow_zero=True)
+    o["init"] = check_choice("init", o["init"], ("data", "normal"))
+    o["init_scale"] = check_float("init_scale", o["init_scale"])
+    o["check_finite"] = check_bool("check_finite", o["check_finite"])
+    o["top_k"] = None if o["top_k"] is None else check_positive_int("top_k", o["top_k"])
+    o["channel_first"] = check_bool("channel_first", o["channel_first"])
+    o.update(resolve(given["recipe"] == "auto", o["num_codes"], given["temperature"],
+                     **{name: given[name] for name in ("standardize", "output_scale", "hard_output", "prototype_update",
+                                                       "ema_decay", "target_entropy", "dead_code_threshold")}))
+    o["renorm"] = check_bool("renorm", o["renorm"])
+    return o
+
+
+def options_repr(layer: nn.Module) -> str:
+    """``DDCLQuantizer``'s options in effect, as its ``repr`` shows them (``temperature=auto`` until calibrated)."""
+    t = "auto" if not layer.temperature_control.ready else f"{layer.temperature:g}"
+    return (
+        f"num_codes={layer.num_codes}, dim={layer.dim}, recipe={layer.recipe!r}, temperature={t}, "
+        f"target_entropy={layer.target_entropy}, standardize={layer.standardize}, "
+        f"prototype_update={layer.prototype_update!r}, hard_output={layer.hard_output}, "
+        f"distance={layer.distance!r}, codebook={layer.codebook_weight:g}*{layer.codebook_term}, "
+        f"commitment={layer.commitment_weight:g}*{layer.commitment_term}, init={layer.init!r}, "
+        f"dead_code_threshold={layer.dead_code_threshold:g}, dead_code_cap={layer.dead_code_cap}"
+        + (f", top_k={layer.top_k}" if layer.top_k is not None else "")
+    )
 
 
 # Options that only act in some combinations: (option, the option it depends on, when it has no effect, why).

@@ -1,59 +1,41 @@
 """DDCL soft codebook: global prototypes, Boltzmann soft assignments, the argmax code with the soft centroid's gradient.
 
-Math (docs/design.md, "The layer: L_q = L_OLS + V"; arXiv 2604.03850). Tokens ``z_n``, prototypes ``p_k``,
-temperature ``T``::
+The math is docs/design.md, "The layer: L_q = L_OLS + V" (arXiv 2604.03850). This file holds :class:`DDCLQuantizer`:
+its options, state and codebook. The rest of the layer lives beside it:
 
-    d_nk  = ||z_n - p_k||^2                    (cosine: z and p L2-normalised first)
-    q_nk  = softmax_k(-d_nk / T)               assignments, rows sum to 1
-    mu_n  = sum_k q_nk p_k                     soft centroid (the output of recipe="plain"; the defaults output
-                                               the argmax code in the standardised space, with mu_n's gradient)
-    L_q   = mean_n sum_k q_nk d_nk             competitive loss
-    L_OLS = mean_n ||z_n - mu_n||^2            reconstruction term
-    V     = mean_n sum_k q_nk ||p_k - mu_n||^2 prototype variance, >= 0
-    L_q   = L_OLS + V                          exact identity
-
-The forward pass and its gradient are one :class:`torch.autograd.Function` (``softvq._soft_centroid``) so that
-distances take one ``(N, D) x (D, K)`` matmul, no ``(N, K, D)`` tensor is ever built, everything runs in float32
-(float64 for float64 input) under autocast, and the training objective can send *different* terms to the encoder
-and to the prototypes without recomputing the layer (see :class:`DDCLQuantizer`). The mechanisms the recipe adds are
-parts the layer holds (:mod:`softvq.parts`: ``standardizer``, ``temperature_control``, ``ema``, ``dead_codes``); which
-options they get is ``softvq._recipe``.
+- ``softvq/_ddcl_forward.py``: the forward pass, step by step;
+- ``softvq/_soft_centroid.py``: its core, one :class:`torch.autograd.Function`: one ``(N, D) x (D, K)`` matmul, no
+  ``(N, K, D)`` tensor, float32 (float64 for float64 input) under autocast, and *different* terms to the encoder and
+  to the prototypes without recomputing the layer;
+- the parts it holds (:mod:`softvq.parts`; docs/design.md, "Anatomy of the layer"): the temperature ``T`` and its
+  entropy control (``softvq/parts/temperature.py``), the EMA prototypes, dead-code restart and the token standardiser
+  (``softvq/norm.py``);
+- ``softvq/_recipe.py``: the options, checked, and which the parts get; ``softvq/_compat.py``: the extra state and
+  checkpoints of earlier layouts.
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq._checks import (
-    check_bool,
-    check_choice,
-    check_finite_state,
-    check_float,
-    check_indices,
-    check_positive_int,
-    flatten_tokens,
-)
-from softvq._collectives import codes_from_tokens, is_distributed
-from softvq._compat import upgrade_ddcl_state_dict
-from softvq._precision import apply_keeping_precision, compute_dtype
-from softvq._recipe import PartOption, can_start, inert_options, refuse_inert_options, resolve
-from softvq._replay import ForwardRecords, in_backward, replayed_prototypes
-from softvq._soft_centroid import Objective, _SoftCentroid
+from softvq._checks import check_finite_state, check_indices
+from softvq._compat import ddcl_extra_state, load_ddcl_extra_state, upgrade_ddcl_state_dict
+from softvq._ddcl_forward import evaluation_codes, forward_tokens, init_from_data
+from softvq._precision import apply_keeping_precision
+from softvq._recipe import LAYER_OPTIONS, PartOption, check_options, inert_options, options_repr, refuse_inert_options
+from softvq._recipe import TERMS as _TERMS  # noqa: F401 (importable from here)
+from softvq._replay import ForwardRecords
+from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
 from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
-from softvq.parts.restart import DeadCodeRestart, code_counts
+from softvq.parts.restart import DeadCodeRestart
 from softvq.parts.temperature import TemperatureControl
-from softvq.types import QuantizerOutput, channel_first_forward, empty_output, scatter_top_k
-
-Term = Literal["l_q", "l_ols", "free_energy"]
-CommitTerm = Literal["hard", "l_q", "l_ols", "free_energy"]
-_TERMS = ("l_q", "l_ols", "free_energy")
+from softvq.types import QuantizerOutput, channel_first_forward
 
 
 class DDCLQuantizer(nn.Module):
@@ -67,20 +49,17 @@ class DDCLQuantizer(nn.Module):
     ``identity_residual = |l_q - l_ols - v| / l_q`` (float rounding: the identity is exact) and ``entropy`` H(Q).
 
     **The recipe is in the layer** (``recipe="auto"``): ``DDCLQuantizer(K, D)`` trains collapse-free as the bottleneck
-    of any model under any optimizer, with nothing else to set. It is composed of four parts (:mod:`softvq.parts`;
-    docs/design.md, "Anatomy of the layer"): ``standardizer`` standardises tokens per dimension, so the encoder cannot
-    shrink what the codebook sees; ``temperature_control`` calibrates ``T`` on the first training batch and holds
-    H(Q) at ``target_entropy``; ``ema`` moves each prototype toward the tokens it wins (a k-means step independent of
-    the optimizer); ``dead_codes`` restarts a prototype that wins too little on a token of the batch. How each default
-    was chosen: docs/design.md, "The recipe inside the layer". ``recipe="plain"`` is the paper's layer: no
-    standardisation, a fixed ``T`` (1.0 unless given), prototypes trained by the gradient (:func:`softvq.param_groups`),
-    the soft centroid as output, no restarts. An explicit option overrides the recipe's; one that has no effect in the
-    combination given (``ema_decay`` with ``prototype_update="gradient"``) is a ``ValueError`` naming both options.
+    of any model under any optimizer, with nothing else to set. Its parts (:mod:`softvq.parts`; docs/design.md,
+    "Anatomy of the layer"): ``standardizer`` (tokens standardised per dimension), ``temperature_control`` (``T``,
+    calibrated on the first training batch, then holding H(Q) at ``target_entropy``), ``ema`` (a k-means step) and
+    ``dead_codes`` (restarts); what each does and how its default was chosen, and ``recipe="plain"``, the paper's
+    layer: docs/design.md, "The recipe inside the layer". An explicit option overrides the recipe's; one that has no
+    effect in the combination given (``ema_decay`` with ``prototype_update="gradient"``) is a ``ValueError`` naming
+    both options.
 
-    What reaches what (gradient-trained prototypes): ``codebook_weight * codebook_term(sg[z], P) / dim`` reaches only
-    the prototypes, ``commitment_weight * commitment_term(z, sg[P]) / dim`` only the encoder. Several calls before one
-    backward, activation checkpointing, gradient accumulation, the precision of the state (float32 under ``.half()``)
-    and steps without a host-device synchronisation (``check_finite=False``, ``torch.compile(fullgraph=True)``):
+    What reaches what (the codebook term: gradient-trained prototypes only; the commitment term: the encoder only):
+    docs/design.md, "What reaches the encoder and what reaches the prototypes". Several calls before one backward,
+    checkpointing, gradient accumulation, ``.half()`` and steps without a host-device synchronisation:
     docs/design.md, "Anatomy of the layer".
 
     Args:
@@ -153,9 +132,9 @@ class DDCLQuantizer(nn.Module):
         ema_decay: float = 0.99,
         hard_output: bool | Literal["auto"] = "auto",
         distance: Literal["euclidean", "cosine"] = "euclidean",
-        codebook_term: Term = "free_energy",
+        codebook_term: Literal["l_q", "l_ols", "free_energy"] = "free_energy",
         codebook_weight: float = 1.0,
-        commitment_term: CommitTerm = "hard",
+        commitment_term: Literal["hard", "l_q", "l_ols", "free_energy"] = "hard",
         commitment_weight: float = 0.0,
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
@@ -167,41 +146,20 @@ class DDCLQuantizer(nn.Module):
         check_finite: bool = True,
     ) -> None:
         super().__init__()
-        self.num_codes = check_positive_int("num_codes", num_codes)
-        self.dim = check_positive_int("dim", dim)
-        self.recipe = check_choice("recipe", recipe, ("auto", "plain"))
-        self.distance = check_choice("distance", distance, ("euclidean", "cosine"))
-        self.codebook_term = check_choice("codebook_term", codebook_term, _TERMS)
-        self.commitment_term = check_choice("commitment_term", commitment_term, (*_TERMS, "hard"))
-        self.codebook_weight = check_float("codebook_weight", codebook_weight, allow_zero=True)
-        self.commitment_weight = check_float("commitment_weight", commitment_weight, allow_zero=True)
-        self.init = check_choice("init", init, ("data", "normal"))
-        init_scale = check_float("init_scale", init_scale)
-        self.check_finite = check_bool("check_finite", check_finite)
-        self.top_k = None if top_k is None else check_positive_int("top_k", top_k)
-        self.channel_first = check_bool("channel_first", channel_first)
-        resolved = resolve(recipe == "auto", self.num_codes, temperature, standardize=standardize,
-                           output_scale=output_scale, hard_output=hard_output, prototype_update=prototype_update,
-                           ema_decay=ema_decay, target_entropy=target_entropy, dead_code_threshold=dead_code_threshold)
-        self.standardize: bool = resolved["standardize"]
-        self.output_scale: str | float = resolved["output_scale"]
-        self.hard_output: bool = resolved["hard_output"]
-        self.prototype_update: str = resolved["prototype_update"]
+        given = {name: value for name, value in locals().items() if name in _DEFAULTS}  # every option, as passed
+        o = check_options(given)  # checked, with the recipe's values resolved (softvq._recipe)
+        for name in LAYER_OPTIONS:  # the options the layer holds itself
+            setattr(self, name, o[name])
         # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its options and state.
-        self.standardizer = TokenStandardizer(dim, renorm=check_bool("renorm", renorm), renorm_clip=renorm_clip)
-        self.temperature_control = TemperatureControl(num_codes, resolved["temperature"], resolved["target_entropy"],
-                                                      temperature_rate)
-        self.dead_codes = DeadCodeRestart(num_codes, resolved["dead_code_threshold"], dead_code_decay, dead_code_cap)
-        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * init_scale,  # (K, D)
+        self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=renorm_clip)
+        self.temperature_control = TemperatureControl(num_codes, o["temperature"], o["target_entropy"],
+                                                      temperature_rate)  # T lives there
+        self.dead_codes = DeadCodeRestart(num_codes, o["dead_code_threshold"], dead_code_decay, dead_code_cap)
+        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * o["init_scale"],  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
-        self.ema = EmaPrototypes(self.prototypes, resolved["ema_decay"])
-        refuse_inert_options(
-            self, {"codebook_term": codebook_term, "codebook_weight": codebook_weight, "output_scale": output_scale,
-                   "renorm": renorm, "renorm_clip": self.standardizer.renorm_clip, "ema_decay": ema_decay,
-                   "temperature_rate": temperature_rate, "init_scale": init_scale,
-                   "dead_code_decay": dead_code_decay, "dead_code_cap": dead_code_cap,
-                   "commitment_term": commitment_term},
-            _DEFAULTS)
+        self.ema = EmaPrototypes(self.prototypes, o["ema_decay"])
+        refuse_inert_options(self, {**given, "renorm_clip": self.standardizer.renorm_clip,
+                                    "init_scale": o["init_scale"]}, _DEFAULTS)
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved by get_extra_state.
         self._initialized = init != "data"
         self._warned_start = False  # a batch that could not start the codebook has been reported
@@ -253,17 +211,10 @@ class DDCLQuantizer(nn.Module):
     inert_options = inert_options  # the options without effect in this combination (softvq._recipe)
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "initialized": self._initialized, "restarts": self.restarts,
-                "version": self.VERSION}
+        return ddcl_extra_state(self)  # T, initialized, restarts, version (softvq._compat)
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
-            raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
-                             f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
-        t = state["temperature"]
-        self.temperature_control.load(None if t is None else check_float("temperature", t))
-        self._initialized = bool(state["initialized"])
-        self.dead_codes.restart_count.fill_(int(state.get("restarts", 0)))
+        load_ddcl_extra_state(self, state)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         upgrade_ddcl_state_dict(self, state_dict, prefix)  # a state dict of an earlier layout (softvq._compat)
@@ -277,33 +228,13 @@ class DDCLQuantizer(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        t = "auto" if not self.temperature_control.ready else f"{self.temperature:g}"
-        return (
-            f"num_codes={self.num_codes}, dim={self.dim}, recipe={self.recipe!r}, temperature={t}, "
-            f"target_entropy={self.target_entropy}, standardize={self.standardize}, "
-            f"prototype_update={self.prototype_update!r}, hard_output={self.hard_output}, "
-            f"distance={self.distance!r}, codebook={self.codebook_weight:g}*{self.codebook_term}, "
-            f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
-            f"dead_code_threshold={self.dead_code_threshold:g}, dead_code_cap={self.dead_code_cap}"
-            + (f", top_k={self.top_k}" if self.top_k is not None else "")
-        )
+        return options_repr(self)  # softvq._recipe
 
     # ---- codebook ---------------------------------------------------------------------------------------------
-    def _unit_codebook(self) -> Tensor:
-        """``(K, D)``, the prototypes in the space of the distances (standardised; L2-normalised for cosine)."""
-        p = self.prototypes.detach()
-        return F.normalize(p, dim=-1) if self.distance == "cosine" else p
-
     @property
     def codebook(self) -> Tensor:
         """``(K, D)``, the codes as the layer outputs them in evaluation (see ``output_scale``)."""
-        p = self._unit_codebook()
-        if self.standardize and self.output_scale == "input":
-            mean, std = self.standardizer.evaluation_statistics()
-            p = p * std.to(p.dtype) + mean.to(p.dtype)
-        elif self.standardize and not isinstance(self.output_scale, str):
-            p = p * self.output_scale
-        return p
+        return evaluation_codes(self)  # softvq._ddcl_forward
 
     def decode_indices(self, indices: Tensor) -> Tensor:
         """Map code indices ``(...)`` to their codes ``(..., D)`` (for ``channel_first``, ``(B, *spatial)`` to
@@ -324,22 +255,7 @@ class DDCLQuantizer(nn.Module):
         ``z`` together (:func:`softvq._collectives.codes_from_tokens`): every process gets the same prototypes, the
         ones a single process would draw from the concatenated batches.
         """
-        flat = flatten_tokens(z, self.dim, check_finite=True)
-        if flat.shape[0] == 0 and not is_distributed():
-            raise ValueError("init_from_data needs at least one token, got an empty tensor")
-        if self.standardize:
-            flat = self.standardizer.standardize(flat.to(compute_dtype(flat.dtype)))
-        self._init_from_tokens(flat)
-
-    @torch.no_grad()
-    def _init_from_tokens(self, flat: Tensor) -> None:
-        """:meth:`init_from_data` on validated tokens ``(N, D)``, without a synchronisation in one process."""
-        chosen = codes_from_tokens(flat, self.num_codes, self.prototypes.dtype)
-        if chosen is None:
-            raise ValueError("init_from_data needs at least one token, got an empty tensor")
-        self.prototypes.copy_(chosen)
-        self.ema.reset_(chosen)
-        self._initialized = True
+        init_from_data(self, z)  # softvq._ddcl_forward
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, z: Tensor) -> QuantizerOutput:
@@ -353,117 +269,10 @@ class DDCLQuantizer(nn.Module):
             return channel_first_forward(self._forward_tokens, z, self.dim)
         return self._forward_tokens(z)
 
-    def _forward_tokens(self, z: Tensor) -> QuantizerOutput:
-        flat = flatten_tokens(z, self.dim, check_finite=self.check_finite)  # (N, D)
-        lead = z.shape[:-1]
-        if flat.shape[0] == 0:
-            return empty_output(z, self.num_codes, self.prototypes,
-                                ("l_q", "l_ols", "v", "identity_residual", "entropy"))
-        ctype = compute_dtype(z.dtype)
-        # A training forward pass made during backward is a recomputation (activation checkpointing): it replays what
-        # the first pass read and changes no state (softvq._replay). Under torch.compile the compiler recomputes
-        # inside its own graph, and no Python runs in the backward pass.
-        eager = self.training and not torch.compiler.is_compiling()
-        recompute = eager and in_backward()
-        replay = self._records.replay() if recompute else None
-        update = self.training and not recompute
-        # a batch that cannot start the codebook (initialise it, calibrate T) is used for its output only
-        start = update and not (self._initialized and self.temperature_control.ready)
-        deferred = start and not can_start(self, flat)
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            zf, mean, std = self._codebook_space(flat.to(ctype), update, update and not deferred)
-            p_raw = self.prototypes.to(ctype)
-            if replay is not None:
-                p_raw = replayed_prototypes(p_raw, replay)
-            p = F.normalize(p_raw, dim=-1) if self.distance == "cosine" else p_raw
-            control = self.temperature_control
-            if replay is not None:
-                temperature = replay.temperature
-            elif control.ready:
-                temperature = control.temperature_t
-            else:  # set by the first training batch; evaluation before it calibrates, keeps nothing
-                temperature = control.calibrate(zf.detach(), p.detach(), keep=update and not deferred)
-            record = self._records.push(p_raw, temperature) if eager and update else None
-            mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(zf, p, temperature, self._objective(), record,
-                                                                      self.top_k or 0)
-            out = mu
-            if self.hard_output or self.commitment_term == "hard":
-                codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
-                if self.hard_output:
-                    # the code in value, bit for bit (mu - sg(mu) is exactly 0), and the soft centroid's Jacobian
-                    out = codes + (mu - mu.detach())
-                if self.commitment_term == "hard" and self.commitment_weight > 0:
-                    loss = loss + self.commitment_weight * F.mse_loss(zf, codes)
-            if std is not None and self.output_scale == "input":
-                out = out * std + mean
-            elif std is not None and not isinstance(self.output_scale, str):
-                out = out * self.output_scale
-        l_q, l_ols, v, entropy = stats.unbind()
-        # top-k: ``q`` is (N, k), the assignments of the prototypes ``chosen``; kept so (the caller asks for dense)
-        sparse = chosen.numel() > 0
-        if update and not deferred:
-            soft = q.detach()
-            if sparse and self.prototype_update == "soft_ema":  # its M-step reads every code's (N, K) column
-                soft = scatter_top_k(soft, chosen, self.num_codes)
-            self._after_step(zf.detach(), soft, indices, entropy)
-        residual = (l_q - l_ols - v).abs() / l_q.abs().clamp_min(torch.finfo(stats.dtype).tiny)
-        terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual, "entropy": entropy}
-        return QuantizerOutput(
-            quantized=out.to(z.dtype).reshape(z.shape),
-            indices=indices.reshape(lead),
-            probs=q.reshape(*lead, q.shape[-1]),
-            loss=loss,
-            terms=terms,
-            prob_codes=chosen.reshape(*lead, chosen.shape[-1]) if sparse else None,
-        )
-
-    def _codebook_space(self, zf: Tensor, update: bool, update_codebook: bool) -> tuple[Tensor, Tensor | None,
-                                                                                      Tensor | None]:
-        """Tokens ``(N, D)`` in the compute dtype -> the tokens the distances see (standardised; L2-normalised for
-        cosine) and the standardiser's ``mean`` and ``std`` (``None`` without ``standardize``). With ``update`` (a
-        training step, not a recomputation) moves the standardiser's running statistics; with ``update_codebook``
-        (such a step on a batch that can start the codebook) first initialises the prototypes from data and restarts
-        dead codes, both on the standardised tokens."""
-        mean = std = None
-        if self.standardize:
-            zf, mean, std = self.standardizer(zf, update=update)
-        if not self._initialized:
-            if update_codebook:
-                self._init_from_tokens(zf.detach())
-            elif not self.training:
-                warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
-                              "its prototypes: it is using random placeholder prototypes", stacklevel=4)
-        if update_codebook and self.dead_code_threshold > 0:  # before the forward: no tensor saved for backward moves
-            dead = self.dead_codes.restart_(self.prototypes.data, zf.detach())
-            self.ema.restart_(dead, self.prototypes.data, 1.0)  # a restarted code's EMA: one pseudo-token there
-        if self.distance == "cosine":
-            zf = F.normalize(zf, dim=-1)
-        return zf, mean, std
-
-    def _objective(self) -> Objective:
-        """The terms the autograd function computes: the codebook term only for gradient-trained prototypes, the
-        commitment term unless it is ``"hard"`` (added outside it)."""
-        soft_commitment = ("l_ols", 0.0) if self.commitment_term == "hard" else (self.commitment_term,
-                                                                                  self.commitment_weight)
-        return Objective(self.codebook_term, self.codebook_weight if self.prototype_update == "gradient" else 0.0,
-                         *soft_commitment)
-
-
-    @torch.no_grad()
-    def _after_step(self, z: Tensor, q: Tensor, indices: Tensor, entropy: Tensor) -> None:
-        """After a training forward: the usage for dead-code restart, the EMA prototype update and the temperature
-        control, each with its statistics summed over processes (every process ends with the same state). No
-        host-device synchronisation."""
-        if self.dead_code_threshold > 0 or self.prototype_update == "ema":
-            counts = code_counts(indices, self.num_codes, self.dead_codes.usage.dtype)
-            if self.dead_code_threshold > 0:
-                self.dead_codes.update(counts)
-        if self.prototype_update == "ema":
-            self.ema.step_(self.prototypes, z, indices=indices, counts=counts)
-        elif self.prototype_update == "soft_ema":  # the free-energy M-step, tokens weighted by their assignments
-            self.ema.step_(self.prototypes, z, q=q)
-        self.temperature_control.step(entropy, indices.numel())
+    # The forward pass on channel-last tokens, step by step: softvq/_ddcl_forward.py.
+    _forward_tokens = forward_tokens
 
 
 # The constructor's defaults, which an inert option is compared with (softvq._recipe.refuse_inert_options).
-_DEFAULTS: dict[str, Any] = {k: p.default for k, p in inspect.signature(DDCLQuantizer.__init__).parameters.items()}
+_DEFAULTS: dict[str, Any] = {k: p.default for k, p in inspect.signature(DDCLQuantizer.__init__).parameters.items()
+                              if k != "self"}

@@ -2,7 +2,9 @@
 separated; T -> 0 is hard VQ).
 
 Two ways: :func:`anneal_temperature`, a schedule over the run's progress, and :func:`adapt_temperature`, a feedback
-rule that keeps the assignments' entropy H(Q) at a target, i.e. ties T to the current distance scale.
+rule that keeps the assignments' entropy H(Q) at a target, i.e. ties T to the current distance scale. The rule itself
+lives in ``softvq/parts/temperature.py`` (:func:`softvq.parts.temperature.entropy_control_factor`), with the
+temperature of a DDCL layer (:class:`softvq.parts.TemperatureControl`); this is its form on Python floats.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 from typing import Literal
 
 from softvq._checks import check_choice, check_float
+from softvq.parts.temperature import entropy_control_factor
 
 Schedule = Literal["constant", "linear", "cosine", "exponential"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine", "exponential")
@@ -68,4 +71,4 @@ def adapt_temperature(temperature: float, entropy: float, target_entropy: float,
     rate = check_float("rate", rate)
     entropy = check_float("entropy", entropy, allow_zero=True)
     target_entropy = check_float("target_entropy", target_entropy, allow_zero=True)
-    return temperature * math.exp(rate * (target_entropy - entropy))
+    return temperature * entropy_control_factor(entropy, target_entropy, rate)  # the rule: softvq/parts/temperature.py

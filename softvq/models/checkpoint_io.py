@@ -1,4 +1,5 @@
-"""Loading the files this project writes with ``torch.save`` (checkpoints, code caches) without running code.
+"""Loading the files this project writes with ``torch.save`` (checkpoints, code caches) without running code, and
+the global RNG states a VQ-VAE checkpoint carries in plain types (:func:`save_rng_state`, :func:`load_rng_state`).
 
 A ``.ckpt`` or ``.pt`` file is a pickle: unpickled in full it can execute anything its author chose. Every loader
 here passes ``weights_only=True`` explicitly (so ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` cannot turn it off): tensors,
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 # Lightning saves a data module's ``state_dict()`` under its class name; CIFAR10DataModule's holds the class names.
@@ -77,3 +80,24 @@ def load_torch_file(path: str | os.PathLike, what: str = "checkpoint",
             f"(this project writes no such files)") from err
     except Exception as err:  # truncated zip, not a torch file, ...
         raise ValueError(f"{what} {path} is truncated or corrupt ({type(err).__name__}: {_one_line(err)})") from err
+
+
+def save_rng_state(checkpoint: dict[str, Any]) -> None:
+    """Put the global RNG states (torch, Python, NumPy) into a Lightning ``checkpoint`` under ``"softvq_rng"``, so a
+    resumed run draws the same data order and restarts as an uninterrupted one (exactly so with num_workers=0 or
+    non-persistent workers on CPU; Lightning does not save them itself). Plain types only, so that Lightning's
+    weights_only loading accepts the checkpoint."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    checkpoint["softvq_rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                                "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                          int(has_gauss), float(cached)]}
+
+
+def load_rng_state(checkpoint: dict[str, Any]) -> None:
+    """Restore the global RNG states :func:`save_rng_state` put into ``checkpoint`` (nothing if it has none)."""
+    state = checkpoint.get("softvq_rng")
+    if state is not None:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

@@ -2,18 +2,17 @@
 
 A VQ-VAE becomes a generative model once a prior over its discrete codes can be sampled: draw a code grid from
 the prior, decode it with the VQ-VAE's decoder. The prior records which VQ-VAE its codes came from (path, SHA-256,
-``K``, latent grid), and :func:`check_pairing` refuses a VQ-VAE of another ``K`` or grid.
+``K``, latent grid), and :func:`check_pairing` refuses a VQ-VAE of another ``K`` or grid (both in ``_pairing.py``);
+its scores in bits (:func:`evaluate_prior` and the unigram baselines) are ``_prior_scores.py``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from dataclasses import asdict
+from typing import Any
 
 import lightning as L
 import torch
@@ -23,40 +22,16 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from softvq._checks import check_choice, check_float, check_non_negative_int, check_positive_int
+from softvq.models._pairing import VQVAERecord, check_pairing, latent_grid, vqvae_record
+from softvq.models._prior_scores import LN2, PriorEvaluation, evaluate_prior, unigram_bits, unigram_cross_entropy_bits
 from softvq.models.loading import load_module
 from softvq.models.transformer import CodeTransformer, PriorConfig
-from softvq.models.vqvae import VQVAE
 
-log = logging.getLogger("softvq")
-LN2 = math.log(2.0)
-
-
-@dataclass(frozen=True)
-class VQVAERecord:
-    """Which VQ-VAE a prior's codes come from; saved in the prior's hyperparameters."""
-
-    path: str  # the VQ-VAE checkpoint the training codes were extracted from, as it was given
-    sha256: str  # that file's SHA-256: the identity sample.py checks (paths move, contents do not)
-    num_codes: int  # K, the codebook size
-    height: int  # rows of the latent grid
-    width: int  # columns of the latent grid
-    quantizer: str  # the VQ-VAE's quantizer ("ddcl", "hard", or a class name)
-    image_size: int = 32  # side of the square images the codes were extracted from
-    classes: list[str] | None = None  # the data's class names in label order (a conditional prior's labels); None: old
-
-
-def latent_grid(model: VQVAE, image_size: int = 32) -> tuple[int, int]:
-    """``(h, w)`` of the code grid ``model.encode`` gives for square images of side ``image_size``."""
-    factor = 2 ** model.downsamples
-    return image_size // factor, image_size // factor
-
-
-def vqvae_record(model: VQVAE, path: str | os.PathLike, sha256: str, image_size: int = 32,
-                 classes: Sequence[str] | None = None) -> VQVAERecord:
-    """The :class:`VQVAERecord` of a loaded VQ-VAE checkpoint (``classes``: the data's class names, label order)."""
-    h, w = latent_grid(model, image_size)
-    return VQVAERecord(str(path), sha256, int(model.num_codes), h, w, str(model.quantizer_name), image_size,
-                       None if classes is None else list(classes))
+# Also importable from here: the VQ-VAE record and pairing check (softvq.models._pairing) and the prior's scores
+# (softvq.models._prior_scores).
+__all__ = ["LN2", "CodePrior", "PriorEvaluation", "VQVAERecord", "check_pairing", "check_temperature_top_k",
+           "class_index", "evaluate_prior", "format_prior_record", "guide", "latent_grid", "load_prior",
+           "unigram_bits", "unigram_cross_entropy_bits", "vqvae_record"]
 
 
 class CodePrior(L.LightningModule):
@@ -310,60 +285,6 @@ def class_index(value: str | int, classes: tuple[str, ...]) -> int:
     return index
 
 
-class PriorEvaluation(NamedTuple):
-    """What :func:`evaluate_prior` returns.
-
-    Attributes:
-        bits_per_position: mean NLL over every code position of every sequence, in bits.
-        position_bits: ``(h, w)`` mean NLL in bits at each grid position.
-        sequences: number of code grids evaluated.
-    """
-
-    bits_per_position: float
-    position_bits: Tensor
-    sequences: int
-
-
-@torch.no_grad()
-def evaluate_prior(prior: CodePrior, codes: Tensor, labels: Tensor | None = None,
-                   batch_size: int = 500) -> PriorEvaluation:
-    """The prior's NLL on code grids ``codes (N, h, w)`` (with ``labels (N,)`` if it is class-conditional), in eval
-    mode, in bits per code position."""
-    check_positive_int("batch_size", batch_size)
-    if codes.shape[0] == 0:
-        raise ValueError("no code grids to evaluate")
-    was_training = prior.training
-    prior.eval()
-    total = torch.zeros(prior.config.length, dtype=torch.float64)
-    try:
-        for start in range(0, codes.shape[0], batch_size):
-            chunk = codes[start:start + batch_size].to(prior.device)
-            y = None if not prior.conditional else labels[start:start + batch_size].to(prior.device)
-            total += prior.nll(chunk, y).double().sum(0).cpu()
-    finally:
-        prior.train(was_training)
-    per_position = total / codes.shape[0] / LN2
-    grid = per_position.reshape(prior.config.height, prior.config.width).float()
-    return PriorEvaluation(float(per_position.mean()), grid, int(codes.shape[0]))
-
-
-def unigram_bits(codes: Tensor, num_codes: int) -> float:
-    """Entropy in bits of the empirical code distribution of ``codes`` (any shape): ``log2(perplexity)``. The NLL of
-    a prior that knew these very frequencies and ignored context; what a context model must beat."""
-    counts = torch.bincount(codes.reshape(-1).long(), minlength=num_codes).double()
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log2()).sum())
-
-
-def unigram_cross_entropy_bits(train: Tensor, test: Tensor, num_codes: int, pseudo_count: float = 0.5) -> float:
-    """Bits per code of ``test`` under the code frequencies of ``train`` (add-``pseudo_count`` smoothing): the NLL of
-    a context-free prior fitted on the training codes, a fair baseline for a prior's test NLL."""
-    check_float("pseudo_count", pseudo_count)
-    counts = torch.bincount(train.reshape(-1).long(), minlength=num_codes).double() + pseudo_count
-    log_p = (counts / counts.sum()).log2()
-    return float(-log_p[test.reshape(-1).long()].mean())
-
-
 def load_prior(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> CodePrior:
     """A trained :class:`CodePrior` from a checkpoint of ``train_prior.py``, in eval mode with frozen weights.
 
@@ -374,37 +295,3 @@ def load_prior(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     return load_module(CodePrior, path, "prior", map_location).requires_grad_(False)
 
 
-def check_pairing(prior: CodePrior, vqvae: VQVAE, sha256: str, vqvae_path: str | os.PathLike = "the VQ-VAE",
-                  allow_other_vqvae: bool = False) -> None:
-    """Refuse to pair a prior with a VQ-VAE whose codes it does not model.
-
-    Args:
-        prior: a trained prior (its :attr:`CodePrior.vqvae` record is compared).
-        vqvae: the VQ-VAE that will decode the samples.
-        sha256: SHA-256 of that VQ-VAE's checkpoint file.
-        vqvae_path: its path, for the messages.
-        allow_other_vqvae: accept a VQ-VAE of the same ``K`` and grid but another checkpoint (a warning only).
-
-    Raises:
-        ValueError: no record in the prior; another ``K``; another latent grid; another checkpoint (unless
-            ``allow_other_vqvae``). Each message names both sides.
-    """
-    rec = prior.vqvae
-    if rec is None:
-        raise ValueError("this prior holds no record of the VQ-VAE its codes came from (it was not trained by "
-                         "train_prior.py), so no VQ-VAE can be checked against it")
-    origin = f"the VQ-VAE it was trained on ({rec.path}, sha256 {rec.sha256[:16]}...)"
-    if vqvae.num_codes != rec.num_codes:
-        raise ValueError(f"the prior models codes of a VQ-VAE with K={rec.num_codes} codes, but {vqvae_path} has "
-                         f"K={vqvae.num_codes}; decode its samples with {origin}")
-    grid = latent_grid(vqvae, rec.image_size)
-    if grid != (rec.height, rec.width):
-        raise ValueError(f"the prior models {rec.height}x{rec.width} code grids, but {vqvae_path} encodes "
-                         f"{rec.image_size}x{rec.image_size} images into {grid[0]}x{grid[1]} grids; decode its "
-                         f"samples with {origin}")
-    if sha256 != rec.sha256:
-        message = (f"{vqvae_path} (sha256 {sha256[:16]}...) is not {origin}: same K={rec.num_codes} and grid, but "
-                   f"other codes, so the samples would be meaningless")
-        if not allow_other_vqvae:
-            raise ValueError(message + "; pass the original checkpoint (or --allow-other-vqvae to decode anyway)")
-        log.warning(message)

@@ -1,34 +1,37 @@
 """VQVAE: encoder -> any softvq quantizer -> decoder, as a LightningModule with per-epoch codebook health.
 
 Its parts live beside it: the encoder and decoder in ``autoencoder.py``; the quantizer names, their defaults and
-``LatentNorm`` in ``bottleneck.py``; what the model measures and the per-epoch record in ``_epoch_metrics.py`` (a
-mixin of :class:`VQVAE`), with a hierarchy's per-level keys in ``_hierarchy.py``; checkpoint loading in
-``loading.py``. The names those modules took from here are still importable from here.
+``LatentNorm`` in ``bottleneck.py``; how the model builds its quantizer and autoencoder in ``_build.py``; what the
+model does to its codebooks' temperature (a schedule or an entropy control, for layers that do not hold their own)
+in ``_temperature.py``; what the model measures and the per-epoch record in ``_epoch_metrics.py`` (functions of
+the model that its Lightning hooks call), with a hierarchy's per-level keys in ``_hierarchy.py``; what it refuses
+(bad images, NaN/Inf batches) in ``_batch_checks.py``; checkpoint loading in ``loading.py`` and the RNG states its
+checkpoints carry in ``checkpoint_io.py``. The names those modules took from here are still importable from here.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import lightning as L
-import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
 import softvq
+import softvq.models._epoch_metrics as metrics
 import softvq.models._hierarchy as hierarchy
-from softvq._checks import check_choice, check_float, check_positive_int
+import softvq.models._temperature as model_temperature
+from softvq._checks import check_float
 from softvq._collectives import all_reduce_sum_
 from softvq._compat import upgrade_quantizer_kwargs
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput, combine_levels
-from softvq.models._epoch_metrics import EpochMetrics
-from softvq.models._hierarchy import build_hierarchy, check_level_indices, level_views
-from softvq.models.autoencoder import Decoder, Encoder
+from softvq.models._batch_checks import check_finite_batch, check_images
+from softvq.models._build import build_autoencoder_, build_quantizer_
+from softvq.models._hierarchy import check_level_indices, level_views
 from softvq.models.bottleneck import (
     DDCL_TARGET_ENTROPY,
     HIERARCHY_DEFAULTS,
@@ -38,10 +41,10 @@ from softvq.models.bottleneck import (
     LatentNorm,
     build_quantizer,
 )
+from softvq.models.checkpoint_io import load_rng_state, save_rng_state
 from softvq.models.loading import load_module
 from softvq.optim import has_trainable_prototypes
 from softvq.residual import is_residual
-from softvq.schedule import SCHEDULES, anneal_temperature
 from softvq.types import QuantizerOutput
 
 # Also importable from here: the bottleneck names (softvq.models.bottleneck) and the checkpoint loader
@@ -67,7 +70,7 @@ class VQVAEOutput(NamedTuple):
     quantizer: QuantizerOutput | HierarchicalOutput
 
 
-class VQVAE(EpochMetrics, L.LightningModule):
+class VQVAE(L.LightningModule):
     """A VQ-VAE whose bottleneck is any softvq quantizer (DDCL soft codebook or hard straight-through VQ).
 
     Training loss: ``mse(reconstruction, x) + quantizer.loss`` (pixels in ``[0, 1]``). For a DDCL codebook the
@@ -145,113 +148,24 @@ class VQVAE(EpochMetrics, L.LightningModule):
         self.save_hyperparameters(ignore=["quantizer"] if isinstance(quantizer, nn.Module) else None)
         # Quantizer first, then encoder, decoder and latent norm: this order fixes the random initialisation and the
         # parameter order (saved optimizer states rely on it) and the state-dict keys.
-        self._build_quantizer(quantizer, num_codes, code_dim, quantizer_kwargs, temperature_schedule, levels,
-                              level_codes, level_pool, num_quantizers)
-        self._build_autoencoder(quantizer, code_dim, in_channels, width, res_hidden, res_blocks, downsamples,
-                                latent_norm)
+        # (softvq/models/_build.py)
+        build_quantizer_(self, quantizer, num_codes, code_dim, quantizer_kwargs, temperature_schedule, levels,
+                         level_codes, level_pool, num_quantizers)
+        build_autoencoder_(self, quantizer, code_dim, in_channels, width, res_hidden, res_blocks, downsamples,
+                           latent_norm)
         self.lr = check_float("lr", lr)
         self.eps = check_float("eps", eps)
-        self._check_temperature_settings(temperature_schedule, temperature_final, target_entropy, temperature_rate)
-        self._build_metrics()
-
-    def _build_quantizer(self, quantizer: str | nn.Module, num_codes: int, code_dim: int,
-                         quantizer_kwargs: dict[str, Any] | None, temperature_schedule: str, levels: int,
-                         level_codes: int | Sequence[int], level_pool: int, num_quantizers: int) -> None:
-        """Sets :attr:`quantizer` (the module), ``quantizer_name``, ``levels``, ``num_quantizers`` (residual levels),
-        ``level_num_codes`` (``None`` for a single level), ``num_codes`` (level 0's) and ``is_soft``."""
-        self.levels = check_positive_int("levels", levels)
-        self.num_quantizers = quantizer.num_quantizers if is_residual(quantizer) else \
-            check_positive_int("num_quantizers", num_quantizers)
-        residual = is_residual(quantizer) or quantizer in RESIDUAL_QUANTIZERS
-        if residual and (levels > 1 or temperature_schedule != "constant"):
-            raise ValueError(f"a residual quantizer sums its levels on one grid, each level with its own temperature "
-                             f"control: it takes neither levels > 1 (got {levels}) nor a temperature schedule (got "
-                             f"{temperature_schedule!r})")
-        if isinstance(quantizer, HierarchicalDDCL):
-            self.levels = quantizer.num_levels
-        elif levels > 1 and quantizer != "ddcl":
-            name = type(quantizer).__name__ if isinstance(quantizer, nn.Module) else repr(quantizer)
-            raise ValueError(f"levels={levels} stacks DDCL codebooks: it needs quantizer='ddcl', got {name}")
-        if isinstance(quantizer, nn.Module):
-            self.quantizer_name = type(quantizer).__name__
-            self.quantizer = quantizer
-        elif self.levels > 1:
-            self.quantizer_name = quantizer
-            self.quantizer = build_hierarchy(num_codes, code_dim, self.levels, level_codes, level_pool,
-                                             {**HIERARCHY_DEFAULTS, **(quantizer_kwargs or {})})
-        else:
-            self.quantizer_name = quantizer
-            kwargs = dict(quantizer_kwargs or {})
-            if quantizer == "ddcl" and temperature_schedule != "constant":  # the schedule sets T, not the layer
-                kwargs.setdefault("target_entropy", None)
-            self.quantizer = build_quantizer(quantizer, num_codes, code_dim, num_quantizers=num_quantizers, **kwargs)
-        several = self.levels > 1 or is_residual(self.quantizer)
-        self.level_num_codes = tuple(layer.num_codes for layer in self._codebooks()) if several else None
-        self.num_codes = self.level_num_codes[0] if self.level_num_codes else \
-            int(getattr(self.quantizer, "num_codes", num_codes))
-        if getattr(self.quantizer, "dim", code_dim) != code_dim:
-            raise ValueError(f"the quantizer's dim ({self.quantizer.dim}) differs from code_dim ({code_dim})")
-        self.is_soft = not isinstance(self.quantizer, softvq.HardVQ | softvq.ResidualHardVQ)
-
-    def _build_autoencoder(self, quantizer: str | nn.Module, code_dim: int, in_channels: int, width: int,
-                           res_hidden: int, res_blocks: int, downsamples: int, latent_norm: str | None) -> None:
-        """Sets :attr:`encoder`, :attr:`decoder` (which sees every level's ``code_dim`` channels), ``latent_norm``
-        and :attr:`norm` (after :meth:`_build_quantizer`: it needs ``levels``)."""
-        self.in_channels = check_positive_int("in_channels", in_channels)
-        self.downsamples = check_positive_int("downsamples", downsamples)
-        self.encoder = Encoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim)
-        self.decoder = Decoder(in_channels, width, res_hidden, res_blocks, downsamples, code_dim * self.levels)
-        if latent_norm is None:  # a single DDCL layer standardises its own tokens
-            latent_norm = "batch" if quantizer == "ddcl" and self.levels > 1 else "none"
-        self.latent_norm = check_choice("latent_norm", latent_norm, LATENT_NORMS)
-        # Non-affine: the encoder cannot rescale what the quantizer sees (running statistics at eval).
-        self.norm = LatentNorm(code_dim) if latent_norm == "batch" else nn.Identity()
-
-    def _check_temperature_settings(self, temperature_schedule: str, temperature_final: float | None,
-                                    target_entropy: float | str | None, temperature_rate: float) -> None:
-        """Checks and sets ``temperature_schedule``, ``temperature_start`` (the quantizer's initial temperature),
-        ``temperature_final``, the model-side ``target_entropy`` and ``temperature_rate``.
-
-        Raises:
-            ValueError: a schedule without ``temperature_final`` or a quantizer temperature, a model-side target for a
-                layer that holds its own, or both a schedule and a target (naming the settings).
-        """
-        self.temperature_schedule = check_choice("temperature_schedule", temperature_schedule, SCHEDULES)
-        self.temperature_start = getattr(self._codebooks()[0], "temperature", None)
-        if self.temperature_schedule != "constant":
-            if self.temperature_start is None:
-                raise ValueError(f"temperature_schedule={temperature_schedule!r} needs a quantizer with a temperature")
-            if temperature_final is None:
-                raise ValueError(f"temperature_schedule={temperature_schedule!r} needs temperature_final")
-        self.temperature_final = None if temperature_final is None else check_float("temperature_final",
-                                                                                      temperature_final)
-        if target_entropy != "auto":
-            target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
-            if target_entropy is not None and self._layer_controls_temperature():
-                raise ValueError("target_entropy: the DDCL layer controls its own temperature; set it with "
-                                 "quantizer_kwargs={'target_entropy': ...} (softvq-train: --ddcl.target_entropy)")
-        self._target_entropy = target_entropy
-        self.temperature_rate = check_float("temperature_rate", temperature_rate)
-        if self.target_entropy is not None:
-            if self.temperature_start is None:
-                raise ValueError("target_entropy needs a quantizer with a temperature")
-            if self.temperature_schedule != "constant":
-                raise ValueError(f"target_entropy (entropy-controlled T) and temperature_schedule="
-                                 f"{temperature_schedule!r} both set the temperature; choose one")
-
-    def _layer_controls_temperature(self) -> bool:
-        return any(getattr(layer, "target_entropy", None) is not None for layer in self._codebooks())
+        # the model-side temperature (a schedule or an entropy control): softvq/models/_temperature.py
+        model_temperature.check_settings(self, temperature_schedule, temperature_final, target_entropy,
+                                         temperature_rate)
+        metrics.build(self)  # the per-epoch metrics (softvq/models/_epoch_metrics.py)
 
     @property
     def target_entropy(self) -> float | None:
         """The H(Q) this model holds its codebooks' temperatures at, or ``None`` (fixed, scheduled, or controlled by the
         layer itself). ``"auto"``: ``DDCL_TARGET_ENTROPY`` for plain DDCL layers (the hierarchy, ``recipe="plain"``,
         checkpoints from before the in-layer recipe) with a constant schedule."""
-        if self._target_entropy != "auto":
-            return self._target_entropy
-        plain = all(getattr(layer, "recipe", None) == "plain" for layer in self._codebooks())
-        auto = self.hparams.get("quantizer") == "ddcl" and self.temperature_schedule == "constant" and plain
-        return DDCL_TARGET_ENTROPY if auto else None
+        return model_temperature.target_entropy(self)
 
     def _codebooks(self) -> list[nn.Module]:
         """The codebook layers, level 0 first (the quantizer itself for a single level)."""
@@ -274,17 +188,6 @@ class VQVAE(EpochMetrics, L.LightningModule):
             self.quantizer.compile(**{"fullgraph": True, **compile_kwargs})
 
     # ---- model API -----------------------------------------------------------------------------------------
-    def _check_images(self, x: Tensor) -> None:
-        factor = 2 ** self.downsamples
-        if not isinstance(x, Tensor) or x.ndim != 4 or x.shape[1] != self.in_channels:
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"expected images of shape (B, {self.in_channels}, H, W), got {shape}")
-        if x.shape[2] % factor or x.shape[3] % factor:
-            raise ValueError(f"image height and width must be multiples of {factor} (2^downsamples), "
-                             f"got {tuple(x.shape[2:])}")
-        if not x.is_floating_point():
-            raise ValueError(f"expected float images in [0, 1], got dtype {x.dtype}")
-
     def _decode(self, z_q: Tensor | Sequence[Tensor]) -> Tensor:
         """Channel-last quantized tokens ``(B, h, w, D)`` -> images in ``[0, 1]`` units ``(B, C, H, W)``; with
         ``levels > 1`` one ``(B, h_l, w_l, D)`` tensor per level, upsampled to level 0's grid and concatenated."""
@@ -297,7 +200,7 @@ class VQVAE(EpochMetrics, L.LightningModule):
     def latents(self, x: Tensor) -> Tensor:
         """Images ``(B, C, H, W)`` in ``[0, 1]`` -> the latents the quantizer sees, ``(B, D, h, w)`` (after
         ``latent_norm``); what downstream readouts of a trained codebook should consume."""
-        self._check_images(x)
+        check_images(x, self.in_channels, self.downsamples)
         return self.norm(self.encoder(x - PIXEL_SHIFT))
 
     def forward(self, x: Tensor) -> VQVAEOutput:
@@ -341,20 +244,14 @@ class VQVAE(EpochMetrics, L.LightningModule):
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.temperature_schedule == "constant":
-            return
-        total = max(int(self.trainer.estimated_stepping_batches) - 1, 1)
-        temperature = anneal_temperature(
-            self.temperature_start, self.temperature_final, self.global_step / total, self.temperature_schedule)
-        for layer in self._codebooks():
-            layer.temperature = temperature
+        model_temperature.anneal_(self)  # a temperature schedule's T for this step (softvq/models/_temperature.py)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x = batch[0]
         fresh = [not getattr(layer, "initialized", True) for layer in self._codebooks()]
         latents = self.latents(x)
         where = f"training batch {batch_idx} of epoch {self.current_epoch + 1} (global step {self.global_step})"
-        self._check_finite(x, latents, where)
+        check_finite_batch(x, latents, where)
         out = self._quantize_decode(latents)
         rec = F.mse_loss(out.reconstruction, x)
         loss = rec + out.quantizer.loss
@@ -367,59 +264,54 @@ class VQVAE(EpochMetrics, L.LightningModule):
         n = x.shape[0]
         # a residual stack says how many levels ran (quantize dropout): a host number, no device sync
         ran = out.quantizer.terms.get("levels") if is_residual(self.quantizer) else None
-        entropies = self._update_train_metrics(views, rec.detach(), n, None if ran is None else int(ran))
+        entropies = metrics.update_train(self, views, rec.detach(), n, None if ran is None else int(ran))
         if self.target_entropy is not None:
-            self._control_temperature(entropies)
+            model_temperature.control_(self, entropies)  # softvq/models/_temperature.py
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
         self.log("train/mse", rec.detach(), batch_size=n)
         return loss
 
-    @staticmethod
-    def _check_finite(x: Tensor, latents: Tensor, where: str) -> None:
-        """Stops on NaN/Inf pixels (corrupt data) or latents (diverged training), naming ``where``.
+    # ---- per-epoch metrics: the hooks, each one function of softvq/models/_epoch_metrics.py -------------------
+    def on_train_epoch_start(self) -> None:
+        metrics.start_train_epoch(self)
 
-        Counted over every process (one all-reduce under DDP), so that all of them stop at the same step instead of
-        the others waiting forever in the next collective.
+    def epoch_summary(self) -> dict[str, Any]:
+        """This training epoch's record (the keys of ``history.jsonl``), computed once per epoch and step.
+
+        Call at the end of a training epoch on every process (the metrics synchronise across processes).
+        Validation keys are ``None`` when no validation ran this epoch.
         """
-        counts = torch.stack([(~torch.isfinite(x)).sum(), (~torch.isfinite(latents)).sum(),
-                              torch.tensor(x.numel(), device=x.device), torch.tensor(latents.numel(), device=x.device)])
-        bad_pixels, bad_latents, pixels, values = all_reduce_sum_(counts).tolist()
-        if bad_pixels:
-            raise FloatingPointError(f"{where} holds {bad_pixels} NaN/Inf pixel value(s) out of {pixels}: the "
-                                     f"data is corrupt")
-        if bad_latents:
-            raise FloatingPointError(f"the encoder produced {bad_latents} NaN/Inf latent value(s) out of {values} in "
-                                     f"{where}: training diverged (lower --lr?)")
+        return metrics.epoch_summary(self)
 
-    def _control_temperature(self, entropies: Sequence[Tensor | None]) -> None:
-        """Entropy-controlled temperature (:func:`softvq.adapt_temperature`) for the next step, each level its own,
-        from this step's H(Q) per level (``entropies``) averaged over processes: the same ``T`` on every process."""
-        trainer = self._trainer  # None when the step is called by hand
-        for layer, level_entropy in zip(self._codebooks(), entropies, strict=True):
-            if level_entropy is None:  # a level this step did not run
-                continue
-            mean_entropy = self.all_gather(level_entropy).mean() \
-                if trainer is not None and trainer.world_size > 1 else level_entropy
-            layer.temperature = softvq.adapt_temperature(
-                layer.temperature, float(mean_entropy), self.target_entropy, self.temperature_rate)
+    def on_train_epoch_end(self) -> None:
+        metrics.log_train_epoch(self)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor] | None:
+        return metrics.eval_step(self, batch, batch_idx)
+
+    def on_validation_epoch_start(self) -> None:
+        metrics.eval_reset(self)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics.end_validation_epoch(self)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        metrics.eval_step(self, batch, batch_idx)
+
+    def on_test_epoch_start(self) -> None:
+        metrics.eval_reset(self)
+
+    def on_test_epoch_end(self) -> None:
+        """Fills :attr:`test_summary` (the ``test_*`` keys) and :attr:`test_code_counts` (tokens per code, ``(K,)``,
+        summed over processes)."""
+        metrics.end_test_epoch(self)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The global RNG states, so a resumed run draws the same data order and restarts as an uninterrupted one
-        # (exactly so with num_workers=0 or non-persistent workers on CPU; Lightning does not save them itself).
-        # Plain types only, so that Lightning's weights_only loading accepts the checkpoint.
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        checkpoint["softvq_rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                                    "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
-                                              int(has_gauss), float(cached)]}
+        save_rng_state(checkpoint)  # so a resumed run draws as an uninterrupted one (models/checkpoint_io.py)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("softvq_rng")
-        if state is not None:
-            torch.set_rng_state(state["torch"])
-            random.setstate(state["python"])
-            name, keys, pos, has_gauss, cached = state["numpy"]
-            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        load_rng_state(checkpoint)
 
 
 def load_vqvae(path: str | os.PathLike, map_location: str | torch.device = "cpu", freeze: bool = True) -> VQVAE:

@@ -2,8 +2,10 @@
 
 :class:`TemperatureControl` owns ``T`` (a float64 tensor on the module's device), its calibration on the first
 training batch (:func:`calibrate_temperature`) and the entropy control after each training step
-(``log T <- log T + rate (H* - H)``, :func:`softvq.adapt_temperature` on the device). The stability bound of that
-control is :func:`max_stable_rate`. docs/design.md, "Anatomy of the layer", says which layer holds it.
+(``log T <- log T + rate (H* - H)``). That rule has one implementation, :func:`entropy_control_factor`, which both
+:meth:`TemperatureControl.step` (on the device) and :func:`softvq.adapt_temperature` (on Python floats: the model-side
+control of :class:`softvq.models.VQVAE`) call. The stability bound of the control is :func:`max_stable_rate`.
+docs/design.md, "Anatomy of the layer", says which layer holds it; annealing schedules are ``softvq/schedule.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ def max_varentropy(num_codes: int) -> float:
     logit = torch.linspace(-40.0, 40.0, 200_001, dtype=torch.float64)
     p = torch.sigmoid(logit)
     return float((p * (1 - p) * (logit + math.log(num_codes - 1)).square()).max())
+
+
+def entropy_control_factor(entropy: Tensor | float, target_entropy: float, rate: float) -> Tensor | float:
+    """The entropy control's rule, its one implementation: one step is ``T <- T * factor`` with
+    ``factor = exp(rate (target_entropy - entropy))``, so T falls while the assignments are softer than the target.
+
+    ``entropy`` a tensor: ``torch.exp``, on its device, no host-device synchronisation
+    (:meth:`TemperatureControl.step`); a Python float: ``math.exp`` (:func:`softvq.adapt_temperature`)."""
+    error = rate * (target_entropy - entropy)
+    return torch.exp(error) if isinstance(error, Tensor) else math.exp(error)
 
 
 def max_stable_rate(num_codes: int) -> float:
@@ -138,15 +150,16 @@ class TemperatureControl(nn.Module):
     @torch.no_grad()
     def step(self, entropy: Tensor, tokens: int) -> None:
         """After a training step whose ``tokens`` tokens had mean entropy ``entropy`` (a ``()`` tensor; the mean over
-        every process's tokens under ``torch.distributed``): ``T <- T exp(rate (target - H))``, bound as a new
-        tensor; a non-finite entropy leaves ``T`` unchanged. No host-device synchronisation."""
+        every process's tokens under ``torch.distributed``): ``T <- T exp(rate (target - H))``
+        (:func:`entropy_control_factor`, the rule's one implementation), bound as a new tensor; a non-finite entropy
+        leaves ``T`` unchanged. No host-device synchronisation."""
         if self.target_entropy is None:
             return
         if is_distributed():
             n = torch.full((), float(tokens), dtype=torch.float64, device=entropy.device)
             total = all_reduce_sum_(torch.stack([entropy.to(torch.float64) * n, n]))
             entropy = total[0] / total[1]
-        factor = torch.exp(self.rate * (self.target_entropy - entropy.to(self.temperature_t.dtype)))
+        factor = entropy_control_factor(entropy.to(self.temperature_t.dtype), self.target_entropy, self.rate)
         now = self.temperature_t
         # Bound, not written in place: a second forward pass before the first's backward must not change the T that
         # backward reads (an in-place write is a version-counter error under torch.compile).
