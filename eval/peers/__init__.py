@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -57,6 +58,7 @@ log = logging.getLogger("eval.peers")
 
 LABELS = {
     "ddcl": "softvq DDCL, defaults",
+    "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats (a candidate default)",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
     "vqp_fsq": "vqp FSQ [8,8,8]",
@@ -141,6 +143,11 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     extra = dict(overrides or {})
     if method == "ddcl":
         return softvq.DDCLQuantizer(num_codes, dim, **extra)
+    if method == "ddcl_wide":
+        # The candidate of docs/design.md "Training to the end": the default's min(2.5, log K / 2) without the 2.5 cap,
+        # held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token and the encoder's gradient
+        # (covariance of those prototypes) can span all D directions.
+        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
     if method == "hard_ema":
         return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "dead_code_threshold": 1.0, **extra})
     vqp = _vqp()
@@ -157,6 +164,13 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     if method == "vqp_simvq":
         return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes, **extra), "simvq", num_codes, dim)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def wide_entropy_target(num_codes: int, dim: int) -> float:
+    """``min(log K / 2, log(D + 1))`` nats: the entropy target of ``ddcl_wide`` (4.159 at K = 4096, D = 64)."""
+    if num_codes < 2 or dim < 1:
+        raise ValueError(f"the wide entropy target needs num_codes >= 2 and dim >= 1, got {num_codes} and {dim}")
+    return min(0.5 * math.log(num_codes), math.log(dim + 1))
 
 
 def fsq_levels(num_codes: int) -> list[int]:
