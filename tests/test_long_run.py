@@ -17,7 +17,7 @@ from helpers import json_strings
 
 from eval import long_run, reports
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
-from eval.long_run.report import steps_to_reach
+from eval.long_run.report import epoch_margins, steps_to_reach
 from softvq.models.callbacks import read_history
 from softvq.models.checkpoint_io import load_torch_file
 
@@ -187,6 +187,21 @@ def test_steps_to_reach_is_the_first_epoch_end_at_or_above_the_threshold():
     assert steps_to_reach([], [], 20.0) is None
     with pytest.raises(ValueError, match="same length"):
         steps_to_reach([1, 2], [20.0], 20.0)
+
+
+def test_a_candidate_setting_of_ddcl_is_margined_against_the_peers_and_is_never_the_best_peer():
+    def run(method, seed, curve):
+        return {"method": method, "seed": seed, "label": method,
+                "history": [{"epoch": e + 1, "step": 352 * (e + 1), "val_psnr_hard": v} for e, v in enumerate(curve)]}
+
+    methods = {"ddcl": [run("ddcl", 0, [24.0, 25.0])], "ddcl_wide": [run("ddcl_wide", 0, [24.2, 25.6])],
+               "hard_ema": [run("hard_ema", 0, [23.5, 25.3])]}
+    defaults, wide = epoch_margins(methods, "ddcl"), epoch_margins(methods, "ddcl_wide")
+    # the candidate leads every method at epoch 2, yet the defaults' best peer is HardVQ: 25.0 - 25.3
+    assert "| 2 | 25.00 (n=1) | hard_ema | 25.30 (n=1) | -0.30 |" in defaults[3]
+    assert "| 1 | 24.20 (n=1) | hard_ema | 23.50 (n=1) | +0.70 |" in wide[2]
+    assert "| 2 | 25.60 (n=1) | hard_ema | 25.30 (n=1) | +0.30 |" in wide[3]
+    assert epoch_margins({k: methods[k] for k in ("ddcl", "ddcl_wide")}, "ddcl") == []  # no peer to margin against
 
 
 def test_psnr_8bit_against_hand_computed_values():
