@@ -200,3 +200,15 @@ def test_same_seed_same_numbers_for_every_method(tmp_path, tiny_cifar):
         assert _numbers(first["history"]) == _numbers(second["history"]), method
     with pytest.raises(TypeError, match="a function that builds the bottleneck"):
         peers.fit_run("hard_ema", 3, args, tmp_path / "module", quantizer=peers.build("hard_ema", 8, 8))
+
+
+def test_the_wide_candidate_holds_h_at_half_log_k_below_log_d_plus_one():
+    # sqrt(K) prototypes share a token up to K = (D + 1)^2, then D + 1 of them (enough to span D directions)
+    assert peers.wide_entropy_target(512, 64) == pytest.approx(math.log(512) / 2)  # 3.12 nats
+    assert peers.wide_entropy_target(4096, 64) == pytest.approx(math.log(64))  # 4.16: 64 prototypes
+    assert peers.wide_entropy_target(16384, 64) == pytest.approx(math.log(65))  # capped: 65 prototypes
+    layer = peers.build("ddcl_wide", 4096, 64)
+    assert layer.target_entropy == pytest.approx(math.log(64))
+    assert peers.build("ddcl_wide", 4096, 64, {"target_entropy": 3.0}).target_entropy == 3.0  # an override wins
+    with pytest.raises(ValueError, match="num_codes >= 2"):
+        peers.wide_entropy_target(1, 64)
