@@ -189,6 +189,28 @@ def test_steps_to_reach_is_the_first_epoch_end_at_or_above_the_threshold():
         steps_to_reach([1, 2], [20.0], 20.0)
 
 
+def test_the_jacobian_span_of_a_finished_runs_layer_at_its_own_and_at_target_entropies(studies, tiny_cifar, tmp_path):
+    from eval.long_run import jacobian_span
+
+    run = studies["straight"] / "runs" / "K16" / "ddcl" / "seed0"
+    out = tmp_path / "span.json"
+    result = jacobian_span.main(["--data-root", str(tiny_cifar["folder"]), "--run", str(run), "--images", "8",
+                                 "--entropies", "0.5", "2.0", "--out", str(out)])
+    assert result == json.loads(out.read_text())
+    assert result["epoch"] == 2 and result["tokens"] == 8 * 64 and result["split"] == "validation"
+    model, _ = jacobian_span.load_run(run)
+    assert result["layer"]["temperature"] == pytest.approx(model.quantizer.temperature)
+    for target in (0.5, 2.0):
+        scored = result[f"H={target:g}"]
+        assert scored["entropy"] == pytest.approx(target, abs=1e-6)
+        assert 0 < scored["participation_ratio"]["mean"] <= 8  # at most D = 8 directions
+    assert 1 <= result["codebook_participation_ratio"] <= 8 and 1 <= result["tokens_participation_ratio"] <= 8
+    # a wider assignment spreads the gradient over more directions
+    assert result["H=2"]["participation_ratio"]["mean"] > result["H=0.5"]["participation_ratio"]["mean"]
+    with pytest.raises(ValueError, match="hard_ema run"):
+        jacobian_span.load_run(studies["straight"] / "runs" / "K16" / "hard_ema" / "seed0")
+
+
 def test_a_candidate_setting_of_ddcl_is_margined_against_the_peers_and_is_never_the_best_peer():
     def run(method, seed, curve):
         return {"method": method, "seed": seed, "label": method,
