@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from eval.long_run.jacobian_span import entropy_of, participation_ratio, temperature_for_entropy
+from eval.long_run.jacobian_span import assignment_radius, entropy_of, participation_ratio, temperature_for_entropy
 
 
 def test_participation_ratio_against_the_eigenvalues_of_each_tokens_covariance():
@@ -22,6 +22,7 @@ def test_participation_ratio_against_the_eigenvalues_of_each_tokens_covariance()
         cov = np.cov(pn.T, aweights=qn, bias=True)  # sum_k q_k (p_k - mu)(p_k - mu)^T
         eig = np.linalg.eigvalsh(cov)
         assert got[n].item() == pytest.approx(eig.sum() ** 2 / (eig ** 2).sum(), rel=1e-10)
+        assert assignment_radius(q[n:n + 1], p).item() == pytest.approx(math.sqrt(np.trace(cov)), rel=1e-10)
 
 
 def test_known_cases_one_hot_a_line_and_an_isotropic_simplex():

@@ -46,6 +46,14 @@ def participation_ratio(q: Tensor, prototypes: Tensor) -> Tensor:
     return torch.where(frob > 0, trace.square() / frob.clamp_min(1e-300), torch.zeros_like(trace))
 
 
+def assignment_radius(q: Tensor, prototypes: Tensor) -> Tensor:
+    """Per token, ``sqrt(tr C_n)``: the root-mean-square distance of the prototypes its assignment ``q (N, K)`` spreads
+    over from their mean ``mu_n`` (the width of the neighbourhood the soft centroid averages; float64, ``(N,)``)."""
+    q, p = q.to(torch.float64), prototypes.to(torch.float64)
+    mu = q @ p
+    return (q @ p.square().sum(-1) - mu.square().sum(-1)).clamp_min(0).sqrt()
+
+
 def entropy_of(distances: Tensor, temperature: float) -> Tensor:
     """Per row, the entropy in nats of ``softmax(-distances / temperature)`` (float64)."""
     logq = torch.log_softmax(-distances.to(torch.float64) / temperature, dim=-1)
@@ -80,7 +88,8 @@ def _summary(values: Tensor) -> dict[str, float]:
 
 def span(model: VQVAE, images: Tensor, entropies: tuple[float, ...] = (), batch: int = 128) -> dict[str, Any]:
     """The layer of ``model`` (a DDCL VQ-VAE, evaluation mode) on ``images``: at its own temperature and at each
-    of ``entropies``, the mean entropy, ``exp`` of it and the participation ratio's mean, quantiles; beside them the
+    of ``entropies``, the mean entropy, ``exp`` of it, the participation ratio's and the assignment radius's mean and
+    quantiles (:func:`assignment_radius`); beside them the
     participation ratios of the whole codebook's covariance and of the scored tokens' own."""
     layer = model.quantizer
     model.eval()
@@ -102,13 +111,17 @@ def span(model: VQVAE, images: Tensor, entropies: tuple[float, ...] = (), batch:
     out: dict[str, Any] = {"tokens": int(z.shape[0]), "num_codes": layer.num_codes, "dim": layer.dim,
                            # references: the whole codebook's and the scored tokens' own covariance
                            "codebook_participation_ratio": float(participation_ratio(uniform, p)),
-                           "tokens_participation_ratio": float(participation_ratio(tokens, z))}
+                           "tokens_participation_ratio": float(participation_ratio(tokens, z)),
+                           # the scale beside the radius: each token's distance to its nearest prototype
+                           "nearest_code_distance": _summary(distances.amin(-1).clamp_min(0).sqrt())}
     for name, temperature in settings:
         entropy = entropy_of(distances, temperature)
-        prs = torch.cat([participation_ratio(torch.softmax(-d / temperature, -1), p)
-                         for d in distances.split(1024)])
+        qs = [torch.softmax(-d / temperature, -1) for d in distances.split(1024)]
+        prs = torch.cat([participation_ratio(q, p) for q in qs])
+        radii = torch.cat([assignment_radius(q, p) for q in qs])
         out[name] = {"temperature": temperature, "entropy": float(entropy.mean()),
-                     "exp_entropy": float(entropy.exp().mean()), "participation_ratio": _summary(prs)}
+                     "exp_entropy": float(entropy.exp().mean()), "participation_ratio": _summary(prs),
+                     "radius": _summary(radii)}
     return out
 
 
