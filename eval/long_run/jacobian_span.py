@@ -1,8 +1,9 @@
 """How many directions the encoder's gradient can take through a trained DDCL layer: per validation token, the
 participation ratio of the covariance of the prototypes under its assignment, ``C_n = sum_k q_nk (p_k - mu_n)(p_k -
-mu_n)^T``, which the soft centroid's Jacobian ``(2/T) C_n`` applies to the decoder's gradient (docs/design.md, "What
-reaches the encoder and what reaches the prototypes"). The participation ratio ``tr(C)^2 / tr(C^2)`` counts the
-directions that carry the trace (D when C is isotropic, 1 when it is a line).
+mu_n)^T``, which the soft centroid's Jacobian ``(2/T) C_n`` applies to the decoder's gradient
+(docs/design.md, "What reaches the encoder and what reaches the prototypes"; the findings: "Training to the end").
+The participation ratio ``tr(C)^2 / tr(C^2)`` counts the directions that carry the trace (D when C is isotropic, 1
+when it is a line).
 
 Scored on a long run's last checkpoint (:mod:`eval.long_run`), at the layer's own temperature and at the temperatures
 that put the mean assignment entropy at other targets on the same tokens and prototypes:
