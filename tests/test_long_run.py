@@ -17,6 +17,7 @@ from helpers import json_strings
 
 from eval import long_run, reports
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
+from eval.long_run.probe import mean_psnr as probe_psnr
 from eval.long_run.report import epoch_margins, steps_to_reach
 from softvq.models.callbacks import read_history
 from softvq.models.checkpoint_io import load_torch_file
@@ -209,6 +210,31 @@ def test_the_jacobian_span_of_a_finished_runs_layer_at_its_own_and_at_target_ent
     assert result["H=2"]["participation_ratio"]["mean"] > result["H=0.5"]["participation_ratio"]["mean"]
     with pytest.raises(ValueError, match="hard_ema run"):
         jacobian_span.load_run(studies["straight"] / "runs" / "K16" / "hard_ema" / "seed0")
+
+
+def test_modes_scores_evaluation_as_the_layer_does_and_leaves_the_run_untouched(studies, tiny_cifar, tmp_path):
+    from eval.long_run import jacobian_span, modes
+
+    run = studies["straight"] / "runs" / "K16" / "ddcl" / "seed0"
+    model, settings = jacobian_span.load_run(run)
+    images = jacobian_span.validation_images(tiny_cifar["folder"], settings, 20)
+    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    rng = torch.get_rng_state()
+    result = modes.compare_modes(model, images, batch=8)
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the training-mode copies moved nothing of it
+    with torch.no_grad():  # evaluation, recomputed by hand: decode the layer's hard codes
+        tokens = model.latents(images).movedim(1, -1)
+        expected = probe_psnr(model._decode(model.quantizer(tokens).quantized), images)
+    assert result["eval"]["psnr"] == pytest.approx(expected, abs=1e-5)
+    # the layer evaluates with its applied statistics, so setting them by hand changes no code
+    assert result["applied"] == pytest.approx(result["eval"], abs=1e-5)
+    assert {"train_mode_copy", "running", "batch_exact", "all_exact", "offsets"} <= result.keys()
+    out = tmp_path / "modes.json"
+    written = modes.main(["--data-root", str(tiny_cifar["folder"]), "--run", str(run), "--images", "20",
+                          "--out", str(out)])
+    assert written == json.loads(out.read_text()) and written["eval"] == pytest.approx(result["eval"], abs=1e-5)
 
 
 def test_a_candidate_setting_of_ddcl_is_margined_against_the_peers_and_is_never_the_best_peer():

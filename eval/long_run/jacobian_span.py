@@ -128,7 +128,8 @@ def span(model: VQVAE, images: Tensor, entropies: tuple[float, ...] = (), batch:
 
 def load_run(run: Path) -> tuple[VQVAE, dict[str, Any]]:
     """The VQ-VAE of a long run's directory (``--runs/K<K>/<method>/seed<S>``) at its last checkpoint, and the run's
-    settings (``settings.json``); its method must be DDCL's (``ddcl`` or a ``ddcl_*`` candidate)."""
+    settings (``settings.json``) with its ``epoch``, ``method`` and ``seed`` (from the directory's name); its method
+    must be DDCL's (``ddcl`` or a ``ddcl_*`` candidate)."""
     settings = json.loads((run / "settings.json").read_text())
     method = run.parent.name
     if method != "ddcl" and not method.startswith("ddcl_"):
@@ -138,31 +139,37 @@ def load_run(run: Path) -> tuple[VQVAE, dict[str, Any]]:
                   code_dim=settings["code_dim"], width=settings["width"], res_blocks=settings["res_blocks"],
                   res_hidden=settings["res_hidden"], lr=settings["lr"])
     model.load_state_dict(checkpoint["state_dict"])
-    return model, {**settings, "epoch": int(checkpoint["epoch"]) + 1, "method": method}
+    seed = int(run.name.removeprefix("seed"))
+    return model, {**settings, "epoch": int(checkpoint["epoch"]) + 1, "method": method, "seed": seed}
+
+
+def validation_images(data_root: Path, settings: dict[str, Any], count: int) -> Tensor:
+    """The first ``count`` images of the validation split of the run with ``settings`` (:func:`load_run`'s: the split
+    is drawn from its seed and held-out size, as the run drew it)."""
+    data = CIFAR10DataModule(data_root, batch_size=settings["batch_size"], val_size=settings["val_size"],
+                             train_subset=settings["train_subset"], num_workers=0, seed=settings["seed"])
+    data.setup("fit")
+    batches, seen = [], 0
+    for x, _ in data.val_dataloader():
+        batches.append(x)
+        seen += len(x)
+        if seen >= count:
+            break
+    return torch.cat(batches)[:count]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m eval.long_run.jacobian_span", description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", type=Path, default=Path("data"))
     p.add_argument("--run", type=Path, required=True, help="a long run directory (K<K>/<method>/seed<S>)")
-    p.add_argument("--seed", type=int, default=None, help="the run's seed (its validation split); default: its name's")
     p.add_argument("--images", type=int, default=64, help="validation images scored")
     p.add_argument("--entropies", type=float, nargs="*", default=[], help="mean entropies (nats) also scored")
     p.add_argument("--out", type=Path, default=None, help="JSON file the result is written to")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, settings = load_run(args.run)
-    seed = args.seed if args.seed is not None else int(args.run.name.removeprefix("seed"))
-    data = CIFAR10DataModule(args.data_root, batch_size=settings["batch_size"], val_size=settings["val_size"],
-                             train_subset=settings["train_subset"], num_workers=0, seed=seed)
-    data.setup("fit")
-    batches, count = [], 0
-    for x, _ in data.val_dataloader():  # the first --images of the run's validation split
-        batches.append(x)
-        count += len(x)
-        if count >= args.images:
-            break
-    images = torch.cat(batches)[:args.images]
+    images = validation_images(args.data_root, settings, args.images)
+    seed = settings["seed"]
     result = {"run": repo_relative(args.run), "epoch": settings["epoch"], "method": settings["method"],
               "seed": seed, "images": len(images), "code": code_commit(), "split": "validation",
               **span(model, images, tuple(args.entropies))}
