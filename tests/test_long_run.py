@@ -232,8 +232,27 @@ def test_modes_scores_evaluation_as_the_layer_does_and_leaves_the_run_untouched(
     assert result["applied"] == pytest.approx(result["eval"], abs=1e-5)
     assert {"train_mode_copy", "running", "batch_exact", "all_exact", "offsets"} <= result.keys()
     out = tmp_path / "modes.json"
+    # the applied statistics over batches, against batch renormalisation's two limits: clipped to nothing, every batch
+    # applies its own moments (their average); unclipped, it applies the running moments in value
+    st = model.quantizer.standardizer
+    halves, clip = [images[:10], images[10:]], st.renorm_clip
+    with torch.no_grad():
+        own = [model.latents(x).movedim(1, -1).reshape(-1, model.quantizer.dim) for x in halves]
+    try:
+        st.renorm_clip = (1.0, 0.0)
+        shift, var = modes.applied_statistics(model, halves)
+        assert torch.allclose(shift, (own[0].mean(0) + own[1].mean(0)) / 2, atol=1e-6)
+        biased = [o.var(0, correction=0) for o in own]
+        assert torch.allclose(var, sum(v + st.eps * v.mean() for v in biased) / 2, rtol=1e-4)  # the scale with eps
+        st.renorm_clip = (1e6, 1e6)
+        shift, var = modes.applied_statistics(model, halves)
+        assert torch.allclose(shift, st.running_mean, atol=1e-5)
+        assert torch.allclose(var, st.running_std().square(), rtol=1e-4)
+    finally:
+        st.renorm_clip = clip
     written = modes.main(["--data-root", str(tiny_cifar["folder"]), "--run", str(run), "--images", "20",
-                          "--out", str(out)])
+                          "--train-batches", "2", "--out", str(out)])
+    assert written["train_batches"] == 2 and "applied_over_train_batches" in written
     assert written == json.loads(out.read_text()) and written["eval"] == pytest.approx(result["eval"], abs=1e-5)
 
 

@@ -1,7 +1,8 @@
 """Training mode against evaluation mode on a long run's checkpoint: the same validation images through DDCL's layer
 as evaluation scores them (the default ``"applied"`` statistics), through a fresh training-mode copy of the layer per
 batch (its state as saved, one forward each, so what a training step would have output), and with other
-standardisation statistics (the running moments, each batch's exact moments, all scored tokens' exact moments).
+standardisation statistics (the running moments, each batch's exact moments, all scored tokens' exact moments, and the
+shift and scale training applies averaged over training batches at the checkpoint's weights).
 The issue this measures: docs/design.md, "Which evaluation statistics".
 
     python -m eval.long_run.modes --data-root ../shared/data/cifar10-jpeg.tar.gz \\
@@ -26,14 +27,32 @@ from torch import Tensor
 from eval._provenance import code_commit, repo_relative
 from eval.long_run.jacobian_span import load_run, validation_images
 from eval.long_run.probe import mean_psnr
+from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 from softvq.models.files import write_atomic
 
 
 @torch.no_grad()
-def compare_modes(model: VQVAE, images: Tensor, batch: int = 128) -> dict[str, Any]:
+def applied_statistics(model: VQVAE, batches: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The shift and squared scale a training step would apply (batch renormalisation against the saved running
+    moments; nothing moves) on each image batch of ``batches`` at ``model``'s weights, averaged: the evaluation
+    statistics without the noise and the lag of a running average."""
+    st = model.quantizer.standardizer
+    was_training = st.training
+    st.train()
+    try:
+        applied = [st(rearrange(model.latents(x), "b d h w -> (b h w) d"), update=False)[1:] for x in batches]
+    finally:
+        st.train(was_training)
+    return torch.stack([a[0] for a in applied]).mean(0), torch.stack([a[1] for a in applied]).square().mean(0)
+
+
+@torch.no_grad()
+def compare_modes(model: VQVAE, images: Tensor, batch: int = 128,
+                  train_batches: list[Tensor] | None = None) -> dict[str, Any]:
     """PSNR of ``images`` through the DDCL layer of ``model`` in evaluation, in a training-mode copy (per ``batch``
-    images) and with other standardisation statistics, and the fraction of codes that differ from evaluation's."""
+    images) and with other standardisation statistics (with ``train_batches``: also :func:`applied_statistics` over
+    them), and the fraction of codes that differ from evaluation's."""
     model.eval()
     layer, st = model.quantizer, model.quantizer.standardizer
     tokens = rearrange(model.latents(images), "b d h w -> b h w d")
@@ -63,8 +82,11 @@ def compare_modes(model: VQVAE, images: Tensor, batch: int = 128) -> dict[str, A
             st.running_var.copy_(v)
             return layer(x)
 
-        for name, (m, v) in {"running": saved, "applied": (st.applied_mean.clone(), st.applied_var.clone()),
-                             "all_exact": (mean, var)}.items():
+        variants = {"running": saved, "applied": (st.applied_mean.clone(), st.applied_var.clone()),
+                    "all_exact": (mean, var)}
+        if train_batches:
+            variants["applied_over_train_batches"] = applied_statistics(model, train_batches)
+        for name, (m, v) in variants.items():
             o = with_moments(m, v, tokens)
             result[name] = scored(o.indices, model._decode(o.quantized))
         per_batch = []
@@ -87,19 +109,35 @@ def compare_modes(model: VQVAE, images: Tensor, batch: int = 128) -> dict[str, A
     return result
 
 
+def training_batches(data_root: Path, settings: dict[str, Any], count: int) -> list[Tensor]:
+    """The first ``count`` batches of the run's training split, in the loader's order for its seed."""
+    data = CIFAR10DataModule(data_root, batch_size=settings["batch_size"], val_size=settings["val_size"],
+                             train_subset=settings["train_subset"], num_workers=0, seed=settings["seed"])
+    data.setup("fit")
+    batches = []
+    for x, _ in data.train_dataloader():
+        if len(batches) >= count:
+            break
+        batches.append(x)
+    return batches
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m eval.long_run.modes", description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", type=Path, default=Path("data"))
     p.add_argument("--run", type=Path, required=True, help="a long run directory (K<K>/<method>/seed<S>)")
     p.add_argument("--images", type=int, default=1024, help="validation images scored")
+    p.add_argument("--train-batches", type=int, default=40,
+                   help="training batches the applied statistics are averaged over at the checkpoint's weights")
     p.add_argument("--out", type=Path, default=None, help="JSON file the result is written to")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, settings = load_run(args.run)
     images = validation_images(args.data_root, settings, args.images)
+    train_batches = training_batches(args.data_root, settings, args.train_batches)
     result = {"run": repo_relative(args.run), "epoch": settings["epoch"], "method": settings["method"],
-              "seed": settings["seed"], "images": len(images), "code": code_commit(), "split": "validation",
-              **compare_modes(model, images)}
+              "seed": settings["seed"], "images": len(images), "train_batches": len(train_batches),
+              "code": code_commit(), "split": "validation", **compare_modes(model, images, train_batches=train_batches)}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out is not None:
