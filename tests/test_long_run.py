@@ -191,7 +191,7 @@ def test_steps_to_reach_is_the_first_epoch_end_at_or_above_the_threshold():
 
 
 def test_the_jacobian_span_of_a_finished_runs_layer_at_its_own_and_at_target_entropies(studies, tiny_cifar, tmp_path):
-    from eval.long_run import jacobian_span
+    from eval.long_run import checkpoint, jacobian_span
 
     run = studies["straight"] / "runs" / "K16" / "ddcl" / "seed0"
     out = tmp_path / "span.json"
@@ -199,7 +199,7 @@ def test_the_jacobian_span_of_a_finished_runs_layer_at_its_own_and_at_target_ent
                                  "--entropies", "0.5", "2.0", "--out", str(out)])
     assert result == json.loads(out.read_text())
     assert result["epoch"] == 2 and result["tokens"] == 8 * 64 and result["split"] == "validation"
-    model, _ = jacobian_span.load_run(run)
+    model, _ = checkpoint.load_run(run)
     assert result["layer"]["temperature"] == pytest.approx(model.quantizer.temperature)
     for target in (0.5, 2.0):
         scored = result[f"H={target:g}"]
@@ -209,15 +209,15 @@ def test_the_jacobian_span_of_a_finished_runs_layer_at_its_own_and_at_target_ent
     # a wider assignment spreads the gradient over more directions
     assert result["H=2"]["participation_ratio"]["mean"] > result["H=0.5"]["participation_ratio"]["mean"]
     with pytest.raises(ValueError, match="hard_ema run"):
-        jacobian_span.load_run(studies["straight"] / "runs" / "K16" / "hard_ema" / "seed0")
+        checkpoint.load_run(studies["straight"] / "runs" / "K16" / "hard_ema" / "seed0")
 
 
 def test_modes_scores_evaluation_as_the_layer_does_and_leaves_the_run_untouched(studies, tiny_cifar, tmp_path):
-    from eval.long_run import jacobian_span, modes
+    from eval.long_run import checkpoint, modes
 
     run = studies["straight"] / "runs" / "K16" / "ddcl" / "seed0"
-    model, settings = jacobian_span.load_run(run)
-    images = jacobian_span.validation_images(tiny_cifar["folder"], settings, 20)
+    model, settings = checkpoint.load_run(run)
+    images = checkpoint.validation_images(checkpoint.run_data(tiny_cifar["folder"], settings), 20)
     before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     rng = torch.get_rng_state()
     result = modes.compare_modes(model, images, batch=8)

@@ -17,7 +17,6 @@ The validation split only (the run's own held-out images, as its settings record
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from eval import peers
-from eval._provenance import code_commit, repo_relative
-from softvq.data.cifar10 import CIFAR10DataModule
+from eval.long_run.checkpoint import load_run, run_data, validation_images, write_record
 from softvq.models import VQVAE
-from softvq.models.checkpoint_io import load_torch_file
-from softvq.models.files import write_atomic
 
 
 def participation_ratio(q: Tensor, prototypes: Tensor) -> Tensor:
@@ -116,46 +111,18 @@ def span(model: VQVAE, images: Tensor, entropies: tuple[float, ...] = (), batch:
                            # the scale beside the radius: each token's distance to its nearest prototype
                            "nearest_code_distance": _summary(distances.amin(-1).clamp_min(0).sqrt())}
     for name, temperature in settings:
-        entropy = entropy_of(distances, temperature)
-        qs = [torch.softmax(-d / temperature, -1) for d in distances.split(1024)]
-        prs = torch.cat([participation_ratio(q, p) for q in qs])
-        radii = torch.cat([assignment_radius(q, p) for q in qs])
+        entropy, prs, radii = [], [], []
+        for d in distances.split(1024):
+            logq = torch.log_softmax(-d / temperature, dim=-1)
+            q = logq.exp()
+            entropy.append(-(q * logq).sum(-1))
+            prs.append(participation_ratio(q, p))
+            radii.append(assignment_radius(q, p))
+        entropy, prs, radii = torch.cat(entropy), torch.cat(prs), torch.cat(radii)
         out[name] = {"temperature": temperature, "entropy": float(entropy.mean()),
                      "exp_entropy": float(entropy.exp().mean()), "participation_ratio": _summary(prs),
                      "radius": _summary(radii)}
     return out
-
-
-def load_run(run: Path) -> tuple[VQVAE, dict[str, Any]]:
-    """The VQ-VAE of a long run's directory (``--runs/K<K>/<method>/seed<S>``) at its last checkpoint, and the run's
-    settings (``settings.json``) with its ``epoch``, ``method`` and ``seed`` (from the directory's name); its method
-    must be DDCL's (``ddcl`` or a ``ddcl_*`` candidate)."""
-    settings = json.loads((run / "settings.json").read_text())
-    method = run.parent.name
-    if method != "ddcl" and not method.startswith("ddcl_"):
-        raise ValueError(f"{run} is a {method} run; the span is a DDCL layer's (ddcl or ddcl_*)")
-    checkpoint = load_torch_file(run / "checkpoints" / "last.ckpt", "checkpoint")
-    model = VQVAE(quantizer=peers.build(method, settings["num_codes"], settings["code_dim"]),
-                  code_dim=settings["code_dim"], width=settings["width"], res_blocks=settings["res_blocks"],
-                  res_hidden=settings["res_hidden"], lr=settings["lr"])
-    model.load_state_dict(checkpoint["state_dict"])
-    seed = int(run.name.removeprefix("seed"))
-    return model, {**settings, "epoch": int(checkpoint["epoch"]) + 1, "method": method, "seed": seed}
-
-
-def validation_images(data_root: Path, settings: dict[str, Any], count: int) -> Tensor:
-    """The first ``count`` images of the validation split of the run with ``settings`` (:func:`load_run`'s: the split
-    is drawn from its seed and held-out size, as the run drew it)."""
-    data = CIFAR10DataModule(data_root, batch_size=settings["batch_size"], val_size=settings["val_size"],
-                             train_subset=settings["train_subset"], num_workers=0, seed=settings["seed"])
-    data.setup("fit")
-    batches, seen = [], 0
-    for x, _ in data.val_dataloader():
-        batches.append(x)
-        seen += len(x)
-        if seen >= count:
-            break
-    return torch.cat(batches)[:count]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -168,17 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, settings = load_run(args.run)
-    images = validation_images(args.data_root, settings, args.images)
-    seed = settings["seed"]
-    result = {"run": repo_relative(args.run), "epoch": settings["epoch"], "method": settings["method"],
-              "seed": seed, "images": len(images), "code": code_commit(), "split": "validation",
-              **span(model, images, tuple(args.entropies))}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        write_atomic(args.out, text + "\n")
-    return result
-
+    images = validation_images(run_data(args.data_root, settings), args.images)
+    return write_record(args.run, settings, images, span(model, images, tuple(args.entropies)), args.out)
 
 if __name__ == "__main__":
     main()

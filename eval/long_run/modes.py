@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,9 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from eval._provenance import code_commit, repo_relative
-from eval.long_run.jacobian_span import load_run, validation_images
+from eval.long_run.checkpoint import load_run, run_data, training_batches, validation_images, write_record
 from eval.long_run.probe import mean_psnr
-from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
-from softvq.models.files import write_atomic
 
 
 @torch.no_grad()
@@ -109,19 +105,6 @@ def compare_modes(model: VQVAE, images: Tensor, batch: int = 128,
     return result
 
 
-def training_batches(data_root: Path, settings: dict[str, Any], count: int) -> list[Tensor]:
-    """The first ``count`` batches of the run's training split, in the loader's order for its seed."""
-    data = CIFAR10DataModule(data_root, batch_size=settings["batch_size"], val_size=settings["val_size"],
-                             train_subset=settings["train_subset"], num_workers=0, seed=settings["seed"])
-    data.setup("fit")
-    batches = []
-    for x, _ in data.train_dataloader():
-        if len(batches) >= count:
-            break
-        batches.append(x)
-    return batches
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m eval.long_run.modes", description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", type=Path, default=Path("data"))
@@ -133,17 +116,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, settings = load_run(args.run)
-    images = validation_images(args.data_root, settings, args.images)
-    train_batches = training_batches(args.data_root, settings, args.train_batches)
-    result = {"run": repo_relative(args.run), "epoch": settings["epoch"], "method": settings["method"],
-              "seed": settings["seed"], "images": len(images), "train_batches": len(train_batches),
-              "code": code_commit(), "split": "validation", **compare_modes(model, images, train_batches=train_batches)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        write_atomic(args.out, text + "\n")
-    return result
-
+    data = run_data(args.data_root, settings)  # set up once for both splits
+    images = validation_images(data, args.images)
+    train_batches = training_batches(data, args.train_batches)
+    scores = {"train_batches": len(train_batches), **compare_modes(model, images, train_batches=train_batches)}
+    return write_record(args.run, settings, images, scores, args.out)
 
 if __name__ == "__main__":
     main()
