@@ -119,3 +119,27 @@ def test_detached_statistics_change_no_value_and_give_the_gradient_of_constant_s
     assert torch.equal(q0, q1)
     torch.testing.assert_close(g1, gs / scale, rtol=1e-12, atol=1e-12)
     assert g0.sum(0).abs().max() < 1e-9 * g0.abs().max() and g1.sum(0).abs().max() > 1e-3 * g1.abs().max()
+
+
+def test_the_anchor_adds_the_tokens_squared_mean_in_their_variance_and_only_a_common_shift_to_the_gradient():
+    """``--anchor w`` adds ``w * mean_d(m_d^2 / v_d)`` (``v`` detached) to the loss and nothing to the output; its
+    gradient at every token is the same vector, ``2 w m_d / (D N v_d)``: a shift of all tokens, the direction batch
+    standardisation's gradient leaves out."""
+    torch.manual_seed(0)
+    layer = DDCLQuantizer(16, 4).double()
+    plain = DDCLQuantizer(16, 4).double()
+    plain.load_state_dict(layer.state_dict())
+    wrapped = probe.GradientProbe(layer, "soft_centroid", anchor=0.3)
+    z = (torch.randn(200, 4) * 3 + 1).double()
+    x1, x2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    torch.manual_seed(1)
+    out = wrapped(x1)
+    torch.manual_seed(1)
+    ref = plain(x2)
+    assert torch.equal(out.quantized, ref.quantized)
+    m, v = z.mean(0), z.var(0)
+    torch.testing.assert_close(out.loss - ref.loss, 0.3 * (m.square() / v).mean(), rtol=1e-12, atol=0)
+    (out.loss - ref.loss).backward()
+    torch.testing.assert_close(x1.grad, (2 * 0.3 * m / (4 * 200 * v)).expand(200, 4), rtol=1e-10, atol=1e-14)
+    with pytest.raises(ValueError, match="anchor must be >= 0"):
+        probe.GradientProbe(DDCLQuantizer(16, 4), "soft_centroid", anchor=-1.0)

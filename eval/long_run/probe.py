@@ -11,6 +11,7 @@ behind the long-training study (which setting keeps DDCL learning after the firs
     python -m eval.long_run.probe ... --anneal-entropy 2.5 1.0    # the entropy target falls linearly over the run
     python -m eval.long_run.probe ... --output-scale 0.1          # the decoder sees DDCL's codes at a tenth
     python -m eval.long_run.probe ... --detach-statistics         # no gradient through the standardiser's moments
+    python -m eval.long_run.probe ... --anchor 0.01               # a restoring force on the tokens' per-dimension mean
 
 Trains the VQ-VAE of :func:`eval.peers.fit_run` (one torch thread) and every ``--every`` optimizer steps scores the
 first ``--val-images`` validation images (the validation split only: a probe chooses settings) in evaluation mode,
@@ -54,15 +55,21 @@ class GradientProbe(nn.Module):
     (the argmax code): ``"straight_through_plus"`` adds ``zs - sg(zs)`` (``zs`` the standardised tokens, read by a hook
     on the layer's standardiser), so the encoder gets ``(I + J) g`` instead of the soft centroid's ``J g``;
     ``"straight_through"`` gives it ``I g`` alone (VQ-VAE's estimator, through the standardisation). With
-    ``scale`` every output (and every decoded code) is multiplied by it: the decoder sees codes of that scale."""
+    ``scale`` every output (and every decoded code) is multiplied by it: the decoder sees codes of that scale. With
+    ``anchor > 0`` a training step adds ``anchor * mean_d(m_d^2 / sg(v_d))`` to the loss (``m_d``, ``v_d``: the mean
+    and variance of the batch's tokens in dimension ``d``, as the layer takes them): batch standardisation hides a
+    per-dimension shift of the tokens from the reconstruction loss, so nothing holds the tokens' mean and the running
+    moments lag behind its drift; the anchor makes the shift cost something and pulls it to 0."""
 
-    def __init__(self, layer: DDCLQuantizer, gradient: str, scale: float = 1.0) -> None:
+    def __init__(self, layer: DDCLQuantizer, gradient: str, scale: float = 1.0, anchor: float = 0.0) -> None:
         super().__init__()
         if gradient not in GRADIENTS:
             raise ValueError(f"gradient must be one of {GRADIENTS}, got {gradient!r}")
         if not layer.hard_output or not layer.standardize:
             raise ValueError("GradientProbe needs a layer with hard_output and standardize (the defaults)")
-        self.layer, self.gradient, self.scale = layer, gradient, scale
+        if not anchor >= 0:
+            raise ValueError(f"anchor must be >= 0, got {anchor!r}")
+        self.layer, self.gradient, self.scale, self.anchor = layer, gradient, scale, anchor
         self.num_codes, self.dim = layer.num_codes, layer.dim
         self._standardised: Tensor | None = None
         layer.standardizer.register_forward_hook(self._keep)
@@ -89,7 +96,11 @@ class GradientProbe(nn.Module):
             if self.gradient == "straight_through":  # the code's value, the identity's gradient alone
                 quantized = quantized.detach()
             quantized = quantized + (zs - zs.detach())
-        return out._replace(quantized=quantized * self.scale if self.scale != 1.0 else quantized)
+        loss = out.loss
+        if self.training and self.anchor > 0:
+            flat = z.reshape(-1, z.shape[-1])
+            loss = loss + self.anchor * (flat.mean(0).square() / flat.detach().var(0).clamp_min(1e-12)).mean()
+        return out._replace(quantized=quantized * self.scale if self.scale != 1.0 else quantized, loss=loss)
 
 
 APPLIED_MOMENTA = (0.1, 0.3, 0.5)  # the running averages of the applied statistics that are scored
@@ -213,20 +224,21 @@ def detach_statistics(layer: nn.Module) -> None:
 
 
 def build_quantizer(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0,
-                    detach: bool = False, dim: int = 64) -> nn.Module:
+                    detach: bool = False, dim: int = 64, anchor: float = 0.0) -> nn.Module:
     quantizer = peers.build(method, num_codes, dim, kwargs)
     if detach:
         detach_statistics(quantizer)
-    if gradient != "soft_centroid" or scale != 1.0:
+    if gradient != "soft_centroid" or scale != 1.0 or anchor:
         if not isinstance(quantizer, DDCLQuantizer):
-            raise ValueError(f"--gradient and --output-scale probe DDCL's output; --method is {method!r}")
-        quantizer = GradientProbe(quantizer, gradient, scale)
+            raise ValueError(f"--gradient, --output-scale and --anchor probe DDCL; --method is {method!r}")
+        quantizer = GradientProbe(quantizer, gradient, scale, anchor)
     return quantizer
 
 
 def build_model(method: str, num_codes: int, kwargs: dict[str, Any], gradient: str, scale: float = 1.0,
-                detach: bool = False) -> VQVAE:
-    return VQVAE(quantizer=build_quantizer(method, num_codes, kwargs, gradient, scale, detach), code_dim=64)
+                detach: bool = False, anchor: float = 0.0) -> VQVAE:
+    return VQVAE(quantizer=build_quantizer(method, num_codes, kwargs, gradient, scale, detach, anchor=anchor),
+                 code_dim=64)
 
 
 class ScoringImages(L.Callback):
@@ -254,6 +266,8 @@ def main(argv: list[str] | None = None) -> VQVAE:
     p.add_argument("--anneal-entropy", type=float, nargs=2, default=None, metavar=("START", "END"))
     p.add_argument("--detach-statistics", action="store_true",
                    help="the standardiser's shift and scale carry no gradient (their values unchanged)")
+    p.add_argument("--anchor", type=float, default=0.0,
+                   help="weight of a loss pulling the tokens' per-dimension batch mean to 0 (in their std)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--every", type=int, default=22, help="optimizer steps between two scorings")
     p.add_argument("--val-images", type=int, default=1024)
@@ -273,16 +287,17 @@ def main(argv: list[str] | None = None) -> VQVAE:
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=args.seed)
     options = (args.method, args.num_codes, args.kwargs, args.gradient, args.output_scale, args.detach_statistics)
+    anchor = {"anchor": args.anchor} if args.anchor else {}
     images: Tensor | None = None
     if args.as_long_run:  # eval.long_run.train_run's seeding between data, bottleneck and autoencoder
-        quantizer = build_quantizer(*options, dim=args.code_dim)
+        quantizer = build_quantizer(*options, dim=args.code_dim, **anchor)
         L.seed_everything(args.seed, workers=True, verbose=False)
         model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
                       res_hidden=args.res_hidden, lr=args.lr)
     else:  # the probe's own seeding (the committed probe lines before --as-long-run)
         data.setup("fit")
         images = torch.stack([data.val_set[i][0] for i in range(min(args.val_images, len(data.val_set)))])
-        model = build_model(*options)
+        model = build_model(*options, **anchor)
     L.seed_everything(args.seed, workers=True, verbose=False)
     with open(args.out, "a") as f:
         f.write(json.dumps({"probe": vars(args) | {"data_root": str(args.data_root), "out": str(args.out)}}) + "\n")
