@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from itertools import islice
@@ -18,6 +19,17 @@ from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.files import write_atomic
+
+
+def tool_parser(prog: str, doc: str, images: int) -> argparse.ArgumentParser:
+    """The command line every tool on a run's checkpoint shares (``--data-root``, ``--run``, ``--images`` with
+    ``images`` as its default, ``--out``); a tool adds its own flags."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("--data-root", type=Path, default=Path("data"))
+    p.add_argument("--run", type=Path, required=True, help="a long run directory (K<K>/<method>/seed<S>)")
+    p.add_argument("--images", type=int, default=images, help="validation images scored")
+    p.add_argument("--out", type=Path, default=None, help="JSON file the result is written to")
+    return p
 
 
 def load_run(run: Path) -> tuple[VQVAE, dict[str, Any]]:

@@ -16,16 +16,14 @@ The validation split only (the run's own held-out images, as its settings record
 
 from __future__ import annotations
 
-import argparse
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
-from eval.long_run.checkpoint import load_run, run_data, validation_images, write_record
+from eval.long_run.checkpoint import load_run, run_data, tool_parser, validation_images, write_record
 from softvq.models import VQVAE
 
 
@@ -126,12 +124,8 @@ def span(model: VQVAE, images: Tensor, entropies: tuple[float, ...] = (), batch:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m eval.long_run.jacobian_span", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-root", type=Path, default=Path("data"))
-    p.add_argument("--run", type=Path, required=True, help="a long run directory (K<K>/<method>/seed<S>)")
-    p.add_argument("--images", type=int, default=64, help="validation images scored")
+    p = tool_parser("python -m eval.long_run.jacobian_span", __doc__, images=64)
     p.add_argument("--entropies", type=float, nargs="*", default=[], help="mean entropies (nats) also scored")
-    p.add_argument("--out", type=Path, default=None, help="JSON file the result is written to")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, settings = load_run(args.run)

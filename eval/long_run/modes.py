@@ -14,16 +14,14 @@ evaluation's. The validation split only; the run's state is not changed.
 
 from __future__ import annotations
 
-import argparse
 import copy
-from pathlib import Path
 from typing import Any
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
-from eval.long_run.checkpoint import load_run, run_data, training_batches, validation_images, write_record
+from eval.long_run.checkpoint import load_run, run_data, tool_parser, training_batches, validation_images, write_record
 from eval.long_run.probe import mean_psnr
 from softvq.models import VQVAE
 
@@ -106,13 +104,9 @@ def compare_modes(model: VQVAE, images: Tensor, batch: int = 128,
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m eval.long_run.modes", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-root", type=Path, default=Path("data"))
-    p.add_argument("--run", type=Path, required=True, help="a long run directory (K<K>/<method>/seed<S>)")
-    p.add_argument("--images", type=int, default=1024, help="validation images scored")
+    p = tool_parser("python -m eval.long_run.modes", __doc__, images=1024)
     p.add_argument("--train-batches", type=int, default=40,
                    help="training batches the applied statistics are averaged over at the checkpoint's weights")
-    p.add_argument("--out", type=Path, default=None, help="JSON file the result is written to")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, settings = load_run(args.run)
@@ -121,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_batches = training_batches(data, args.train_batches)
     scores = {"train_batches": len(train_batches), **compare_modes(model, images, train_batches=train_batches)}
     return write_record(args.run, settings, images, scores, args.out)
+
 
 if __name__ == "__main__":
     main()
