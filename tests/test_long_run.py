@@ -18,7 +18,7 @@ from helpers import json_strings
 from eval import long_run, reports
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
 from eval.long_run.probe import mean_psnr as probe_psnr
-from eval.long_run.report import epoch_margins, steps_to_reach
+from eval.long_run.report import epoch_margins, falls, falls_table, steps_to_reach
 from softvq.models.callbacks import read_history
 from softvq.models.checkpoint_io import load_torch_file
 
@@ -254,6 +254,19 @@ def test_modes_scores_evaluation_as_the_layer_does_and_leaves_the_run_untouched(
                           "--train-batches", "2", "--out", str(out)])
     assert written["train_batches"] == 2 and "applied_over_train_batches" in written
     assert written == json.loads(out.read_text()) and written["eval"] == pytest.approx(result["eval"], abs=1e-5)
+
+
+def test_falls_are_the_drops_between_consecutive_epochs_and_the_table_sums_them_over_seeds():
+    def run(seed, curve):
+        return {"method": "m", "seed": seed, "label": "M",
+                "history": [{"epoch": e + 1, "step": e + 1, "val_psnr_hard": v} for e, v in enumerate(curve)]}
+
+    a = run(0, [23.0, 24.0, 23.7, 23.75, None, 23.0, 23.95, 23.9])  # falls 0.3, then none across the gap, then 0.05
+    assert falls(a) == pytest.approx([0.3, 0.05])
+    b = run(1, [22.0, 22.5, 23.0])  # rises at every epoch
+    assert falls(b) == []
+    # largest 0.30; each seed's largest 0.30 and 0 -> 0.15; one fall above 0.1 dB
+    assert falls_table({"m": [a, b]})[2] == "| M | 2 | 0.30 | 0.15 | 1 |"
 
 
 def test_a_candidate_setting_of_ddcl_is_margined_against_the_peers_and_is_never_the_best_peer():

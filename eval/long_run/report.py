@@ -137,6 +137,28 @@ def reach_table(runs: list[dict[str, Any]], thresholds: Sequence[float]) -> list
     return lines
 
 
+def falls(run: dict[str, Any]) -> list[float]:
+    """The falls (dB, positive) of a run's validation hard PSNR from one epoch's end to the next, in epoch order;
+    an epoch without a figure breaks the chain (no fall is read across it)."""
+    _, psnrs = _curve(run)
+    return [a - b for a, b in zip(psnrs[:-1], psnrs[1:], strict=True) if a is not None and b is not None and b < a]
+
+
+def falls_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per method: how far its validation curve falls back between consecutive epochs (the swing a user choosing the
+    best checkpoint or stopping early meets), over its seeds: the largest fall, the mean of each seed's largest, and
+    how many falls of more than 0.1 dB its seeds had together."""
+    lines = ["| bottleneck | n | largest fall (dB) | mean of each seed's largest (dB) | falls > 0.1 dB |",
+             "|---|---|---|---|---|"]
+    for runs in methods.values():
+        per_seed = [falls(r) for r in runs]
+        largest = [max(f, default=0.0) for f in per_seed]
+        big = sum(1 for f in per_seed for x in f if x > 0.1)
+        lines.append(f"| {_label(runs[0])} | {len(runs)} | {max(largest):.2f} | {float(np.mean(largest)):.2f} | "
+                     f"{big} |")
+    return lines
+
+
 def _progress(run: dict[str, Any]) -> str:
     return f"{run['history'][-1]['epoch']}/{run['settings'].get('epochs', '?')}"
 
@@ -265,6 +287,9 @@ def write_report(out: Path, runs: Path, planned: Sequence[str] = (),
         lines += [f"![validation PSNR, K = {k}](val_psnr_K{k}.png)", "",
                   "Steps to reach a validation hard PSNR (first epoch end at or above it):", "",
                   *reach_table([r for runs_ in methods.values() for r in runs_], thresholds), ""]
+        if k in done:
+            lines += ["Falls of the validation curve between consecutive epochs (finished runs):", "",
+                      *falls_table(done[k]), ""]
         for ours in (m for m in methods if is_ours(m)):
             margins = epoch_margins(methods, ours)
             if margins:
