@@ -37,11 +37,14 @@ SIGNIFICANT = 5  # digits kept of every value hashed
 def _builders() -> dict[str, Callable[[], nn.Module]]:
     import softvq
 
+    # K = 256 for DDCL: its recipe's rules that depend on K are in their K-dependent range there (the entropy target
+    # log K / 2 is above the former 2.5 nats from K = 149 on; 768 tokens a batch put the usage decay 1 - N / (64 K)
+    # between its clips), so a change of either changes the fingerprint
     builders: dict[str, Callable[[], nn.Module]] = {
-        "ddcl": lambda: softvq.DDCLQuantizer(16, 8),
+        "ddcl": lambda: softvq.DDCLQuantizer(256, 8),
         "hard": lambda: softvq.HardVQ(16, 8),
         "hard_ema": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, dead_code_threshold=1.0),
-        "rddcl": lambda: softvq.ResidualDDCL(2, 16, 8),
+        "rddcl": lambda: softvq.ResidualDDCL(2, 256, 8),
         "rhard": lambda: softvq.ResidualHardVQ(2, 16, 8),
     }
     return builders
@@ -82,7 +85,7 @@ def fingerprint(method: str, build: Callable[[], nn.Module] | None = None) -> st
         layer = build()
         encoder = nn.Linear(8, 8)
         optimizer = torch.optim.SGD(encoder.parameters(), lr=0.05)
-        x = torch.randn(6, 96, 8) * 2 + 0.5
+        x = torch.randn(6, 768, 8) * 2 + 0.5
         digest = hashlib.sha256()
         layer.train()
         for batch in x:

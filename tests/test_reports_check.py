@@ -147,12 +147,36 @@ def test_fingerprints_flag_exactly_the_reports_whose_methods_numerics_changed(tm
     assert capsys.readouterr().out.count("fresh: the numerics of") == 2
 
     builders = fingerprint._builders()
-    toy = {**builders, "ddcl": lambda: softvq.DDCLQuantizer(16, 8, ema_decay=0.98)}  # "a new default"
+    toy = {**builders, "ddcl": lambda: softvq.DDCLQuantizer(256, 8, ema_decay=0.98)}  # "a new default"
     monkeypatch.setattr(fingerprint, "_builders", lambda: toy)
     assert reports.main(["--check"], root=tmp_path, store=store) == 1
     table = capsys.readouterr().out
     assert "| reports/a/report.md | abc1234 |" in table and "stale: the numerics of ddcl changed" in table
     assert "fresh: the numerics of hard_ema are unchanged" in table
+
+
+def test_the_ddcl_fingerprint_sees_the_recipes_rules_that_depend_on_k():
+    """The recipe's entropy target (min(2.5, log K / 2) before, log K / 2 now) and usage decay differ only for some K:
+    the fingerprint's layer is at a size where a change of either rule changes it."""
+    import math
+
+    import softvq
+    from eval import fingerprint
+
+    k = fingerprint._builders()["ddcl"]().num_codes
+    today = fingerprint.fingerprint("ddcl")
+    layer = softvq.DDCLQuantizer(k, 8)
+    target, decay = layer.target_entropy, layer.dead_codes.usage_decay(768)
+    same = fingerprint.fingerprint("ddcl", lambda: softvq.DDCLQuantizer(k, 8, target_entropy=target,
+                                                                        dead_code_decay=decay))
+    assert same == today  # the rules' values at this size, passed explicitly: the same numerics
+    targets = {min(2.5, 0.5 * math.log(k)), 0.5 * math.log(k)}
+    assert len(targets) == 2  # the two entropy rules differ here
+    assert len({fingerprint.fingerprint("ddcl", lambda t=t: softvq.DDCLQuantizer(k, 8, target_entropy=t))
+                for t in targets}) == 2
+    decays = {fingerprint.fingerprint("ddcl", lambda d=d: softvq.DDCLQuantizer(k, 8, dead_code_decay=d))
+              for d in (0.9, 0.97)}  # the usage decay's clips: the rule itself sits between them at this size
+    assert today not in decays
 
 
 def test_a_run_published_twice_at_the_same_numerics_adds_its_fingerprint_once(tmp_path, monkeypatch):
@@ -179,7 +203,7 @@ def test_the_same_numbers_under_other_names_and_in_another_order_have_the_same_f
     class Moved(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.inner = softvq.DDCLQuantizer(16, 8)
+            self.inner = softvq.DDCLQuantizer(256, 8)  # the fingerprint's layer
 
         def forward(self, z):
             return self.inner(z)
