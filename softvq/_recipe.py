@@ -47,8 +47,8 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         output_scale = check_choice("output_scale", output_scale, ("input", "standardized"))
     else:  # a number: the standardised code times it
         output_scale = check_float("output_scale", output_scale)
-    if _is_auto(target_entropy):  # one code has no entropy to control: T fixed
-        target_entropy = min(2.5, 0.5 * math.log(num_codes)) if auto and num_codes > 1 else None
+    if _is_auto(target_entropy):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
+        target_entropy = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
     start: float | None = None if _is_auto(temperature) else temperature  # None: calibrated on the first batch
     if start is None and target_entropy is None:
         start = 1.0

@@ -69,8 +69,8 @@ class DDCLQuantizer(nn.Module):
             training batch to ``target_entropy`` (1.0 for ``recipe="plain"``). Assigning ``quantizer.temperature``
             switches the entropy control off (:meth:`set_temperature`).
         recipe: ``"auto"`` or ``"plain"``.
-        target_entropy: the H(Q) in nats the control holds; ``None``: ``T`` fixed; ``"auto"``: ``min(2.5, log(K) / 2)``
-            (about 12 prototypes share a token at K = 512), ``None`` for ``recipe="plain"``.
+        target_entropy: the H(Q) in nats the control holds; ``None``: ``T`` fixed; ``"auto"``: ``log(K) / 2`` (the
+            entropy of sqrt(K) prototypes sharing a token evenly), ``None`` for ``recipe="plain"``.
         temperature_rate: the control's gain per step (:class:`softvq.parts.TemperatureControl`).
         standardize: standardise tokens inside the layer (``"auto"``: the recipe's, on for ``recipe="auto"``).
         output_scale: with ``standardize``, codes in the standardised space (``"standardized"``: unit variance per
