@@ -57,7 +57,7 @@ def test_saved_config_is_resolved_and_reproduces_the_run(tiny_cifar, tmp_path):
     # nulls that stood for "the recipe's value" are the values the layer chose
     assert saved["ddcl"]["standardize"] is True and saved["ddcl"]["hard_output"] is True
     assert saved["ddcl"]["prototype_update"] == "ema" and saved["model"]["latent_norm"] == "none"
-    assert saved["ddcl"]["target_entropy"] == pytest.approx(min(2.5, 0.5 * __import__("math").log(8)))
+    assert saved["ddcl"]["target_entropy"] == pytest.approx(0.5 * __import__("math").log(8))
     # "auto" only where it names a rule applied while training: T from the first batch, the capped restart threshold
     assert saved["ddcl"]["temperature"] == "auto" and saved["ddcl"]["dead_code_threshold"] == "auto"
     assert None not in (saved["ddcl"]["standardize"], saved["ddcl"]["hard_output"], saved["model"]["latent_norm"])

@@ -163,21 +163,22 @@ def test_ema_prototype_update_by_hand(update):
 def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
     torch.manual_seed(3)
     quantizer = DDCLQuantizer(160, 4, dead_code_threshold=0.0, prototype_update="gradient").double()
-    assert quantizer.temperature is None and quantizer.target_entropy == 2.5  # min(2.5, log(160) / 2)
+    target = 0.5 * math.log(160)  # "auto": sqrt(K) prototypes' worth of entropy
+    assert quantizer.temperature is None and quantizer.target_entropy == target
     batches = [torch.randn(400, 4, dtype=torch.float64) * (1 + 0.1 * i) for i in range(6)]  # a drifting scale
     running = running_moments(batches)
     out = quantizer(batches[0])
     first = quantizer.temperature  # already one control step after the calibrated value
-    t0 = first / math.exp(0.01 * (2.5 - float(out.terms["entropy"])))
+    t0 = first / math.exp(0.01 * (target - float(out.terms["entropy"])))
     _, _, _, h0 = reference(batches[0], quantizer.prototypes.detach(), t0, standardize=True, hard=True,
                             running=running[0])
-    assert abs(float(h0) - 2.5) < 1e-6  # the calibrated T gives the target entropy on the first batch
+    assert abs(float(h0) - target) < 1e-6  # the calibrated T gives the target entropy on the first batch
     for x, stats in zip(batches[1:], running[1:], strict=True):
         t = quantizer.temperature
         out = quantizer(x)
         _, _, _, h = reference(x, quantizer.prototypes.detach(), t, standardize=True, hard=True, running=stats)
         torch.testing.assert_close(out.terms["entropy"], h, rtol=1e-10, atol=1e-12)
-        assert quantizer.temperature == pytest.approx(t * math.exp(0.01 * (2.5 - float(h))), rel=1e-12)
+        assert quantizer.temperature == pytest.approx(t * math.exp(0.01 * (target - float(h))), rel=1e-12)
     state = quantizer.state_dict()
     clone = DDCLQuantizer(160, 4).double()
     clone.load_state_dict(state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -253,7 +254,8 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     layer = model.quantizer
     assert model.latent_norm == "none" and VQVAE(**hard).latent_norm == "none"
     assert layer.recipe == "auto" and layer.standardize and layer.hard_output and layer.prototype_update == "ema"
-    assert layer.dead_code_threshold == 1.0 and layer.temperature is None and layer.target_entropy == 2.5
+    assert layer.dead_code_threshold == 1.0 and layer.temperature is None
+    assert layer.target_entropy == pytest.approx(0.5 * math.log(layer.num_codes))  # sqrt(K) prototypes' worth
     assert model.target_entropy is None and VQVAE(**hard).target_entropy is None  # no model-side control
 
     def build(*argv: str) -> VQVAE:
