@@ -212,3 +212,26 @@ def test_the_wide_candidate_holds_h_at_half_log_k_below_log_d_plus_one():
     assert peers.build("ddcl_wide", 4096, 64, {"target_entropy": 3.0}).target_entropy == 3.0  # an override wins
     with pytest.raises(ValueError, match="num_codes >= 2"):
         peers.wide_entropy_target(1, 64)
+
+
+def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h25_the_former_defaults():
+    # the long-run records of ddcl_wide at K = 512 and 4096 stand as the defaults' (docs/design.md, "Training to the
+    # end"): the same options, and the same training, bit for bit
+    torch.manual_seed(0)
+    batches = [torch.randn(300, 8) for _ in range(3)]
+    layers = []
+    for method in ("ddcl", "ddcl_wide"):
+        torch.manual_seed(1)
+        layer = peers.build(method, 64, 8)  # 64 < (8 + 1)^2 = 81
+        layers.append((layer, [layer(x) for x in batches]))
+    (a, outs_a), (b, outs_b) = layers
+    assert a.target_entropy == b.target_entropy == 0.5 * math.log(64)
+    for x, y in zip(outs_a, outs_b, strict=True):
+        assert torch.equal(x.quantized, y.quantized) and torch.equal(x.indices, y.indices)
+    for (name, u), (_, v) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name
+    assert peers.build("ddcl_wide", 128, 8).target_entropy == pytest.approx(math.log(9))  # above it, capped
+    # the former defaults: 2.5 nats from K = 149 on, log K / 2 below
+    assert peers.build("ddcl_h25", 512, 64).target_entropy == 2.5
+    assert peers.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))
+    assert peers.build("ddcl_h25", 1, 8).target_entropy is None

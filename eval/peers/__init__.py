@@ -58,7 +58,8 @@ log = logging.getLogger("eval.peers")
 
 LABELS = {
     "ddcl": "softvq DDCL, defaults",
-    "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats (a candidate default)",
+    "ddcl_h25": "softvq DDCL, former defaults (target entropy min(2.5, log K / 2) nats)",
+    "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
     "vqp_fsq": "vqp FSQ [8,8,8]",
@@ -143,10 +144,14 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     extra = dict(overrides or {})
     if method == "ddcl":
         return softvq.DDCLQuantizer(num_codes, dim, **extra)
+    if method == "ddcl_h25":
+        # the layer's entropy target before it became log K / 2 (docs/design.md, "Training to the end"): about 12
+        # prototypes per token at every K from 149 on; the studies' DDCL rows measured before that change are this
+        target = min(2.5, 0.5 * math.log(num_codes)) if num_codes > 1 else None
+        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": target, **extra})
     if method == "ddcl_wide":
-        # The candidate of docs/design.md "Training to the end": the default's min(2.5, log K / 2) without the 2.5 cap,
-        # held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token and the encoder's gradient
-        # (covariance of those prototypes) can span all D directions.
+        # the default's log K / 2 held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token; the same
+        # layer as the defaults up to K = (D + 1)^2 (docs/design.md, "Training to the end")
         return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
     if method == "hard_ema":
         return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "dead_code_threshold": 1.0, **extra})
