@@ -11,7 +11,9 @@ The first comment names a renderer (:data:`RENDERERS`) and its sources, results 
 repository-relative. Each renderer draws the table with the study's own report code (the report and the README cannot
 disagree) and ends with ``Source:`` lines: the file, the commits and the setting the numbers were measured at. Where
 several results files of one study are named, a method's rows come from the first file that has it, and each
-``Source:`` line says which methods it gave.
+``Source:`` line says which methods it gave. The flag ``former-defaults`` after the sources (``<!-- render: peers_test
+reports/peers/k512_908f6de/results.json former-defaults -->``) marks results whose DDCL rows trained with the defaults
+of their commit before the entropy target became ``log(K) / 2`` (:data:`FORMER_DEFAULTS`): their labels say so.
 
     python -m eval.render            # fill every block of README.md and docs/*.md
     python -m eval.render --check    # exit 1 naming every block whose text differs from its source (a test runs it)
@@ -33,6 +35,18 @@ from eval._provenance import ROOT
 
 BLOCK = re.compile(r"(<!-- render: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /render -->)", re.DOTALL)
 FILES = ("README.md", "docs/*.md")
+FLAGS = ("former-defaults",)
+# what a DDCL row's label adds under ``former-defaults``: the entropy target those runs' defaults held (2.5 nats at
+# every K from 149 on, the only sizes the flag marks)
+FORMER_DEFAULTS = " at the time (target entropy 2.5 nats)"
+DDCL_METHODS = ("ddcl", "rddcl")
+
+
+def _labels(labels: dict[str, str], flags: Sequence[str]) -> dict[str, str]:
+    """``labels`` with each DDCL method's marked as the former defaults' under the flag ``former-defaults``."""
+    if "former-defaults" not in flags:
+        return labels
+    return {k: v + FORMER_DEFAULTS if k in DDCL_METHODS else v for k, v in labels.items()}
 
 
 def _load(path: Path) -> Any:
@@ -81,16 +95,16 @@ def _merged(sources: Sequence[tuple[Path, str]], setting: Callable[[dict[str, An
     return runs, lines
 
 
-def peers_test(sources: Sequence[tuple[Path, str]]) -> list[str]:
+def peers_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
     """The test table of ``eval.peers`` results files (``eval.peers.report.test_table``)."""
     from eval.peers import LABELS
     from eval.peers.report import group, test_table
 
     runs, lines = _merged(sources, _setting, lambda s: "test")
-    return [*test_table(group(runs), LABELS), "", *lines]
+    return [*test_table(group(runs), _labels(LABELS, flags)), "", *lines]
 
 
-def dropin_test(sources: Sequence[tuple[Path, str]]) -> list[str]:
+def dropin_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
     """The test table of ``eval.dropin`` results files."""
     from eval.dropin import LABELS, TEST_COLUMNS
     from eval.peers.report import group, test_table
@@ -100,10 +114,10 @@ def dropin_test(sources: Sequence[tuple[Path, str]]) -> list[str]:
                f"seeds {', '.join(map(str, s['seeds']))}"
 
     runs, lines = _merged(sources, setting, lambda s: s.get("split", "test"))
-    return [*test_table(group(runs), LABELS, TEST_COLUMNS), "", *lines]
+    return [*test_table(group(runs), _labels(LABELS, flags), TEST_COLUMNS), "", *lines]
 
 
-def long_run_test(sources: Sequence[tuple[Path, str]]) -> list[str]:
+def long_run_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
     """Per K, the test table of the long-training study's finished runs (the records in ``<folder>/runs/``)."""
     from eval.long_run.report import _groups, load_records, test_table
 
@@ -117,7 +131,7 @@ def long_run_test(sources: Sequence[tuple[Path, str]]) -> list[str]:
     return lines[:-1]
 
 
-def long_run_curves(sources: Sequence[tuple[Path, str]]) -> list[str]:
+def long_run_curves(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
     """Per K, every method's validation hard PSNR after each epoch, the mean over its finished seeds."""
     from eval.long_run.report import _groups, _label, load_records
 
@@ -141,7 +155,8 @@ def long_run_curves(sources: Sequence[tuple[Path, str]]) -> list[str]:
     return lines[:-1]
 
 
-RENDERERS: dict[str, Callable[[Sequence[tuple[Path, str]]], list[str]]] = {
+# the long run's records name their own methods (``ddcl_h25``: the former defaults), so its renderers take no flag
+RENDERERS: dict[str, Callable[[Sequence[tuple[Path, str]], Sequence[str]], list[str]]] = {
     "peers_test": peers_test,
     "dropin_test": dropin_test,
     "long_run_test": long_run_test,
@@ -152,7 +167,9 @@ RENDERERS: dict[str, Callable[[Sequence[tuple[Path, str]]], list[str]]] = {
 def render_block(spec: str, root: Path = ROOT, where: Path | None = None) -> str:
     """The text of one block (``spec``: a renderer's name and repository-relative sources), ending in a newline;
     links are relative to the folder ``where`` of the markdown file (default: the repository root)."""
-    name, *rels = spec.split()
+    name, *words = spec.split()
+    flags = [w for w in words if w in FLAGS]
+    rels = [w for w in words if w not in FLAGS]
     if name not in RENDERERS or not rels:
         raise ValueError(f"a render block needs one of {sorted(RENDERERS)} and a source, got {spec!r}")
     sources = []
@@ -162,7 +179,7 @@ def render_block(spec: str, root: Path = ROOT, where: Path | None = None) -> str
             raise ValueError(f"render block {spec!r}: {rel!r} is not an existing path inside the repository")
         link = os.path.relpath(path, (where or root).resolve())
         sources.append((path, f"{rel}|{link}"))
-    return "\n".join(RENDERERS[name](sources)) + "\n"
+    return "\n".join(RENDERERS[name](sources, flags)) + "\n"
 
 
 def render_text(text: str, root: Path = ROOT, where: Path | None = None) -> str:

@@ -42,6 +42,16 @@ def test_a_block_is_filled_from_its_source_and_a_drifted_one_is_named(tmp_path):
     assert render.main(["--check"], root=tmp_path) == 1
 
 
+def test_former_defaults_marks_the_ddcl_rows_and_nothing_else(tmp_path):
+    readme = _toy(tmp_path, (20.0, 21.0))
+    readme.write_text(readme.read_text().replace("results.json -->", "results.json former-defaults -->"))
+    assert render.main([], root=tmp_path) == 0
+    text = readme.read_text()
+    assert "| softvq DDCL, defaults at the time (target entropy 2.5 nats) | 2 | 20.50 ± 0.71 |" in text
+    assert "Source: [reports/toy/results.json]" in text  # the flag is no source
+    assert render._labels({"hard_ema": "HardVQ"}, ["former-defaults"]) == {"hard_ema": "HardVQ"}
+
+
 @pytest.mark.parametrize("spec,match", [("nope reports/toy/results.json", "needs one of"),
                                         ("peers_test", "needs one of"),
                                         ("peers_test reports/missing.json", "not an existing path"),
