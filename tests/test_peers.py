@@ -215,8 +215,8 @@ def test_the_wide_candidate_holds_h_at_half_log_k_below_log_d_plus_one():
 
 
 def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h25_the_former_defaults():
-    # the long-run records of ddcl_wide at K = 512 and 4096 stand as the defaults' (docs/design.md, "Training to the
-    # end"): the same options, and the same training, bit for bit
+    # the long-run records of ddcl_wide at K = 512 and 4096 stand as the defaults': the same options, and the same
+    # training, bit for bit (docs/design.md, "Training to the end")
     torch.manual_seed(0)
     batches = [torch.randn(300, 8) for _ in range(3)]
     layers = []
