@@ -155,7 +155,8 @@ def long_run_curves(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = 
     return lines[:-1]
 
 
-# the long run's records name their own methods (``ddcl_h25``: the former defaults), so its renderers take no flag
+# every renderer takes the block's flags; the long run's ignore them: its records name their own methods
+# (``ddcl_h25``: the former defaults)
 RENDERERS: dict[str, Callable[[Sequence[tuple[Path, str]], Sequence[str]], list[str]]] = {
     "peers_test": peers_test,
     "dropin_test": dropin_test,

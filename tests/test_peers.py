@@ -231,6 +231,9 @@ def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h
     for (name, u), (_, v) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name
     assert peers.build("ddcl_wide", 128, 8).target_entropy == pytest.approx(math.log(9))  # above it, capped
+    for k in (512, 4096):  # the records' sizes (D = 64): the same target to the bit, log K / 2
+        assert peers.build("ddcl_wide", k, 64).target_entropy == peers.build("ddcl", k, 64).target_entropy \
+            == 0.5 * math.log(k)
     # the former defaults: 2.5 nats from K = 149 on, log K / 2 below
     assert peers.build("ddcl_h25", 512, 64).target_entropy == 2.5
     assert peers.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))

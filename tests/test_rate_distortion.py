@@ -48,6 +48,21 @@ def test_matched_psnr_reads_the_peers_bits_off_its_log_linear_line():
     assert "K = 4096: no peer's line reaches DDCL's PSNR" in lines[1]
 
 
+def test_the_sweeps_default_row_names_the_entropy_its_layer_held():
+    def point(target, **extra):
+        return {"method": "ddcl", "seed": 0, "target_entropy": target, "settings": {"num_codes": 512},
+                "history": [{"val_psnr_hard": 23.0, "val_perplexity": 450.0}],
+                "prior": {"val": {"bits_per_image": 448.0, "bits_per_position": 7.0}},
+                "neighbours": {"val": {"k": 8, "within_8_nearest": 0.16}}, **extra}
+
+    # a result from before results recorded it: the default then, min(2.5, log K / 2) = 2.5 at K = 512
+    assert report.held_entropy(point(None), 512) == 2.5
+    assert report.held_entropy(point(None, held_entropy=0.5 * math.log(512)), 512) == pytest.approx(3.119, abs=1e-3)
+    assert report.held_entropy(point(1.5, held_entropy=1.5), 512) == 1.5
+    lines = report.sweep_lines([point(None, held_entropy=3.119), point(1.5), point(3.5)], 512)
+    assert [line.split(" |")[0] for line in lines[2:]] == ["| 1.5", "| default (3.12)", "| 3.5"]  # sorted by entropy
+
+
 def test_neighbour_similarity_against_a_hand_count():
     codebook = torch.tensor([[0.0], [1.0], [10.0], [11.0]])  # 0 and 1 are near, 2 and 3 are near
     codes = torch.tensor([[[0, 1], [2, 2]]])  # right pairs (0,1) (2,2); down pairs (0,2) (1,2)
@@ -116,6 +131,7 @@ def test_rate_distortion_end_to_end_and_bits_are_the_summed_position_nlls(studie
     with torch.no_grad():
         nll = prior.nll(codes["test"]).double()  # (N, 64) nats
     assert codes["test"].shape == (50, 8, 8)
+    assert result["held_entropy"] == pytest.approx(0.5 * math.log(64))  # the default's target, log K / 2, recorded
     # the kept VQ-VAE weights reload into the same model: it encodes the test images into the kept codes
     from softvq.data.cifar10 import CIFAR10DataModule
 

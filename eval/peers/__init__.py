@@ -144,11 +144,8 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     extra = dict(overrides or {})
     if method == "ddcl":
         return softvq.DDCLQuantizer(num_codes, dim, **extra)
-    if method == "ddcl_h25":
-        # the layer's entropy target before it became log K / 2 (docs/design.md, "Training to the end"): about 12
-        # prototypes per token at every K from 149 on; the studies' DDCL rows measured before that change are this
-        target = min(2.5, 0.5 * math.log(num_codes)) if num_codes > 1 else None
-        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": target, **extra})
+    if method == "ddcl_h25":  # the studies' DDCL rows measured before the entropy target became log K / 2
+        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": former_entropy_target(num_codes), **extra})
     if method == "ddcl_wide":
         # the default's log K / 2 held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token; the same
         # layer as the defaults up to K = (D + 1)^2 (docs/design.md, "Training to the end")
@@ -169,6 +166,12 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     if method == "vqp_simvq":
         return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes, **extra), "simvq", num_codes, dim)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def former_entropy_target(num_codes: int) -> float | None:
+    """``min(2.5, log K / 2)`` nats, ``None`` for one code: ``ddcl_h25``'s, the layer's entropy target before it
+    became ``log K / 2`` (about 12 prototypes per token from K = 149 on; docs/design.md, "Training to the end")."""
+    return min(2.5, 0.5 * math.log(num_codes)) if num_codes > 1 else None
 
 
 def wide_entropy_target(num_codes: int, dim: int) -> float:

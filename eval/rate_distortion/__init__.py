@@ -52,7 +52,7 @@ log = logging.getLogger("eval.rate_distortion")
 
 METHODS = ("ddcl", "hard_ema", "vqp_vq", "vqp_fsq")
 LABELS = {m: peers.LABELS[m] for m in METHODS} | {"vqp_fsq": "vqp FSQ (levels of the FSQ paper)"}
-SWEEP_TARGETS = (1.5, 3.5)  # nats, beside the default min(2.5, log(K) / 2) = 2.5 at K = 512
+SWEEP_TARGETS = (1.5, 3.5)  # nats, beside the default (2.5 at K = 512 when the committed study ran)
 NEIGHBOURS_K = 8  # "similar" neighbour: among the code's 8 nearest codes (itself included)
 
 
@@ -182,7 +182,9 @@ def run_point(method: str, k: int, seed: int, target: float | None, args: argpar
     grid = tuple(codes["train"].shape[1:])
     prior, prior_seconds = fit_prior(codes, num_codes, grid, settings["prior"])
     codebook = model.quantizer.decode_indices(torch.arange(num_codes)[None]).reshape(num_codes, -1)
+    held = getattr(model.quantizer, "target_entropy", None)  # the entropy DDCL's control held (the default's too)
     result.update({"settings": settings, "commit": args.commit, "num_codes": num_codes, "target_entropy": target,
+                   "held_entropy": held,
                    "prior_seconds": prior_seconds,
                    "prior": {split: prior_figures(prior, codes[split], num_codes) for split in ("val", "test")},
                    "neighbours": {split: neighbour_similarity(codes[split], codebook) for split in ("val", "test")}})

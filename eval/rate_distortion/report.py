@@ -21,6 +21,7 @@ import numpy as np
 
 from eval._provenance import code_commit, portable
 from eval._spread import beyond_spread
+from eval.peers import former_entropy_target
 from softvq.models.files import write_atomic
 
 TOLERANCE_DB = 0.5  # how far outside a peer's measured PSNR range its line may be read
@@ -218,6 +219,14 @@ def target_lines(rows: list[dict[str, Any]], small: int) -> list[str]:
     return lines
 
 
+def held_entropy(run: dict[str, Any], k: int) -> float | None:
+    """The entropy target a DDCL point's layer held: its sweep value, else the one it recorded; a result from before
+    results recorded it trained at the layer's default then, ``min(2.5, log K / 2)``."""
+    if run.get("target_entropy") is not None:
+        return run["target_entropy"]
+    return run["held_entropy"] if "held_entropy" in run else former_entropy_target(k)
+
+
 def sweep_lines(results: list[dict[str, Any]], small: int) -> list[str]:
     """The target-entropy sweep on validation: DDCL at K = small, first seed, each target beside the default."""
     default = [r for r in results if r["method"] == REFERENCE and r.get("target_entropy") is None
@@ -227,14 +236,13 @@ def sweep_lines(results: list[dict[str, Any]], small: int) -> list[str]:
         return []
     seed = min(r["seed"] for r in sweep)
     base = next((r for r in default if r["seed"] == seed), None)
-    rows = sorted(sweep + ([base] if base else []), key=lambda r: r.get("target_entropy") or min(2.5, 0.5 *
-                                                                                                math.log(small)))
+    rows = sorted(sweep + ([base] if base else []), key=lambda r: held_entropy(r, small))
     lines = ["| target entropy (nats) | val PSNR hard (dB) | val prior bits / image | val bits / position | "
              "val perplexity | val neighbours within 8 nearest |", "|---|---|---|---|---|---|"]
     for r in rows:
         psnr, bits = psnr_bits(r, "val")
         target = r.get("target_entropy")
-        name = f"default ({min(2.5, 0.5 * math.log(small)):.3g})" if target is None else f"{target:g}"
+        name = f"default ({held_entropy(r, small):.3g})" if target is None else f"{target:g}"
         nb = r["neighbours"]["val"]
         within = nb[f"within_{nb['k']}_nearest"]
         lines.append(f"| {name} | {psnr:.2f} | {bits:.1f} | {r['prior']['val']['bits_per_position']:.3f} | "
