@@ -143,3 +143,35 @@ def test_the_anchor_adds_the_tokens_squared_mean_in_their_variance_and_only_a_co
     torch.testing.assert_close(x1.grad, (2 * 0.3 * m / (4 * 200 * v)).expand(200, 4), rtol=1e-10, atol=1e-14)
     with pytest.raises(ValueError, match="anchor must be >= 0"):
         probe.GradientProbe(DDCLQuantizer(16, 4), "soft_centroid", anchor=-1.0)
+
+
+def test_freezing_the_standardiser_fixes_its_statistics_from_that_step_and_changes_nothing_before(tiny_cifar,
+                                                                                                   tmp_path):
+    """``--freeze-standardizer 2``: the first two steps are the plain run's bit for bit (scored at step 2 alike), then
+    the statistics stop moving (training standardises with the frozen evaluation statistics), so the later steps
+    differ from the plain run's."""
+    frozen = _run(tiny_cifar, tmp_path / "frozen.jsonl", "--every", "1", "--freeze-standardizer", "2")
+    plain = _run(tiny_cifar, tmp_path / "plain.jsonl", "--every", "1")
+
+    def scored(name):
+        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
+    a, b = scored("frozen.jsonl"), scored("plain.jsonl")
+    assert {"frozen_at": 2} in a
+    a = [r for r in a if "psnr" in r]
+    b = [r for r in b if "psnr" in r]
+    assert [r["psnr"] for r in a[:2]] == [r["psnr"] for r in b[:2]] and a[-1]["psnr"] != b[-1]["psnr"]
+    st = probe.ddcl_layer(frozen).standardizer
+    assert st.frozen and int(st.num_batches_tracked) == 2  # steps 3 and 4 (64 images, batches of 16) moved nothing
+    assert int(probe.ddcl_layer(plain).standardizer.num_batches_tracked) == 4
+
+
+def test_the_standardiser_momentum_option_sets_the_running_moments_weight(tiny_cifar, tmp_path):
+    """``--standardizer-momentum 1.0`` reaches the layer's standardiser and changes its running moments (weight 1: the
+    last batch's own) against the layer's 0.1; a value outside (0, 1] is refused."""
+    fast = probe.ddcl_layer(_run(tiny_cifar, tmp_path / "m1.jsonl", "--standardizer-momentum", "1.0")).standardizer
+    slow = probe.ddcl_layer(_run(tiny_cifar, tmp_path / "m01.jsonl")).standardizer
+    assert fast.momentum == 1.0 and slow.momentum == 0.1
+    assert not torch.allclose(fast.running_mean, slow.running_mean)
+    with pytest.raises(SystemExit):
+        _run(tiny_cifar, tmp_path / "bad.jsonl", "--standardizer-momentum", "1.5")

@@ -12,6 +12,8 @@ behind the long-training study (which setting keeps DDCL learning after the firs
     python -m eval.long_run.probe ... --output-scale 0.1          # the decoder sees DDCL's codes at a tenth
     python -m eval.long_run.probe ... --detach-statistics         # no gradient through the standardiser's moments
     python -m eval.long_run.probe ... --anchor 0.01               # a restoring force on the tokens' per-dimension mean
+    python -m eval.long_run.probe ... --freeze-standardizer 352   # from step 352 on, train with fixed statistics
+    python -m eval.long_run.probe ... --standardizer-momentum 0.3 # the running moments follow the tokens faster
 
 Trains the VQ-VAE of :func:`eval.peers.fit_run` (one torch thread) and every ``--every`` optimizer steps scores the
 first ``--val-images`` validation images (the validation split only: a probe chooses settings) in evaluation mode,
@@ -103,7 +105,7 @@ class GradientProbe(nn.Module):
         return out._replace(quantized=quantized * self.scale if self.scale != 1.0 else quantized, loss=loss)
 
 
-APPLIED_MOMENTA = (0.1, 0.3, 0.5)  # the running averages of the applied statistics that are scored
+APPLIED_MOMENTA = (0.1, 0.3, 0.5, 0.7, 0.85)  # the running averages of the applied statistics that are scored
 
 
 def mean_psnr(reconstruction: Tensor, x: Tensor) -> float:
@@ -119,10 +121,14 @@ def ddcl_layer(model: VQVAE) -> DDCLQuantizer | None:
 
 class Snapshots(L.Callback):
     """Scores ``images`` every ``every`` optimizer steps (see the module docstring) into the JSONL file ``out``;
-    with ``anneal = (start, end)`` moves a DDCL layer's ``target_entropy`` from ``start`` to ``end`` over the run."""
+    with ``anneal = (start, end)`` moves a DDCL layer's ``target_entropy`` from ``start`` to ``end`` over the run;
+    with ``freeze_at`` sets its standardiser ``frozen`` after that many optimizer steps: from then on training
+    standardises with the evaluation statistics of that moment, fixed (no batch moments, no projection of the
+    tokens' per-dimension shift and scale out of the gradient), so training and evaluation standardise alike."""
 
-    def __init__(self, images: Tensor, every: int, out: Path, anneal: tuple[float, float] | None = None) -> None:
-        self.images, self.every, self.out, self.anneal = images, every, out, anneal
+    def __init__(self, images: Tensor, every: int, out: Path, anneal: tuple[float, float] | None = None,
+                 freeze_at: int | None = None) -> None:
+        self.images, self.every, self.out, self.anneal, self.freeze_at = images, every, out, anneal, freeze_at
         self._used: tuple[Tensor, Tensor] | None = None
         # running averages of the shift and scale (squared) training applied, one per momentum: evaluation statistics
         # that follow what training saw, scored beside the running moments
@@ -152,6 +158,9 @@ class Snapshots(L.Callback):
         if self.anneal is not None and layer is not None:
             start, end = self.anneal
             layer.target_entropy = start + (end - start) * trainer.global_step / trainer.estimated_stepping_batches
+        if self.freeze_at is not None and layer is not None and trainer.global_step == self.freeze_at:
+            layer.standardizer.frozen = True
+            self._write({"frozen_at": trainer.global_step})
         if trainer.global_step % self.every:
             return
         pl_module.eval()
@@ -268,6 +277,11 @@ def main(argv: list[str] | None = None) -> VQVAE:
                    help="the standardiser's shift and scale carry no gradient (their values unchanged)")
     p.add_argument("--anchor", type=float, default=0.0,
                    help="weight of a loss pulling the tokens' per-dimension batch mean to 0 (in their std)")
+    p.add_argument("--freeze-standardizer", type=int, default=None, metavar="STEP",
+                   help="from this optimizer step on, DDCL's standardiser trains with its evaluation statistics of "
+                        "that step, fixed")
+    p.add_argument("--standardizer-momentum", type=float, default=None, metavar="M",
+                   help="weight of each batch in DDCL's running moments (the layer's: 0.1)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--every", type=int, default=22, help="optimizer steps between two scorings")
     p.add_argument("--val-images", type=int, default=1024)
@@ -298,10 +312,16 @@ def main(argv: list[str] | None = None) -> VQVAE:
         data.setup("fit")
         images = torch.stack([data.val_set[i][0] for i in range(min(args.val_images, len(data.val_set)))])
         model = build_model(*options, **anchor)
+    if args.standardizer_momentum is not None:
+        layer = ddcl_layer(model)
+        if layer is None or not 0 < args.standardizer_momentum <= 1:
+            p.error("--standardizer-momentum needs a DDCL layer and a value in (0, 1]")
+        layer.standardizer.momentum = args.standardizer_momentum
     L.seed_everything(args.seed, workers=True, verbose=False)
     with open(args.out, "a") as f:
         f.write(json.dumps({"probe": vars(args) | {"data_root": str(args.data_root), "out": str(args.out)}}) + "\n")
-    snapshots = Snapshots(images, args.every, args.out, tuple(args.anneal_entropy) if args.anneal_entropy else None)
+    snapshots = Snapshots(images, args.every, args.out, tuple(args.anneal_entropy) if args.anneal_entropy else None,
+                          args.freeze_standardizer)
     callbacks: list[L.Callback] = [snapshots] + ([ScoringImages(snapshots, args.val_images)] if images is None else [])
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
