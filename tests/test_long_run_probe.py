@@ -167,8 +167,8 @@ def test_freezing_the_standardiser_fixes_its_statistics_from_that_step_and_chang
 
 
 def test_the_standardiser_momentum_option_sets_the_running_moments_weight(tiny_cifar, tmp_path):
-    """``--standardizer-momentum 1.0`` reaches the layer's standardiser and changes its running moments (weight 1: the
-    last batch's own) against the layer's 0.1; a value outside (0, 1] is refused."""
+    """``--standardizer-momentum 1.0`` reaches the layer's standardiser and changes its running moments against the
+    layer's 0.1; a value outside (0, 1] is refused."""
     fast = probe.ddcl_layer(_run(tiny_cifar, tmp_path / "m1.jsonl", "--standardizer-momentum", "1.0")).standardizer
     slow = probe.ddcl_layer(_run(tiny_cifar, tmp_path / "m01.jsonl")).standardizer
     assert fast.momentum == 1.0 and slow.momentum == 0.1

@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> VQVAE:
     args = p.parse_args(argv)
     if args.every < 1 or args.val_images < 1:
         p.error("--every and --val-images must be positive")
+    if args.standardizer_momentum is not None and not 0 < args.standardizer_momentum <= 1:
+        p.error(f"--standardizer-momentum must be in (0, 1], got {args.standardizer_momentum}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads or 1)
     L.seed_everything(args.seed, workers=True, verbose=False)
@@ -314,8 +316,8 @@ def main(argv: list[str] | None = None) -> VQVAE:
         model = build_model(*options, **anchor)
     if args.standardizer_momentum is not None:
         layer = ddcl_layer(model)
-        if layer is None or not 0 < args.standardizer_momentum <= 1:
-            p.error("--standardizer-momentum needs a DDCL layer and a value in (0, 1]")
+        if layer is None:
+            p.error(f"--standardizer-momentum needs a DDCL layer; --method is {args.method!r}")
         layer.standardizer.momentum = args.standardizer_momentum
     L.seed_everything(args.seed, workers=True, verbose=False)
     with open(args.out, "a") as f:
