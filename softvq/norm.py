@@ -107,12 +107,12 @@ class TokenStandardizer(nn.Module):
         renorm_clip: ``(r_max, d_max)``, the clipping of ``r`` and ``d``.
         eval_statistics: ``"applied"`` or ``"running"`` (see above).
         eval_momentum: weight of each training step's applied shift and scale in the ``"applied"`` statistics, in
-            ``(0, 1]``.
+            ``(0, 1]`` (1: the last step's alone; docs/design.md, "Which evaluation statistics", chose the default).
     """
 
     def __init__(self, dim: int, momentum: float = 0.1, eps: float = 1e-5, renorm: bool = False,
                  renorm_clip: tuple[float, float] = (3.0, 5.0), eval_statistics: str = "applied",
-                 eval_momentum: float = 0.5) -> None:
+                 eval_momentum: float = 0.85) -> None:
         super().__init__()
         self.dim = check_positive_int("dim", dim)
         self.momentum = check_float("momentum", momentum)

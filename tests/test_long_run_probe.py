@@ -33,8 +33,9 @@ def test_scoring_every_step_leaves_the_run_bit_for_bit_and_scores_the_hard_codes
     scored = [line for line in lines if "psnr" in line]
     assert [line["step"] for line in scored] == [1, 2, 3, 4]  # 64 images in batches of 16
     assert all(line["psnr_exact_stats"] > 0 and 0 <= line["codes_changed_exact"] <= 1 for line in scored)
-    # the layer's default evaluation statistics are the applied ones at momentum 0.5, which the probe also keeps
-    assert all(abs(line["psnr"] - line["psnr_applied_m0.5_stats"]) < 1e-3 for line in scored)
+    # the layer's default evaluation statistics are the applied ones at its default momentum, which the probe also keeps
+    default = f"psnr_applied_m{probe.TokenStandardizer(1).eval_momentum:g}_stats"
+    assert all(abs(line["psnr"] - line[default]) < 1e-3 for line in scored)
     # 2.6 dB apart when the scale was left out
     for key in ("psnr_running_stats", "psnr_exact_stats", "psnr_used_stats", "psnr_train_mode"):
         assert abs(scored[-1][key] - scored[-1]["psnr"]) < 0.5, (key, scored[-1])
