@@ -62,7 +62,7 @@ def test_three_modes_against_hand_computations():
 
 
 def test_policies_from_a_recorded_trajectory_reproduce_the_layers_applied_statistics():
-    s = TokenStandardizer(4, renorm=True, renorm_clip=(1.1, 0.1)).double()
+    s = TokenStandardizer(4, renorm=True, renorm_clip=(1.1, 0.1), eval_momentum=0.5).double()
     recorder = ss.Trajectory()
     s.register_forward_hook(recorder.hook)
     torch.manual_seed(0)
