@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from eval._bench import markdown_table, sweep, sync
+from eval._hard import HARD_RESTART
 
 METHODS = ("ddcl", "ddcl_plain", "hard", "vqp", "vqp_recipe")
 # DDCLQuantizer(top_k=k) (not in the default sweep: --methods ddcl_top_k ...); k from --top-k, else top_k_bound(K)
@@ -76,7 +77,7 @@ def build(method: str, num_codes: int, dim: int, top_k: int | None = None) -> nn
     if method == "hard":
         from softvq import HardVQ
 
-        return HardVQ(num_codes, dim, ema_decay=0.99, dead_code_threshold=1.0, check_finite=False)
+        return HardVQ(num_codes, dim, ema_decay=0.99, restart=HARD_RESTART, check_finite=False)
     if method in ("rddcl", "rhard"):
         from softvq import ResidualDDCL, ResidualHardVQ
 

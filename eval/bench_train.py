@@ -5,8 +5,9 @@
     python -m eval.bench_train --compile                         # + the torch.compile'd models (--trainer.compile)
 
 Both models are what ``softvq-train`` builds with its defaults (``--quantizer ddcl`` and ``--quantizer hard
---hard.ema_decay 0.99 --hard.dead_code_threshold 1``, the strongest hard VQ here, configured as the DDCL layer's
-recipe); ``--flags`` passes further ``softvq-train`` flags to both (e.g. ``--flags --model.num_codes 1024``).
+--hard.ema_decay 0.99 --hard.restart.threshold 1 --hard.restart.decay 0.99 --hard.restart.cap null``, the strongest
+hard VQ here, configured as the DDCL layer's recipe); ``--flags`` passes further ``softvq-train`` flags to both
+(e.g. ``--flags --model.num_codes 1024``).
 
 *Training step*: Lightning fits each model for ``--steps`` steps on the same in-memory random batches (no data
 loading), one model after the other, for ``--rounds`` interleaved rounds (so machine noise hits all of them alike);
@@ -33,11 +34,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from eval._bench import markdown_table
+from eval._hard import HARD_RESTART_FLAGS
 from softvq.cli import config
 from softvq.cli.common import quiet_lightning
 from softvq.models import VQVAE
 
-HARD_FLAGS = ["--hard.ema_decay", "0.99", "--hard.dead_code_threshold", "1"]
+HARD_FLAGS = ["--hard.ema_decay", "0.99", *HARD_RESTART_FLAGS]
 
 
 class StepTimer(L.Callback):

@@ -29,6 +29,8 @@ from softvq.cli.common import run_command
 from softvq.models.files import write_atomic
 
 # (name, label, quantizer, quantizer options, VQVAE options); the DDCL variants change one thing from the default.
+# The restart options keep the flat names the probes ran (and reports/peers/probes.md quotes) with: eval.probe reads
+# them as today's `restart` (softvq._compat).
 PROBES: tuple[tuple[str, str, str, dict[str, Any], dict[str, Any]], ...] = (
     ("default", "**the layer's defaults** (`DDCLQuantizer(512, 64)`)", "ddcl", {}, {}),
     ("output_input", "… codes returned on the input's scale", "ddcl", {"output_scale": "input"}, {}),

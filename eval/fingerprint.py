@@ -43,7 +43,7 @@ def _builders() -> dict[str, Callable[[], nn.Module]]:
     builders: dict[str, Callable[[], nn.Module]] = {
         "ddcl": lambda: softvq.DDCLQuantizer(256, 8),
         "hard": lambda: softvq.HardVQ(16, 8),
-        "hard_ema": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, dead_code_threshold=1.0),
+        "hard_ema": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None)),
         "rddcl": lambda: softvq.ResidualDDCL(2, 256, 8),
         "rhard": lambda: softvq.ResidualHardVQ(2, 16, 8),
     }

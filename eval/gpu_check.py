@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from eval._hard import HARD_RESTART, HARD_RESTART_FLAGS
 from softvq import DDCLQuantizer, HardVQ
 
 FAILED: list[str] = []
@@ -42,7 +43,7 @@ def layers(num_codes: int = 512) -> dict[str, torch.nn.Module]:
     return {"ddcl": DDCLQuantizer(num_codes, 64, check_finite=False),
             "ddcl_top_k": DDCLQuantizer(num_codes, 64, top_k=k, check_finite=False),
             "ddcl_plain": DDCLQuantizer(num_codes, 64, recipe="plain", check_finite=False),
-            "hard": HardVQ(num_codes, 64, ema_decay=0.99, dead_code_threshold=1.0, check_finite=False)}
+            "hard": HardVQ(num_codes, 64, ema_decay=0.99, restart=HARD_RESTART, check_finite=False)}
 
 
 def large_codebooks(z: torch.Tensor, sizes: list[int]) -> dict[int, dict[str, float]]:
@@ -157,7 +158,7 @@ def train_epoch(args: argparse.Namespace) -> dict[str, float]:
 
     rates = {}
     for quantizer in ("ddcl", "hard"):
-        cfg = config.parse(["--quantizer", quantizer, "--hard.ema_decay", "0.99", "--hard.dead_code_threshold", "1"])
+        cfg = config.parse(["--quantizer", quantizer, "--hard.ema_decay", "0.99", *HARD_RESTART_FLAGS])
         model = VQVAE(**config.model_kwargs(cfg, quantizer))
         if args.data_root:
             from softvq.data import CIFAR10DataModule

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 import softvq
 from eval import peers
+from softvq._compat import upgrade_quantizer_kwargs
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 
@@ -66,11 +67,13 @@ class StraightThroughLevel(nn.Module):
 
 def build_quantizer(name: str, num_codes: int, dim: int, kwargs: dict, num_quantizers: int = 4,
                     level_gradient: str = "soft_centroid") -> nn.Module:
-    """The probed bottleneck (see the module docstring)."""
+    """The probed bottleneck (see the module docstring). ``kwargs`` under a layer's former option names (a documented
+    probe's ``--kwargs '{"dead_code_threshold": 0.0}'``) are today's (softvq._compat)."""
     if name in PEERS:
         if level_gradient != "soft_centroid":
             raise ValueError("--level-gradient applies to --quantizer rddcl only")
         return peers.build(name, num_codes, dim, kwargs)
+    kwargs = upgrade_quantizer_kwargs(name, kwargs) or {}
     if name in ("ddcl", "hard"):
         if level_gradient != "soft_centroid":
             raise ValueError("--level-gradient applies to --quantizer rddcl only")

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         # Hard VQ as most tutorials write it (a gradient-trained codebook): it leaves most codes dead.
         "hard": TokenAutoencoder(softvq.HardVQ(args.codes, 8, commitment_weight=0.25)),
         # The strong hard baseline: an EMA codebook and restarts of codes used less than once per batch.
-        "hard_ema": TokenAutoencoder(softvq.HardVQ(args.codes, 8, ema_decay=0.99, dead_code_threshold=1.0)),
+        "hard_ema": TokenAutoencoder(softvq.HardVQ(args.codes, 8, ema_decay=0.99, restart=softvq.Restart())),
     }
     optimizers = {name: torch.optim.Adam(model.parameters(), lr=args.lr) for name, model in models.items()}
     usage = {name: softvq.CodebookUsage(args.codes) for name in models}

@@ -14,7 +14,8 @@ Public API:
   (indices ``(..., Q)``, decoding from any number of levels, quantize dropout); :class:`ResidualHardVQ`, the hard
   baseline with EMA and restarts per level; :class:`ResidualQuantizer`, the stack over any softvq layers.
 - :mod:`softvq.parts` — the mechanisms the layers are composed of (``TemperatureControl``, ``EmaPrototypes``,
-  ``DeadCodeRestart``, ``TokenStandardizer``), for a codebook of one's own.
+  ``DeadCodeRestart``, ``TokenStandardizer``), for a codebook of one's own; :class:`Restart`, the settings of
+  dead-code restart that the layers' ``restart`` option takes.
 - :class:`CodebookUsage` — utilization, dead codes and perplexity as a torchmetrics ``Metric``.
 - :func:`param_groups` — optimizer groups with prototype lr = lr / eps.
 - :func:`anneal_temperature` — constant / linear / cosine / exponential temperature schedules.
@@ -35,6 +36,7 @@ from softvq.hard_vq import HardVQ
 from softvq.hierarchical import HierarchicalDDCL, HierarchicalOutput
 from softvq.metrics import CodebookUsage
 from softvq.optim import param_groups
+from softvq.parts.restart import Restart
 from softvq.readout import DDCLReadout, ReadoutOutput
 from softvq.residual import ResidualDDCL, ResidualHardVQ, ResidualQuantizer
 from softvq.schedule import adapt_temperature, anneal_temperature
@@ -54,6 +56,7 @@ __all__ = [
     "ResidualDDCL",
     "ResidualHardVQ",
     "ResidualQuantizer",
+    "Restart",
     "adapt_temperature",
     "anneal_temperature",
     "assignment_entropy",

@@ -14,6 +14,7 @@ Saving always writes today's layout and names.
 
 from __future__ import annotations
 
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ def become_plain(layer: nn.Module) -> None:
     layer.prototype_update = "gradient"
     layer.prototypes.requires_grad_(True)
     layer.target_entropy = None
-    layer.dead_code_threshold = 0.0
+    layer.restart = None
 
 
 # Options renamed: (the quantizers that had it, its former name, today's name). HardVQ's ``beta`` is the commitment
@@ -100,6 +101,25 @@ _RENAMED_OPTIONS = ((("hard", "rhard"), "beta", "commitment_weight"),)
 # nothing to switch off): a record's None is "auto".
 _AUTO_WAS_NONE = (("ddcl", "rddcl"), ("temperature", "standardize", "prototype_update", "hard_output",
                                       "dead_code_threshold"))
+# Dead-code restart's flat options, before they became the fields of one ``restart`` option (softvq.parts.Restart).
+# DDCL's: a threshold ("auto": 1, or 0 for the plain recipe; 0: off), the usage's decay and the cap. HardVQ's: a
+# threshold alone (0 by default; 1 for ResidualHardVQ), its usage decayed at the layer's EMA decay (0.99 without EMA)
+# and uncapped.
+_FLAT_RESTART = ("dead_code_threshold", "dead_code_decay", "dead_code_cap")
+
+
+def _restart_of_flat(quantizer: object, get: Any) -> dict[str, Any] | None:
+    """The ``restart`` setting (a mapping of :class:`softvq.parts.Restart`'s fields, or ``None``) that a record's flat
+    options (``get(name, default)``) meant for quantizer ``quantizer``."""
+    if quantizer in ("ddcl", "rddcl"):
+        threshold = get("dead_code_threshold", "auto")
+        if threshold == "auto":
+            threshold = 1.0 if get("recipe", "auto") == "auto" else 0.0
+        decay, cap = get("dead_code_decay", "auto"), get("dead_code_cap", 0.25)
+    else:
+        threshold = get("dead_code_threshold", 1.0 if quantizer == "rhard" else 0.0)
+        decay, cap = get("ema_decay", 0.99 if quantizer == "rhard" else None) or 0.99, None
+    return None if not threshold else {"threshold": float(threshold), "decay": decay, "cap": cap}
 
 # Settings whose default changed after config.json began to record runs without them: a run whose config.json lacks
 # the key trained with this value, not with today's default (ddcl.renorm: plain batch standardisation until clipped
@@ -120,6 +140,13 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
     quantizers, names = _AUTO_WAS_NONE
     if quantizer in quantizers:
         out.update({name: "auto" for name in names if name in out and out[name] is None})
+    if "restart" not in out and any(name in out for name in _FLAT_RESTART):
+        restart = _restart_of_flat(quantizer, out.get)
+        for name in _FLAT_RESTART:
+            out.pop(name, None)
+        out["restart"] = restart
+    if is_dataclass(out.get("restart")):  # plain types only: a checkpoint's hyperparameters load with weights_only
+        out["restart"] = asdict(out["restart"])
     return out
 
 
@@ -139,4 +166,16 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
     for section in [*quantizers, *(["quantizer_kwargs"] if named & set(quantizers) else [])]:
         keys = [f"{section}.{n}" for n in names]
         out.update({key: "auto" for key in keys if key in out and out[key] is None})
+    sections = [(q, q) for q in ("ddcl", "rddcl", "hard", "rhard")]
+    sections += [("quantizer_kwargs", q) for q in named if q in ("ddcl", "rddcl", "hard", "rhard")]
+    for section, quantizer in sections:
+        if not any(f"{section}.{name}" in out for name in _FLAT_RESTART):
+            continue
+        restart = _restart_of_flat(quantizer, lambda n, d, s=section: out.get(f"{s}.{n}", d))
+        for name in _FLAT_RESTART:
+            out.pop(f"{section}.{name}", None)
+        if restart is None:
+            out[f"{section}.restart"] = None
+        else:
+            out.update({f"{section}.restart.{field}": value for field, value in restart.items()})
     return out

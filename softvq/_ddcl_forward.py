@@ -102,7 +102,7 @@ def codebook_space(layer: nn.Module, zf: Tensor, update: bool, update_codebook: 
         elif not layer.training:
             warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
                           "its prototypes: it is using random placeholder prototypes", stacklevel=4)
-    if update_codebook and layer.dead_code_threshold > 0:  # before the forward: no tensor saved for backward moves
+    if update_codebook and layer.dead_codes.threshold > 0:  # before the forward: no tensor saved for backward moves
         dead = layer.dead_codes.restart_(layer.prototypes.data, zf.detach())
         layer.ema.restart_(dead, layer.prototypes.data, 1.0)  # a restarted code's EMA: one pseudo-token there
     if layer.distance == "cosine":
@@ -192,9 +192,9 @@ def after_step(layer: nn.Module, z: Tensor, q: Tensor, indices: Tensor, entropy:
     """After a training forward: the usage for dead-code restart, the EMA prototype update and the temperature
     control, each with its statistics summed over processes (every process ends with the same state). No
     host-device synchronisation."""
-    if layer.dead_code_threshold > 0 or layer.prototype_update == "ema":
+    if layer.dead_codes.threshold > 0 or layer.prototype_update == "ema":
         counts = code_counts(indices, layer.num_codes, layer.dead_codes.usage.dtype)
-        if layer.dead_code_threshold > 0:
+        if layer.dead_codes.threshold > 0:
             layer.dead_codes.update(counts)
     if layer.prototype_update == "ema":
         layer.ema.step_(layer.prototypes, z, indices=indices, counts=counts)

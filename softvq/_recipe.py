@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from softvq._checks import check_bool, check_choice, check_float, check_positive_int, check_unit
 from softvq._collectives import all_reduce_sum_, is_distributed
+from softvq.parts.restart import Restart
 
 TERMS = ("l_q", "l_ols", "free_energy")  # the terms codebook_term and commitment_term name
 
@@ -32,13 +33,13 @@ def _is_auto(value: object) -> bool:
 
 def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize: bool | str,
             output_scale: str | float, hard_output: bool | str, prototype_update: str, ema_decay: float,
-            target_entropy: float | str | None, dead_code_threshold: float | str) -> dict[str, Any]:
+            target_entropy: float | str | None, restart: object) -> dict[str, Any]:
     """The options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the recipe's, checked.
     ``"auto"`` means the recipe's value and ``None`` means off, wherever an option takes them (``target_entropy=None``:
     a fixed temperature); an option with nothing to switch off refuses ``None``. The options a part checks itself (the
     entropy target's range, the control's gain) are checked there."""
     given = {"temperature": temperature, "standardize": standardize, "hard_output": hard_output,
-             "prototype_update": prototype_update, "dead_code_threshold": dead_code_threshold}
+             "prototype_update": prototype_update}
     for name, value in given.items():
         if value is None:
             raise ValueError(f"{name}=None: pass 'auto' for the recipe's value (the layer has no {name} to switch "
@@ -62,15 +63,14 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         "ema_decay": check_unit("ema_decay", ema_decay),
         "target_entropy": target_entropy,
         "temperature": start,
-        "dead_code_threshold": check_float("dead_code_threshold", (1.0 if auto else 0.0) if _is_auto(
-            dead_code_threshold) else dead_code_threshold, allow_zero=True),
+        "restart": (Restart() if auto else None) if _is_auto(restart) else Restart.of(restart),
     }
 
 
 def check_options(given: dict[str, Any]) -> dict[str, Any]:
     """``DDCLQuantizer``'s options (``given``: every argument of its constructor, as passed) checked, with the recipe's
     values resolved (:func:`resolve`): what the layer and its parts are built from. The parts check the options they
-    own themselves (``renorm_clip``, ``temperature_rate``, ``dead_code_decay``, ...), when they are built."""
+    own themselves (``renorm_clip``, ``temperature_rate``, ``restart``'s fields, ...), when they are built."""
     o = dict(given)
     o["num_codes"] = check_positive_int("num_codes", o["num_codes"])
     o["dim"] = check_positive_int("dim", o["dim"])
@@ -87,7 +87,7 @@ def check_options(given: dict[str, Any]) -> dict[str, Any]:
     o["channel_first"] = check_bool("channel_first", o["channel_first"])
     o.update(resolve(given["recipe"] == "auto", o["num_codes"], given["temperature"],
                      **{name: given[name] for name in ("standardize", "output_scale", "hard_output", "prototype_update",
-                                                       "ema_decay", "target_entropy", "dead_code_threshold")}))
+                                                       "ema_decay", "target_entropy", "restart")}))
     o["renorm"] = check_bool("renorm", o["renorm"])
     return o
 
@@ -101,7 +101,7 @@ def options_repr(layer: nn.Module) -> str:
         f"prototype_update={layer.prototype_update!r}, hard_output={layer.hard_output}, "
         f"distance={layer.distance!r}, codebook={layer.codebook_weight:g}*{layer.codebook_term}, "
         f"commitment={layer.commitment_weight:g}*{layer.commitment_term}, init={layer.init!r}, "
-        f"dead_code_threshold={layer.dead_code_threshold:g}, dead_code_cap={layer.dead_code_cap}"
+        f"restart={layer.restart}"
         + (f", top_k={layer.top_k}" if layer.top_k is not None else "")
     )
 
@@ -123,10 +123,6 @@ INERT = (
     ("temperature_rate", "target_entropy", lambda s: s.target_entropy is None,
      "it is the gain of the entropy control, which target_entropy=None turns off"),
     ("init_scale", "init", lambda s: s.init == "data", "it scales init='normal' prototypes"),
-    ("dead_code_decay", "dead_code_threshold", lambda s: s.dead_code_threshold == 0,
-     "it is the decay of the usage that dead-code restart reads, and a threshold of 0 never restarts"),
-    ("dead_code_cap", "dead_code_threshold", lambda s: s.dead_code_threshold == 0,
-     "it caps the restart threshold, and a threshold of 0 never restarts"),
     ("commitment_term", "commitment_weight", lambda s: s.commitment_weight == 0,
      "a commitment weight of 0 drops the term"),
 )
@@ -134,10 +130,8 @@ INERT = (
 # Values an option had as its default in earlier releases, which every configuration and checkpoint saved then
 # records: inert there, they load and replay as the default does (commitment_term was "l_ols" until the hard
 # commitment measured better on validation; renorm was False until clipped batch renormalisation did, and its
-# clip was Ioffe's (3, 5) until the tight one measured level in a foreign model; dead_code_decay was 0.9 until
-# "auto" scaled it with the tokens per code).
-FORMER_DEFAULTS = {"commitment_term": ("l_ols",), "renorm": (False,), "renorm_clip": ((3.0, 5.0),),
-                   "dead_code_decay": (0.9,)}
+# clip was Ioffe's (3, 5) until the tight one measured level in a foreign model).
+FORMER_DEFAULTS = {"commitment_term": ("l_ols",), "renorm": (False,), "renorm_clip": ((3.0, 5.0),)}
 
 
 def inert_options(layer: nn.Module) -> set[str]:

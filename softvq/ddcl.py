@@ -33,7 +33,7 @@ from softvq._replay import ForwardRecords
 from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
 from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
-from softvq.parts.restart import DeadCodeRestart
+from softvq.parts.restart import DeadCodeRestart, Restart
 from softvq.parts.temperature import TemperatureControl
 from softvq.types import QuantizerOutput, channel_first_forward
 
@@ -97,12 +97,10 @@ class DDCLQuantizer(nn.Module):
         init: ``"data"``: random tokens of the first training batch (:meth:`init_from_data`); ``"normal"``:
             ``N(0, init_scale^2)``.
         init_scale: the standard deviation of ``init="normal"``.
-        dead_code_threshold: restart a prototype whose running number of won tokens per batch is below this; 0: never;
-            ``"auto"``: 1.0, or 0 for ``recipe="plain"`` (:class:`softvq.parts.DeadCodeRestart`).
-        dead_code_decay: that running count's decay in ``(0, 1)``, or ``"auto"``: long enough to remember 64 tokens
-            per code, between 0.9 and 0.97 (docs/design.md, "Dead-code restart at large K").
-        dead_code_cap: the threshold in effect is at most this fraction of the mean tokens per code per batch, so a
-            batch too small to give every code a token restarts no live code; ``None``: uncapped.
+        restart: dead-code restart (:class:`softvq.parts.Restart`: a prototype that wins fewer than ``threshold`` tokens
+            per training batch, on a running count, moves onto a random token); ``None``: never; ``"auto"``:
+            ``Restart()`` (threshold 1, the count's decay scaled with the tokens per code, capped at a quarter of the
+            mean tokens per code), ``None`` for ``recipe="plain"``.
         top_k: ``None``: the exact distribution over all ``K``; ``k``: truncated to each token's ``k`` nearest
             prototypes, exactly (``probs`` is ``(..., k)``, ``prob_codes`` says which; ``out.dense_probs(K)`` scatters
             them; docs/scaling.md, "Top-k assignments").
@@ -138,9 +136,7 @@ class DDCLQuantizer(nn.Module):
         commitment_weight: float = 0.0,
         init: Literal["data", "normal"] = "data",
         init_scale: float = 1.0,
-        dead_code_threshold: float | Literal["auto"] = "auto",
-        dead_code_decay: float | Literal["auto"] = "auto",
-        dead_code_cap: float | None = 0.25,
+        restart: Restart | Literal["auto"] | None = "auto",
         top_k: int | None = None,
         channel_first: bool = False,
         check_finite: bool = True,
@@ -154,7 +150,8 @@ class DDCLQuantizer(nn.Module):
         self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=renorm_clip)
         self.temperature_control = TemperatureControl(num_codes, o["temperature"], o["target_entropy"],
                                                       temperature_rate)  # T lives there
-        self.dead_codes = DeadCodeRestart(num_codes, o["dead_code_threshold"], dead_code_decay, dead_code_cap)
+        self.dead_codes = DeadCodeRestart(num_codes, threshold=0.0)  # no restarts unless restart sets them
+        self.dead_codes.settings = o["restart"]
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * o["init_scale"],  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
         self.ema = EmaPrototypes(self.prototypes, o["ema_decay"])
@@ -170,9 +167,7 @@ class DDCLQuantizer(nn.Module):
     target_entropy = PartOption("temperature_control", "target_entropy")
     temperature_rate = PartOption("temperature_control", "rate")
     ema_decay = PartOption("ema", "decay")
-    dead_code_threshold = PartOption("dead_codes", "threshold")
-    dead_code_decay = PartOption("dead_codes", "decay")
-    dead_code_cap = PartOption("dead_codes", "cap")
+    restart = PartOption("dead_codes", "settings")  # a Restart, or None: no restarts
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ from softvq._kernels import max_rows, squared_distances
 from softvq._precision import apply_keeping_precision, compute_dtype
 from softvq._recipe import PartOption
 from softvq.parts.ema import EmaPrototypes
-from softvq.parts.restart import DeadCodeRestart, code_counts
+from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.types import QuantizerOutput, empty_output
 
 
@@ -40,9 +40,12 @@ class HardVQ(nn.Module):
     before that step's EMA update or restart moves it. The codebook and its statistics stay float32 under ``.half()`` or
     ``.to(torch.bfloat16)`` (float64 under ``.double()``); the distances are computed in float32 whatever the input.
 
-    Dead-code restart: with ``dead_code_threshold > 0``, every training step a code whose running average
-    number of assigned tokens per batch (decay ``ema_decay``, or 0.99 without EMA; it starts from the first training
-    batch's counts) is below the threshold is replaced by a random token of the current batch.
+    Dead-code restart (``restart``, a :class:`softvq.parts.Restart`; off by default, as in VQ-VAE): every training step
+    a code whose running number of assigned tokens per batch (it starts from the first training batch's counts) is
+    below the threshold is replaced by a random token of the current batch; with EMA its statistics restart as
+    ``threshold`` pseudo-tokens at the new value. The usage is tracked without restarts too (decay ``ema_decay``, or
+    0.99 without EMA). The setting of this project's studies, "EMA 0.99 + restart 1": ``ema_decay=0.99,
+    restart=Restart(1.0, decay=0.99, cap=None)``.
 
     ``terms`` (detached): ``commitment`` (``mse(z, e)``, element mean), and the DDCL quantities for a one-hot
     assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2``, ``v = 0`` and the assignment entropy
@@ -53,7 +56,8 @@ class HardVQ(nn.Module):
         dim: ``D``.
         commitment_weight: the weight of the commitment term (VQ-VAE's ``beta``; ``>= 0``).
         ema_decay: ``None`` for a gradient-trained codebook, or a decay in ``(0, 1)`` for EMA updates.
-        dead_code_threshold: restart codes used less than this many times per batch on average; 0 = never.
+        restart: dead-code restart's settings (:class:`softvq.parts.Restart`, the same part and settings as
+            :class:`~softvq.DDCLQuantizer`'s), or ``None``: never.
         epsilon: Laplace smoothing of the EMA cluster sizes.
         check_finite: raise on NaN/Inf input (one device sync per call; skipped inside ``torch.compile``).
     """
@@ -64,7 +68,7 @@ class HardVQ(nn.Module):
         dim: int,
         commitment_weight: float = 0.25,
         ema_decay: float | None = None,
-        dead_code_threshold: float = 0.0,
+        restart: Restart | None = None,
         epsilon: float = 1e-5,
         check_finite: bool = True,
     ) -> None:
@@ -88,12 +92,11 @@ class HardVQ(nn.Module):
         if self.ema_decay is not None:
             # the k-means step averaged over batches, with VQ-VAE's Laplace-smoothed masses (softvq.parts.ema)
             self.ema = EmaPrototypes(init, self.ema_decay, epsilon=self.epsilon)
-        # usage per batch (decay ema_decay, or 0.99 without EMA) and restarts; usage is tracked even with threshold 0
-        self.dead_codes = DeadCodeRestart(num_codes, dead_code_threshold,
-                                          decay=self.ema_decay if self.ema_decay is not None else 0.99)
+        # usage per batch and restarts; without restarts the usage is tracked all the same (decay ema_decay, or 0.99)
+        self.dead_codes = DeadCodeRestart(num_codes, 0.0, decay=self.ema_decay if self.ema_decay is not None else 0.99)
+        self.dead_codes.settings = restart
 
-    # the restart threshold is the restart part's (one place): DeadCodeRestart checks it
-    dead_code_threshold = PartOption("dead_codes", "threshold")
+    restart = PartOption("dead_codes", "settings")  # a Restart, or None: no restarts (one place: the part)
 
     @property
     def restarts(self) -> int:
@@ -125,7 +128,7 @@ class HardVQ(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_codes={self.num_codes}, dim={self.dim}, commitment_weight={self.commitment_weight:g}, "
                 f"ema_decay={self.ema_decay}, "
-                f"dead_code_threshold={self.dead_code_threshold:g}")
+                f"restart={self.restart}")
 
     def forward(self, z: Tensor) -> QuantizerOutput:
         """Quantize channel-last tokens ``z (..., dim)``; see :class:`~softvq.QuantizerOutput`."""
@@ -174,7 +177,7 @@ class HardVQ(nn.Module):
         self.dead_codes.update(counts)
         if self.ema_decay is not None:
             self.ema.step_(self.prototypes, z, indices=indices, counts=counts)
-        if self.dead_code_threshold > 0:
+        if self.dead_codes.threshold > 0:
             dead = self.dead_codes.restart_(self.prototypes, z)
             if self.ema_decay is not None:  # a restarted code's statistics: threshold pseudo-tokens at its new value
-                self.ema.restart_(dead, self.prototypes, self.dead_code_threshold)
+                self.ema.restart_(dead, self.prototypes, self.dead_codes.threshold)

@@ -109,8 +109,8 @@ class HierarchicalDDCL(nn.Module):
             axis) or a tuple with one entry per grid axis. ``1`` = no pooling. Each window must divide the grid of
             the level below (checked per input).
         **ddcl_kwargs: options of :class:`~softvq.DDCLQuantizer` (``temperature``, ``distance``, ``codebook_term``,
-            ``dead_code_threshold``, ...), the same for every level; ``recipe`` is ``"plain"`` unless given (no
-            restarts: ``recipe="auto"`` or ``dead_code_threshold`` for them). Set a level's temperature afterwards
+            ``restart``, ...), the same for every level; ``recipe`` is ``"plain"`` unless given (no restarts:
+            ``recipe="auto"`` or ``restart=softvq.Restart()`` for them). Set a level's temperature afterwards
             with ``hier.levels[l].temperature = t``.
 
     Raises:

@@ -29,11 +29,11 @@ from softvq.ddcl import DDCLQuantizer
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 # The readout is the plain layer: where its defaults differ from DDCLQuantizer's.
 _DEFAULTS: dict[str, Any] = {"recipe": "plain", "temperature": 1.0, "standardize": False, "hard_output": False,
-                             "dead_code_threshold": 0.0}
+                             "restart": None}
 # DDCLQuantizer keywords the readout cannot honour: the values it accepts, and why it takes no other.
 _FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "recipe": (("plain",), "the readout is the plain layer; set the parts of the recipe it supports one by one "
-                           "(standardize, prototype_update, target_entropy, dead_code_threshold, ...)"),
+                           "(standardize, prototype_update, target_entropy, restart, ...)"),
     "hard_output": ((False, "auto"), "slots and pooled are built from the soft assignments and soft centroids, "
                                    "not from the argmax codes"),
     "channel_first": ((False,), "the readout takes tokens (B, T, D) and a padding mask, not feature maps"),
@@ -87,7 +87,7 @@ class DDCLReadout(nn.Module):
             ``target_entropy`` the start of the control, ``None`` calibrates it on the first training batch),
             ``standardize=False`` (``True`` standardises the real tokens per dimension, as the default recipe does;
             :meth:`from_quantizer` copies it), ``hard_output=False`` (the only value accepted) and
-            ``dead_code_threshold=0.0`` (no restarts). ``channel_first`` only accepts ``False``. Every other keyword
+            ``restart=None`` (no restarts). ``channel_first`` only accepts ``False``. Every other keyword
             has :class:`~softvq.DDCLQuantizer`'s default.
 
     Raises:
@@ -139,9 +139,7 @@ class DDCLReadout(nn.Module):
                       distance=quantizer.distance, codebook_term=quantizer.codebook_term,
                       codebook_weight=quantizer.codebook_weight, commitment_term=quantizer.commitment_term,
                       commitment_weight=quantizer.commitment_weight, init=quantizer.init,
-                      **({"dead_code_threshold": 0.0} if freeze or not quantizer.dead_code_threshold else
-                         {"dead_code_threshold": quantizer.dead_code_threshold,
-                          "dead_code_decay": quantizer.dead_code_decay, "dead_code_cap": quantizer.dead_code_cap}),
+                      restart=None if freeze else quantizer.restart,
                       check_finite=quantizer.check_finite, standardize=quantizer.standardize)
         proto = quantizer.prototypes
         readout.quantizer.to(device=proto.device, dtype=proto.dtype)

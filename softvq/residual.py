@@ -33,6 +33,7 @@ from softvq._replay import in_backward
 from softvq.ddcl import DDCLQuantizer
 from softvq.hard_vq import HardVQ
 from softvq.norm import TokenStandardizer
+from softvq.parts.restart import Restart
 from softvq.types import QuantizerOutput, channel_first_forward
 
 
@@ -239,22 +240,29 @@ class ResidualDDCL(ResidualQuantizer):
                          renorm_clip=renorm_clip)
 
 
+# every level's restart by default: below one token per batch, the usage decayed at the EMA's 0.99, uncapped
+_HARD_RESTART = Restart(1.0, decay=0.99, cap=None)
+
+
 class ResidualHardVQ(ResidualQuantizer):
     """``Q`` levels of :class:`~softvq.HardVQ` on successive residuals of the raw input, by default with the strongest
-    hard recipe measured here: EMA codebooks (decay 0.99) and dead-code restarts (threshold 1).
+    hard recipe measured here: EMA codebooks (decay 0.99) and dead-code restarts (threshold 1, usage decay 0.99,
+    uncapped).
 
     Args:
         num_quantizers, num_codes, dim: ``Q``, ``K`` per level, ``D``.
-        ema_decay, dead_code_threshold: every level's :class:`~softvq.HardVQ` options.
+        ema_decay, restart: every level's :class:`~softvq.HardVQ` options (``restart``: a
+            :class:`softvq.parts.Restart`, or ``None`` for none).
         quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
         **hard_options: more :class:`~softvq.HardVQ` options (``commitment_weight``, ``epsilon``, ``check_finite``).
     """
 
     def __init__(self, num_quantizers: int, num_codes: int, dim: int, *, ema_decay: float | None = 0.99,
-                 dead_code_threshold: float = 1.0, quantize_dropout: bool = False, quantize_dropout_min_levels: int = 1,
-                 seed: int = 0, channel_first: bool = False, **hard_options: Any) -> None:
+                 restart: Restart | None = _HARD_RESTART, quantize_dropout: bool = False,
+                 quantize_dropout_min_levels: int = 1, seed: int = 0, channel_first: bool = False,
+                 **hard_options: Any) -> None:
         check_positive_int("num_quantizers", num_quantizers)
-        levels = [HardVQ(num_codes, dim, ema_decay=ema_decay, dead_code_threshold=dead_code_threshold,
+        levels = [HardVQ(num_codes, dim, ema_decay=ema_decay, restart=restart,
                          **hard_options) for _ in range(num_quantizers)]
         super().__init__(levels, standardize=False, quantize_dropout=quantize_dropout,
                          quantize_dropout_min_levels=quantize_dropout_min_levels, seed=seed,

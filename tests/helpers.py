@@ -52,8 +52,8 @@ class SyncRecorder(TorchDispatchMode):
 INTERRUPTIBLE = ["--epochs", "2", "--data.train_subset", "240", "--data.val_size", "20", "--data.batch_size", "8",
                  "--model.num_codes", "16", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
                  "--model.res_blocks", "1", "--data.num_workers", "1", "--trainer.accelerator", "cpu",
-                 "--trainer.progress_bar", "false", "--seed", "5", "--ddcl.dead_code_threshold", "20",
-                 "--hard.dead_code_threshold", "20"]
+                 "--trainer.progress_bar", "false", "--seed", "5", "--ddcl.restart.threshold", "20",
+                 "--hard.restart.threshold", "20", "--hard.restart.decay", "0.99", "--hard.restart.cap", "null"]
 
 
 ROOT = Path(__file__).resolve().parents[1]

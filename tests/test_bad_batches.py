@@ -20,6 +20,7 @@ import softvq
 from softvq.cli import evaluate
 from softvq.models import load_prior, load_vqvae
 from softvq.models.callbacks import format_record
+from softvq.parts import Restart
 
 
 def _state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -34,7 +35,7 @@ STATEFUL = {
     "ResidualDDCL per_level": lambda: softvq.ResidualDDCL(2, 16, 8, scale="per_level"),
     "HierarchicalDDCL auto": lambda: softvq.HierarchicalDDCL([16, 8], 8, pool=2, recipe="auto"),
     "DDCLReadout standardised": lambda: softvq.DDCLReadout(16, 8, standardize=True, target_entropy=1.0),
-    "HardVQ EMA + restart": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, dead_code_threshold=1.0),
+    "HardVQ EMA + restart": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, restart=Restart(1.0, decay=0.99, cap=None)),
     "ResidualHardVQ": lambda: softvq.ResidualHardVQ(2, 16, 8),
 }
 
@@ -180,7 +181,7 @@ def test_the_temperature_rate_is_bounded_where_the_control_is_stable():
     with pytest.raises(ValueError, match=r"temperature_rate=100 is too large .* below .* = 0.187"):
         softvq.DDCLQuantizer(512, 8, temperature_rate=100)
     torch.manual_seed(0)
-    layer = softvq.DDCLQuantizer(64, 4, temperature_rate=0.99 * max_stable_rate(64), dead_code_threshold=0).train()
+    layer = softvq.DDCLQuantizer(64, 4, temperature_rate=0.99 * max_stable_rate(64), restart=None).train()
     z = torch.randn(1024, 4)
     layer(z)
     layer.set_temperature(layer.temperature * 30, keep_control=True)  # far from the target: H near log K
@@ -243,7 +244,7 @@ def _tokens(size: int, kind: str, scale: float, g: torch.Generator) -> torch.Ten
 PROPERTY_LAYERS = {
     "DDCLQuantizer": lambda: softvq.DDCLQuantizer(16, 4),
     "ResidualDDCL": lambda: softvq.ResidualDDCL(2, 16, 4),
-    "HardVQ": lambda: softvq.HardVQ(16, 4, ema_decay=0.99, dead_code_threshold=1.0),
+    "HardVQ": lambda: softvq.HardVQ(16, 4, ema_decay=0.99, restart=Restart(1.0, decay=0.99, cap=None)),
 }
 
 

@@ -26,7 +26,8 @@ TINY = ["--data.batch_size", "16", "--data.train_subset", "48", "--data.val_size
 def test_two_quantizers_name_checkpoints_by_epoch_from_one_and_table_restarts(tiny_cifar, tmp_path, capsys):
     out = tmp_path / "runs"
     argv = ["--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), "--quantizer", "ddcl", "hard",
-            "--hard.ema_decay", "0.9", "--hard.dead_code_threshold", "1", "--epochs", "3", *TINY]
+            "--hard.ema_decay", "0.9", "--hard.restart.threshold", "1", "--hard.restart.decay", "0.9",
+            "--hard.restart.cap", "null", "--epochs", "3", *TINY]
     assert train_vqvae.cli(argv) == 0
     printed = capsys.readouterr()
     assert "GPU available" not in printed.out + printed.err and "Tip:" not in printed.out + printed.err
@@ -58,8 +59,9 @@ def test_saved_config_is_resolved_and_reproduces_the_run(tiny_cifar, tmp_path):
     assert saved["ddcl"]["standardize"] is True and saved["ddcl"]["hard_output"] is True
     assert saved["ddcl"]["prototype_update"] == "ema" and saved["model"]["latent_norm"] == "none"
     assert saved["ddcl"]["target_entropy"] == pytest.approx(0.5 * __import__("math").log(8))
-    # "auto" only where it names a rule applied while training: T from the first batch, the capped restart threshold
-    assert saved["ddcl"]["temperature"] == "auto" and saved["ddcl"]["dead_code_threshold"] == "auto"
+    # "auto" only where it names a rule applied while training (T from the first batch); a part's settings by field
+    assert saved["ddcl"]["temperature"] == "auto"
+    assert saved["ddcl"]["restart"] == {"threshold": 1.0, "decay": "auto", "cap": 0.25}
     assert None not in (saved["ddcl"]["standardize"], saved["ddcl"]["hard_output"], saved["model"]["latent_norm"])
     # the file is a config: parsed again it describes the same run, key for key
     cfg = train_config.parse(["--config", str(out / "config.json")])

@@ -56,8 +56,7 @@ def test_the_layers_take_only_todays_option_names():
         softvq.HardVQ(8, 4, beta=0.25)
 
 
-@pytest.mark.parametrize("name", ["temperature", "standardize", "prototype_update", "hard_output",
-                                  "dead_code_threshold"])
+@pytest.mark.parametrize("name", ["temperature", "standardize", "prototype_update", "hard_output"])
 def test_none_is_off_so_an_option_with_nothing_to_switch_off_refuses_it_and_a_record_reads_it_as_auto(name):
     with pytest.raises(ValueError, match=rf"{name}=None: pass 'auto'"):
         softvq.DDCLQuantizer(8, 2, **{name: None})
@@ -68,3 +67,42 @@ def test_none_is_off_so_an_option_with_nothing_to_switch_off_refuses_it_and_a_re
     # "auto" resolves as the former None did: the recipe's value
     assert getattr(softvq.DDCLQuantizer(8, 2, **{name: "auto"}), name, None) == getattr(softvq.DDCLQuantizer(8, 2),
                                                                                         name, None)
+
+
+FLAT_RESTARTS = [  # (quantizer, a record's flat restart options, the restart setting they meant)
+    ("ddcl", {"dead_code_threshold": "auto"}, {"threshold": 1.0, "decay": "auto", "cap": 0.25}),
+    ("ddcl", {"dead_code_threshold": None, "dead_code_cap": None}, {"threshold": 1.0, "decay": "auto", "cap": None}),
+    ("ddcl", {"recipe": "plain", "dead_code_threshold": "auto"}, None),
+    ("ddcl", {"dead_code_threshold": 0.0, "dead_code_decay": 0.9}, None),
+    ("ddcl", {"dead_code_threshold": 4.0, "dead_code_decay": 0.5, "dead_code_cap": None},
+     {"threshold": 4.0, "decay": 0.5, "cap": None}),
+    ("hard", {"ema_decay": 0.95, "dead_code_threshold": 1.0}, {"threshold": 1.0, "decay": 0.95, "cap": None}),
+    ("hard", {"ema_decay": None, "dead_code_threshold": 2}, {"threshold": 2.0, "decay": 0.99, "cap": None}),
+    ("hard", {"dead_code_threshold": 0.0}, None),
+    ("rhard", {"dead_code_threshold": 1.0}, {"threshold": 1.0, "decay": 0.99, "cap": None}),
+]
+
+
+@pytest.mark.parametrize(("quantizer", "flat", "restart"), FLAT_RESTARTS)
+def test_a_records_flat_restart_options_become_the_restart_it_meant(quantizer, flat, restart):
+    """Checkpoints' hyperparameters and runs' config.json before ``restart`` took a Restart: the threshold, decay and
+    cap (DDCL's "auto" threshold the recipe's; HardVQ's usage at its EMA decay, uncapped) become one setting."""
+    upgraded = softvq._compat.upgrade_quantizer_kwargs(quantizer, flat)
+    assert upgraded["restart"] == restart and not any(k.startswith("dead_code") for k in upgraded)
+    dotted = softvq._compat.upgrade_settings(config.flat({"quantizer": [quantizer], quantizer: flat,
+                                                          "quantizer_kwargs": flat}))
+    for section in (quantizer, "quantizer_kwargs"):
+        assert ({k.split(".", 2)[2]: v for k, v in dotted.items() if k.startswith(f"{section}.restart.")} or
+                dotted[f"{section}.restart"]) == restart
+
+
+def test_a_layer_from_upgraded_flat_options_is_the_layer_they_built():
+    """The golden file's HardVQ "EMA 0.99 + restart 1" was recorded with ``dead_code_threshold=1.0``: the upgraded
+    options build a layer whose restart part has the settings the old one had (and the golden test then pins its
+    numbers bit for bit)."""
+    old = softvq._compat.upgrade_quantizer_kwargs("hard", {"ema_decay": 0.99, "dead_code_threshold": 1.0})
+    layer = softvq.HardVQ(16, 8, **old)
+    assert (layer.dead_codes.threshold, layer.dead_codes.decay, layer.dead_codes.cap) == (1.0, 0.99, None)
+    assert layer.restart == softvq.Restart(1.0, decay=0.99, cap=None)
+    saved = softvq._compat.upgrade_quantizer_kwargs("hard", {"restart": softvq.Restart(1.0, decay=0.99, cap=None)})
+    assert saved["restart"] == {"threshold": 1.0, "decay": 0.99, "cap": None}  # plain types: weights_only loads it

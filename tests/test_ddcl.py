@@ -11,6 +11,7 @@ from helpers import exact_cdist
 
 from softvq import DDCLQuantizer
 from softvq.ddcl import _DEFAULTS, _TERMS, Objective, _SoftCentroid
+from softvq.parts import Restart
 
 
 def plain(*args, **kw) -> DDCLQuantizer:
@@ -289,9 +290,10 @@ def test_empty_batch_returns_empty_outputs():
         ({"codebook_term": "v"}, "codebook_term"),
         ({"commitment_weight": -0.1}, "commitment_weight"),
         ({"init": "kmeans"}, "init"),
-        ({"dead_code_threshold": -1.0}, "dead_code_threshold"),
-        ({"dead_code_decay": 1.0}, "dead_code_decay"),
-        ({"dead_code_decay": 0.0}, "dead_code_decay"),
+        ({"restart": {"threshold": -1.0}}, r"restart\.threshold"),
+        ({"restart": {"decay": 1.0}}, r"restart\.decay"),
+        ({"restart": {"decay": 0.0}}, r"restart\.decay"),
+        ({"restart": 0.0}, "restart must be"),
     ],
 )
 def test_invalid_hyperparameters_raise(kwargs, match):
@@ -395,7 +397,7 @@ def test_free_energy_is_l_q_minus_temperature_times_entropy():
 
 def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
     torch.manual_seed(7)
-    quantizer = plain(4, 2, temperature=0.5, init="normal", dead_code_threshold=1.0).double()
+    quantizer = plain(4, 2, temperature=0.5, init="normal", restart=Restart(1.0)).double()
     with torch.no_grad():
         quantizer.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [50.0, 50.0]]))
     z1 = torch.randn(64, 2, dtype=torch.float64)
@@ -410,7 +412,7 @@ def test_dead_code_restart_moves_an_unused_prototype_onto_a_batch_token():
     torch.testing.assert_close(quantizer.prototypes.detach()[:3], torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]],
                                                                                dtype=torch.float64))
     state = quantizer.state_dict()
-    clone = plain(4, 2, init="normal", dead_code_threshold=1.0).double()
+    clone = plain(4, 2, init="normal", restart=Restart(1.0)).double()
     clone.load_state_dict(state)
     assert clone.restarts == 1 and torch.equal(clone.dead_codes.usage, quantizer.dead_codes.usage)
 

@@ -11,6 +11,7 @@ import torch
 from helpers import running_moments
 
 from softvq import DDCLQuantizer
+from softvq.parts import Restart
 
 
 def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
@@ -49,7 +50,7 @@ def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize:
 
 def layer(k=6, dim=3, **kw) -> DDCLQuantizer:
     torch.manual_seed(0)
-    kw = {"init": "normal", "temperature": 0.8, "target_entropy": None, "dead_code_threshold": 0.0,
+    kw = {"init": "normal", "temperature": 0.8, "target_entropy": None, "restart": None,
           "prototype_update": "gradient", **kw}
     return DDCLQuantizer(k, dim, **kw).double()
 
@@ -162,7 +163,7 @@ def test_ema_prototype_update_by_hand(update):
 
 def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
     torch.manual_seed(3)
-    quantizer = DDCLQuantizer(160, 4, dead_code_threshold=0.0, prototype_update="gradient").double()
+    quantizer = DDCLQuantizer(160, 4, restart=None, prototype_update="gradient").double()
     target = 0.5 * math.log(160)  # "auto": sqrt(K) prototypes' worth of entropy
     assert quantizer.temperature is None and quantizer.target_entropy == target
     batches = [torch.randn(400, 4, dtype=torch.float64) * (1 + 0.1 * i) for i in range(6)]  # a drifting scale
@@ -221,7 +222,7 @@ def test_restart_never_moves_a_live_code_in_a_small_batch():
 ])
 def test_auto_usage_decay_remembers_64_tokens_per_code_and_drives_the_running_count(num_codes, tokens, decay):
     quantizer = DDCLQuantizer(num_codes, 2)
-    assert quantizer.dead_code_decay == "auto"
+    assert quantizer.restart.decay == "auto"
     assert quantizer.dead_codes.usage_decay(tokens) == pytest.approx(decay, abs=1e-15)
     torch.testing.assert_close(quantizer.dead_codes.usage_decay(torch.tensor(float(tokens), dtype=torch.float64)),
                                torch.tensor(decay, dtype=torch.float64), rtol=0, atol=1e-15)
@@ -233,17 +234,18 @@ def test_auto_usage_decay_remembers_64_tokens_per_code_and_drives_the_running_co
     quantizer.dead_codes.update(counts.to(quantizer.dead_codes.usage.dtype))
     torch.testing.assert_close(quantizer.dead_codes.usage.double(), usage * decay + counts * (1 - decay),
                                rtol=1e-6, atol=1e-6)
-    fixed = DDCLQuantizer(num_codes, 2, dead_code_decay=0.5)
+    fixed = DDCLQuantizer(num_codes, 2, restart=Restart(decay=0.5))
     assert fixed.dead_codes.usage_decay(tokens) == 0.5  # a decay given is used as given
 
 
-def test_dead_code_decay_checks_and_its_former_default():
-    with pytest.raises(ValueError, match="dead_code_decay"):
-        DDCLQuantizer(8, 2, dead_code_decay="fast")
-    with pytest.raises(ValueError, match=r"dead_code_decay=0\.5 has no effect with dead_code_threshold=0"):
-        DDCLQuantizer(8, 2, dead_code_threshold=0.0, dead_code_decay=0.5)
-    # 0.9 was the default before "auto": every configuration saved then records it, so it stays accepted when inert
-    assert DDCLQuantizer(8, 2, dead_code_threshold=0.0, dead_code_decay=0.9).dead_code_decay == 0.9
+def test_the_flat_restart_options_are_a_records_only():
+    """``restart`` took the place of dead_code_threshold / _decay / _cap: the layer refuses the former names (a record
+    that has them is upgraded on load, tests/test_compat.py), and a decay it cannot use is refused by name."""
+    for name in ("dead_code_threshold", "dead_code_decay", "dead_code_cap"):
+        with pytest.raises(TypeError, match=name):
+            DDCLQuantizer(8, 2, **{name: 0.9})
+    with pytest.raises(ValueError, match=r"restart\.decay"):
+        DDCLQuantizer(8, 2, restart={"decay": "fast"})
 
 
 def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
@@ -335,7 +337,7 @@ def test_the_layers_renorm_option_assigns_training_tokens_as_evaluation_standard
     running statistics (just moved by that batch), the ones evaluation uses, checked against brute-force distances
     to the prototypes the step read."""
     torch.manual_seed(0)
-    layer = DDCLQuantizer(16, 3, renorm=True, renorm_clip=(3.0, 5.0), dead_code_threshold=0.0).double()  # no clip binds
+    layer = DDCLQuantizer(16, 3, renorm=True, renorm_clip=(3.0, 5.0), restart=None).double()  # no clip binds
     assert layer.standardizer.renorm
     layer(torch.randn(200, 3, dtype=torch.float64))  # the first batch draws the prototypes from its tokens
     for step in range(1, 6):
@@ -354,7 +356,7 @@ def test_auto_usage_decay_at_its_floor_trains_bit_for_bit_as_a_decay_of_0_9():
     runs = []
     for decay in ("auto", 0.9):
         torch.manual_seed(1)
-        quantizer = DDCLQuantizer(16, 4, dead_code_decay=decay)
+        quantizer = DDCLQuantizer(16, 4, restart=Restart(decay=decay))
         outs = [quantizer(batch).quantized for batch in z]
         runs.append((outs, quantizer.state_dict(), quantizer.restarts))
     (a, sa, ra), (b, sb, rb) = runs

@@ -4,7 +4,7 @@ Both runs are the real command line. In float64 (``--trainer.precision 64-true``
 are the rounding of one all-reduce of two half-batch sums against one full-batch sum (~1e-16), too small to move an
 argmax within a few steps: code counts, utilization, dead codes and perplexity must be equal, everything else equal
 to rounding. ``--check_replicas 1`` makes every DDP step verify that both processes hold the same codebook; the high
-``--hard.dead_code_threshold`` and ``--ddcl.dead_code_threshold`` make codes restart, drawing tokens from both
+``--hard.restart.threshold`` and ``--ddcl.restart.threshold`` make codes restart, drawing tokens from both
 processes' batches.
 """
 
@@ -24,7 +24,8 @@ SMALL = ["--epochs", "2", "--data.train_subset", "64", "--data.val_size", "20", 
          "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4", "--model.res_blocks", "1",
          "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true",
          "--trainer.progress_bar", "false", "--quantizer", "ddcl", "hard", "--hard.ema_decay", "0.9",
-         "--ddcl.ema_decay", "0.9", "--hard.dead_code_threshold", "30", "--ddcl.dead_code_threshold", "30",
+         "--ddcl.ema_decay", "0.9", "--hard.restart.threshold", "30", "--hard.restart.decay", "0.9",
+         "--hard.restart.cap", "null", "--ddcl.restart.threshold", "30",
          "--check_replicas", "1", "--seed", "4"]
 EXACT = ("epoch", "step", "utilization", "dead_codes", "perplexity", "val_utilization", "val_dead_codes",
          "val_perplexity", "restarts")

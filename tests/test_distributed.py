@@ -20,6 +20,7 @@ from torch import nn
 from softvq import DDCLQuantizer, HardVQ
 from softvq.models.callbacks import ReplicaCheck, replica_differences
 from softvq.models.vqvae import VQVAE, LatentNorm
+from softvq.parts import Restart
 from softvq.residual import ResidualDDCL
 
 
@@ -31,9 +32,9 @@ def _images() -> torch.Tensor:
     return torch.randn(2, 2, 5, 3, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3 + 1
 
 
-def _make_ema(dead_code_threshold: float = 0.3) -> HardVQ:
+def _make_ema(threshold: float = 0.3) -> HardVQ:
     torch.manual_seed(1)
-    vq = HardVQ(16, 4, ema_decay=0.9, dead_code_threshold=dead_code_threshold)
+    vq = HardVQ(16, 4, ema_decay=0.9, restart=Restart(threshold, decay=0.9, cap=None) if threshold else None)
     with torch.no_grad():
         vq.prototypes.normal_()
         vq.ema.weighted_sum.copy_(vq.prototypes)
@@ -65,7 +66,7 @@ def _recipe_steps(batches: list[torch.Tensor], rows: slice, seed_offset: int = 0
     calibrated and entropy-controlled temperature, EMA prototypes, restarts (a high threshold makes codes restart).
     Under DDP the objective is the sum over ranks, as DDP's gradient all-reduce makes it."""
     torch.manual_seed(5)
-    quantizer = DDCLQuantizer(8, 4, dead_code_threshold=12.0, top_k=top_k).double()
+    quantizer = DDCLQuantizer(8, 4, restart=Restart(12.0), top_k=top_k).double()
     weights = torch.linspace(-1, 1, 3 * 128 * 4, dtype=torch.float64).reshape(3, 128, 4)
     out: dict[str, torch.Tensor] = {}
     for step, x in enumerate(batches):
@@ -87,7 +88,7 @@ def _residual_steps(batches: list[torch.Tensor], rows: slice) -> dict[str, torch
     """Three training steps of a ResidualDDCL with quantize dropout (the level count must be drawn alike on every
     rank, or the skipped levels' all-reduces deadlock) and restarts (float64), weighted objective."""
     torch.manual_seed(5)
-    model = ResidualDDCL(3, 8, 4, quantize_dropout=True, dead_code_threshold=12.0).double()
+    model = ResidualDDCL(3, 8, 4, quantize_dropout=True, restart=Restart(12.0)).double()
     weights = torch.linspace(-1, 1, 3 * 128 * 4, dtype=torch.float64).reshape(3, 128, 4)
     out: dict[str, torch.Tensor] = {}
     for step, x in enumerate(batches):
@@ -105,8 +106,8 @@ def _sync_calls(rank: int) -> tuple[list[str], list[int]]:
     evaluation in the process group (test_compile's recorder), after the first batch: its data initialisation reads
     the token counts on the host once. Also the restarts made while recording (there must be some)."""
     torch.manual_seed(7)
-    layers = [DDCLQuantizer(32, 8, check_finite=False, dead_code_threshold=4.0, dead_code_cap=None).train(),
-              HardVQ(32, 8, ema_decay=0.99, dead_code_threshold=4.0, check_finite=False).train()]
+    layers = [DDCLQuantizer(32, 8, check_finite=False, restart=Restart(4.0, cap=None)).train(),
+              HardVQ(32, 8, ema_decay=0.99, restart=Restart(4.0, decay=0.99, cap=None), check_finite=False).train()]
     z = torch.randn(2, 4, 48, 8, generator=torch.Generator().manual_seed(8))[rank] * 3 + 1  # 96 tokens in all
 
     def step(layer: nn.Module, x: torch.Tensor) -> None:
@@ -131,7 +132,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))  # a hang fails
     try:
         data = _data()
-        vq, plain = _make_ema(), _make_ema(dead_code_threshold=0.0)
+        vq, plain = _make_ema(), _make_ema(threshold=0.0)
         for step in range(3):
             torch.manual_seed(100 + rank)  # ranks hold different random states: rank 0's draw must be the one used
             vq(data[rank, step])
@@ -203,7 +204,7 @@ def test_codebook_state_identical_on_both_ranks(two_ranks):
 
 def test_ema_and_restarts_over_two_ranks_equal_one_process_on_the_whole_batch(two_ranks):
     data = _data()
-    single, single_plain = _make_ema(), _make_ema(dead_code_threshold=0.0)
+    single, single_plain = _make_ema(), _make_ema(threshold=0.0)
     for step in range(3):
         torch.manual_seed(100)  # rank 0's random state
         single(torch.cat([data[0, step], data[1, step]]))  # what the two ranks saw together

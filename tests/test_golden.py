@@ -41,7 +41,8 @@ def test_the_check_sees_one_changed_option(monkeypatch):
     """The control: EMA decay 0.98 instead of 0.99 changes the state after the first step, and the check says so."""
     _, shape, dtype = record.CASES["hard_ema_restart"]
     monkeypatch.setitem(record.CASES, "hard_ema_restart",
-                        (lambda: record.softvq.HardVQ(record.K, record.D, ema_decay=0.98, dead_code_threshold=1.0),
+                        (lambda: record.softvq.HardVQ(record.K, record.D, ema_decay=0.98,
+                                                             restart=record.HARD_RESTART),
                          shape, dtype))
     assert record.compare("hard_ema_restart", GOLDEN["cases"]["hard_ema_restart"]) == \
         "hard_ema_restart: step 0, state differs"

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from helpers import exact_cdist
 
 from softvq import HardVQ
+from softvq.parts import Restart
 
 
 @pytest.mark.parametrize("shape", [(13, 6), (2, 5, 6), (2, 3, 4, 6)])
@@ -80,7 +81,7 @@ def test_ema_update_matches_hand_computation_and_only_in_training():
 
 def test_dead_code_is_restarted_from_batch_vectors():
     torch.manual_seed(3)
-    vq = HardVQ(4, 2, ema_decay=0.9, dead_code_threshold=0.5)
+    vq = HardVQ(4, 2, ema_decay=0.9, restart=Restart(0.5, decay=0.9, cap=None))
     with torch.no_grad():
         vq.prototypes.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1e3, 1e3]]))  # code 3 far away
         vq.ema.weighted_sum.copy_(vq.prototypes)
@@ -98,7 +99,7 @@ def test_dead_code_is_restarted_from_batch_vectors():
 
 def test_dead_code_restart_without_ema():
     torch.manual_seed(4)
-    vq = HardVQ(3, 2, dead_code_threshold=1.0)
+    vq = HardVQ(3, 2, restart=Restart(1.0, decay=0.99, cap=None))
     with torch.no_grad():
         vq.prototypes.copy_(torch.tensor([[0.0, 0.0], [5.0, 5.0], [-5.0, -5.0]]))
     z = torch.rand(16, 2) * 0.1
@@ -121,7 +122,7 @@ def test_empty_batch_and_bad_input():
     "kwargs,match",
     [({"num_codes": 0}, "num_codes"), ({"dim": -1}, "dim"), ({"commitment_weight": -1.0}, "commitment_weight"),
      ({"ema_decay": 1.0}, "ema_decay"), ({"ema_decay": 0.0}, "ema_decay"),
-     ({"dead_code_threshold": -2.0}, "dead_code_threshold"), ({"epsilon": 0.0}, "epsilon")],
+     ({"restart": {"threshold": -2.0}}, r"restart\.threshold"), ({"epsilon": 0.0}, "epsilon")],
 )
 def test_invalid_hyperparameters_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -133,7 +134,7 @@ def test_live_codes_are_never_restarted():
     step on (a usage average starting at 0 read 0.08 after step 1 and restarted all four)."""
     torch.manual_seed(0)
     centres = torch.tensor([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [4.0, 4.0]])
-    vq = HardVQ(4, 2, dead_code_threshold=4.0).train()
+    vq = HardVQ(4, 2, restart=Restart(4.0, decay=0.99, cap=None)).train()
     with torch.no_grad():
         vq.prototypes.copy_(centres)
     for _ in range(5):
@@ -145,7 +146,7 @@ def test_live_codes_are_never_restarted():
 
 def test_restarts_count_the_codes_moved():
     torch.manual_seed(0)
-    vq = HardVQ(8, 2, ema_decay=0.9, dead_code_threshold=0.5)
+    vq = HardVQ(8, 2, ema_decay=0.9, restart=Restart(0.5, decay=0.9, cap=None))
     with torch.no_grad():
         vq.prototypes.copy_(torch.arange(16.0).reshape(8, 2))  # codes 0..7 along a line
     z = torch.tensor([[0.0, 1.0], [2.0, 3.0]]).repeat(8, 1)  # every token on code 0 or 1

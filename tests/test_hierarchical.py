@@ -16,6 +16,7 @@ from softvq import DDCLQuantizer, HierarchicalDDCL, HierarchicalOutput
 from softvq.cli import train as train_vqvae
 from softvq.models import VQVAE
 from softvq.models.codes import extract_codes
+from softvq.parts import Restart
 
 
 def reference_pool(x: torch.Tensor, window: tuple[int, ...]) -> torch.Tensor:
@@ -79,7 +80,7 @@ def test_every_level_matches_the_reference_and_keeps_the_identity_and_v_nonnegat
 
 
 def test_a_single_level_is_exactly_a_ddcl_quantizer():
-    kwargs = {"temperature": 0.5, "dead_code_threshold": 0.5, "codebook_term": "l_q", "commitment_weight": 0.25}
+    kwargs = {"temperature": 0.5, "restart": Restart(0.5), "codebook_term": "l_q", "commitment_weight": 0.25}
     torch.manual_seed(3)
     hier = HierarchicalDDCL([16], 4, **kwargs)
     torch.manual_seed(3)

@@ -57,9 +57,9 @@ def test_scoring_every_step_leaves_the_run_bit_for_bit_and_scores_the_hard_codes
 @pytest.mark.parametrize("gradient", ["straight_through_plus", "straight_through"])
 def test_straight_through_gives_the_identity_plus_or_without_the_soft_centroid_jacobian(gradient):
     torch.manual_seed(0)
-    layer = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, dead_code_threshold=0.0, init="normal",
+    layer = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, restart=None, init="normal",
                           renorm=False).double()
-    plain = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, dead_code_threshold=0.0, init="normal",
+    plain = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, restart=None, init="normal",
                           renorm=False).double()
     plain.load_state_dict(layer.state_dict())
     wrapped = probe.GradientProbe(layer, gradient)

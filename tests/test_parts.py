@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import softvq
-from softvq.parts import DeadCodeRestart, EmaPrototypes, TemperatureControl, code_counts, max_stable_rate
+from softvq.parts import DeadCodeRestart, EmaPrototypes, Restart, TemperatureControl, code_counts, max_stable_rate
 
 
 def entropy64(z: torch.Tensor, p: torch.Tensor, t: float) -> float:
@@ -153,20 +153,22 @@ def test_auto_decay_remembers_64_tokens_per_code(num_codes, tokens, decay):
 
 # ---- the layers compose the parts ----------------------------------------------------------------------------------
 def test_both_layers_hold_the_same_parts_and_their_options_have_one_place():
-    ddcl, hard = softvq.DDCLQuantizer(16, 4), softvq.HardVQ(16, 4, ema_decay=0.9, dead_code_threshold=1.0)
+    ddcl, hard = softvq.DDCLQuantizer(16, 4), softvq.HardVQ(16, 4, ema_decay=0.9, restart=Restart())
     assert isinstance(ddcl.dead_codes, DeadCodeRestart) and isinstance(hard.dead_codes, DeadCodeRestart)
     assert isinstance(ddcl.ema, EmaPrototypes) and isinstance(hard.ema, EmaPrototypes)
     assert isinstance(ddcl.temperature_control, TemperatureControl)
     ddcl.target_entropy = 1.0  # the layer's option is its part's
     assert ddcl.temperature_control.target_entropy == 1.0
     ddcl.dead_codes.threshold = 0.5
-    assert ddcl.dead_code_threshold == 0.5
+    assert ddcl.restart == Restart(0.5)
+    hard.restart = None  # the layer's restart option is its part's settings, both ways
+    assert hard.dead_codes.threshold == 0 and hard.restart is None
     assert not hasattr(softvq.HardVQ(16, 4), "ema")  # a gradient-trained codebook has no EMA part
 
 
 def test_a_state_dict_of_the_former_layout_loads_under_todays_names():
     torch.manual_seed(0)
-    for layer in (softvq.DDCLQuantizer(8, 3), softvq.HardVQ(8, 3, ema_decay=0.9, dead_code_threshold=1.0)):
+    for layer in (softvq.DDCLQuantizer(8, 3), softvq.HardVQ(8, 3, ema_decay=0.9, restart=Restart())):
         layer.train()(torch.randn(64, 3))
         state = layer.state_dict()
         former = {"dead_codes.usage": "usage", "ema.mass": "ema_mass", "ema.weighted_sum": "ema_sum"}
@@ -174,7 +176,7 @@ def test_a_state_dict_of_the_former_layout_loads_under_todays_names():
             former.update({"ema.mass": "ema_cluster_size", "ema.weighted_sum": "ema_embed_sum",
                            "prototypes": "embedding"})
         old = {former.get(k, k): v for k, v in state.items()}
-        fresh = type(layer)(8, 3, **({"ema_decay": 0.9, "dead_code_threshold": 1.0}
+        fresh = type(layer)(8, 3, **({"ema_decay": 0.9, "restart": Restart()}
                                      if isinstance(layer, softvq.HardVQ) else {}))
         fresh.load_state_dict(old)  # strict
         for key, value in state.items():
@@ -186,12 +188,61 @@ def test_each_stack_states_its_per_level_settings():
     """The hierarchy's levels are the plain layer (no restarts) unless recipe='auto' gives each the recipe; the
     residual stacks build every level alike: DDCL's defaults, and HardVQ with EMA 0.99 and restarts below 1."""
     plain = softvq.HierarchicalDDCL([16, 8], 4, pool=2)
-    assert all(level.recipe == "plain" and level.dead_code_threshold == 0 and level.target_entropy is None
+    assert all(level.recipe == "plain" and level.restart is None and level.target_entropy is None
                for level in plain.levels)
     auto = softvq.HierarchicalDDCL([16, 8], 4, pool=2, recipe="auto")
-    assert all(level.dead_code_threshold == 1.0 and level.prototype_update == "ema" and level.target_entropy
+    assert all(level.restart == Restart() and level.prototype_update == "ema" and level.target_entropy
                for level in auto.levels)
-    assert all(level.dead_code_threshold == 1.0 and level.prototype_update == "ema"
+    assert all(level.restart == Restart() and level.prototype_update == "ema"
                for level in softvq.ResidualDDCL(2, 16, 4).levels)
-    assert all(level.ema_decay == 0.99 and level.dead_code_threshold == 1.0 and level.dead_codes.decay == 0.99
+    assert all(level.ema_decay == 0.99 and level.restart == Restart(1.0, decay=0.99, cap=None)
                for level in softvq.ResidualHardVQ(2, 16, 4).levels)
+
+
+# ---- Restart: dead-code restart's settings, one option of both layers ----------------------------------------------
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"threshold": 0.0}, r"restart\.threshold must be a positive finite number, got 0\.0"),
+    ({"threshold": float("nan")}, r"restart\.threshold"),
+    ({"decay": 1.0}, r"restart\.decay must be in \(0, 1\), got 1\.0"),
+    ({"decay": "fast"}, r"restart\.decay"),
+    ({"cap": 0.0}, r"restart\.cap must be a positive"),
+])
+def test_restart_refuses_bad_settings_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Restart(**kwargs)
+
+
+def test_restart_is_taken_as_a_mapping_and_anything_else_is_refused():
+    assert Restart.of({"threshold": 2, "cap": None}) == Restart(2.0, "auto", None)
+    assert Restart.of(None) is None
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['treshold'\]"):
+        Restart.of({"treshold": 2})
+    with pytest.raises(ValueError, match=r"restart must be a softvq\.parts\.Restart.*got 1\.0"):
+        softvq.DDCLQuantizer(8, 2, restart=1.0)
+    with pytest.raises(ValueError, match=r"restart must be a softvq\.parts\.Restart.*got 'auto'"):
+        softvq.HardVQ(8, 2, restart="auto")  # HardVQ has no recipe: restarts are off unless given
+
+
+def test_restart_auto_is_the_recipes_and_none_switches_restarts_off():
+    assert softvq.DDCLQuantizer(8, 2).restart == Restart(1.0, "auto", 0.25)
+    assert softvq.DDCLQuantizer(8, 2, recipe="plain").restart is None
+    assert softvq.DDCLQuantizer(8, 2, restart=None).dead_codes.threshold == 0
+    assert softvq.HardVQ(8, 2).restart is None
+
+
+@pytest.mark.parametrize("layer", ["ddcl", "hard"])
+def test_a_restart_given_moves_the_codes_below_its_threshold_and_none_moves_nothing(layer):
+    """The codes that won fewer than 4 of a batch's 40 tokens (counted here from the indices) are the ones
+    ``Restart(4.0)`` moves (HardVQ after the batch; DDCL before the next one), and ``restart=None`` moves none."""
+    torch.manual_seed(3)
+    make = (lambda r: softvq.DDCLQuantizer(12, 3, restart=r, init="normal")) if layer == "ddcl" else \
+        (lambda r: softvq.HardVQ(12, 3, ema_decay=0.9, restart=r))
+    restarting, still = make(Restart(4.0, decay=0.5, cap=None)), make(None)
+    still.load_state_dict(restarting.state_dict())
+    z = torch.randn(40, 3) * 0.3 + 2.0
+    counts = torch.bincount(restarting.train()(z).indices, minlength=12)
+    if layer == "ddcl":
+        restarting(z)
+    assert 0 < restarting.restarts == int((counts < 4).sum()) < 12
+    still.train()(z), still(z)
+    assert still.restarts == 0

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from softvq import DDCLQuantizer, DDCLReadout, ReadoutOutput
+from softvq.parts import Restart
 
 K, D = 5, 4
 
@@ -229,10 +230,11 @@ def test_from_quantizer_copies_the_codebook_and_can_freeze_it():
     with torch.no_grad():
         readout.prototypes.add_(1.0)
     assert torch.equal(quantizer.prototypes.detach(), before)  # an independent copy
-    quantizer.dead_code_threshold = 100.0  # every code "dead": a trainable copy restarts them, a frozen one never
-    quantizer.dead_code_cap = None  # (uncapped: 10 tokens a batch for 6 codes would cap the threshold at 0.42)
+    # every code "dead": a trainable copy restarts them, a frozen one never (uncapped: 10 tokens a batch for 6 codes
+    # would cap the threshold at 0.42)
+    quantizer.restart = Restart(100.0, cap=None)
     restarting = DDCLReadout.from_quantizer(quantizer).train()
-    assert restarting.quantizer.dead_code_threshold == 100.0 and restarting.quantizer.dead_code_decay == "auto"
+    assert restarting.quantizer.restart == Restart(100.0, "auto", None)
     frozen = DDCLReadout.from_quantizer(quantizer, freeze=True).train()
     x = tokens.clone().requires_grad_(True)
     for _ in range(2):  # the first training call only records usage; restarts start with the second
@@ -280,7 +282,7 @@ def test_bad_inputs_raise_clear_errors(tokens, mask, match):
     ({"distance": "manhattan"}, "distance must be one of .* got 'manhattan'"),
     ({"codebook_term": "v"}, "codebook_term must be one of"),
     ({"commitment_weight": float("nan")}, "commitment_weight must be a non-negative finite number"),
-    ({"dead_code_decay": 1.0}, r"dead_code_decay must be in \(0, 1\), got 1.0"),
+    ({"restart": {"decay": 1.0}}, r"restart\.decay must be in \(0, 1\), got 1.0"),
 ])
 def test_bad_hyperparameters_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -318,7 +320,7 @@ def train_steps(readout: DDCLReadout, steps: int = 3, seed: int = 30) -> list:
     {},
     {"temperature": 0.4, "distance": "cosine", "commitment_term": "hard", "commitment_weight": 0.5},
     {"init": "normal", "codebook_term": "l_q", "codebook_weight": 0.3, "commitment_term": "free_energy",
-     "commitment_weight": 0.2, "dead_code_threshold": 1.5, "dead_code_decay": 0.5, "dead_code_cap": None},
+     "commitment_weight": 0.2, "restart": Restart(1.5, decay=0.5, cap=None)},
     {"standardize": True, "temperature": 2.0, "codebook_term": "l_ols"},
 ])
 def test_keywords_build_the_readout_from_quantizer_builds_from_an_explicit_quantizer(kwargs):
@@ -339,7 +341,7 @@ def test_keywords_build_the_readout_from_quantizer_builds_from_an_explicit_quant
     assert state.keys() == ref_state.keys()
     for key, value in state.items():
         assert torch.equal(value, ref_state[key]) if torch.is_tensor(value) else value == ref_state[key], key
-    if kwargs.get("dead_code_threshold"):
+    if kwargs.get("restart"):
         assert readout.quantizer.restarts > 0  # the forwarded threshold acted
 
 
@@ -348,9 +350,9 @@ def test_the_readout_defaults_are_the_plain_layer_at_temperature_1():
     readout = DDCLReadout(K, D)
     torch.manual_seed(22)
     explicit = DDCLQuantizer(K, D, recipe="plain", temperature=1.0, standardize=False, hard_output=False,
-                             dead_code_threshold=0.0, check_finite=False)
+                             restart=None, check_finite=False)
     assert readout.quantizer.extra_repr() == explicit.extra_repr()
-    assert readout.quantizer.temperature == 1.0 and readout.quantizer.dead_code_threshold == 0.0
+    assert readout.quantizer.temperature == 1.0 and readout.quantizer.restart is None
     assert not readout.quantizer.standardize and not readout.quantizer.hard_output
     assert readout.quantizer.prototype_update == "gradient" and readout.prototypes.requires_grad
     assert readout.check_finite and not readout.quantizer.check_finite  # the readout checks the real tokens itself
@@ -361,7 +363,7 @@ def test_recipe_keywords_act_in_the_inner_quantizer_on_the_real_tokens_only():
     """EMA prototypes, the entropy-controlled temperature, standardisation and restarts, forwarded: the readout's
     quantizer ends each step in the state of a DDCLQuantizer fed only the real tokens."""
     kwargs = {"prototype_update": "ema", "target_entropy": 0.9, "temperature": "auto", "standardize": True,
-              "output_scale": "input", "dead_code_threshold": 0.5}
+              "output_scale": "input", "restart": Restart(0.5)}
     torch.manual_seed(23)
     readout = DDCLReadout(K, D, **kwargs).double()
     torch.manual_seed(23)

@@ -168,13 +168,13 @@ def test_the_ddcl_fingerprint_sees_the_recipes_rules_that_depend_on_k():
     layer = softvq.DDCLQuantizer(k, 8)
     target, decay = layer.target_entropy, layer.dead_codes.usage_decay(768)
     same = fingerprint.fingerprint("ddcl", lambda: softvq.DDCLQuantizer(k, 8, target_entropy=target,
-                                                                        dead_code_decay=decay))
+                                                                        restart=softvq.Restart(decay=decay)))
     assert same == today  # the rules' values at this size, passed explicitly: the same numerics
     targets = {min(2.5, 0.5 * math.log(k)), 0.5 * math.log(k)}
     assert len(targets) == 2  # the two entropy rules differ here
     assert len({fingerprint.fingerprint("ddcl", lambda t=t: softvq.DDCLQuantizer(k, 8, target_entropy=t))
                 for t in targets}) == 2
-    decays = {fingerprint.fingerprint("ddcl", lambda d=d: softvq.DDCLQuantizer(k, 8, dead_code_decay=d))
+    decays = {fingerprint.fingerprint("ddcl", lambda d=d: softvq.DDCLQuantizer(k, 8, restart=softvq.Restart(decay=d)))
               for d in (0.9, 0.97)}  # the usage decay's clips: the rule itself sits between them at this size
     assert today not in decays
 

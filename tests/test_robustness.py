@@ -12,6 +12,7 @@ import torch
 
 import softvq
 from eval import robustness as R
+from softvq.parts import Restart
 
 vqp = pytest.importorskip("vector_quantize_pytorch")
 
@@ -19,8 +20,9 @@ vqp = pytest.importorskip("vector_quantize_pytorch")
 def test_every_configuration_is_built_by_the_call_the_report_prints():
     expected = {  # (class, attributes the documentation's call sets), for K = 64, D = 8
         "ddcl": (softvq.DDCLQuantizer, {"num_codes": 64, "dim": 8, "channel_first": True}),
-        "hard": (softvq.HardVQ, {"num_codes": 64, "dim": 8, "ema_decay": None, "dead_code_threshold": 0.0}),
-        "hard_recipe": (softvq.HardVQ, {"num_codes": 64, "dim": 8, "ema_decay": 0.99, "dead_code_threshold": 1.0}),
+        "hard": (softvq.HardVQ, {"num_codes": 64, "dim": 8, "ema_decay": None, "restart": None}),
+        "hard_recipe": (softvq.HardVQ, {"num_codes": 64, "dim": 8, "ema_decay": 0.99,
+                                                      "restart": Restart(1.0, decay=0.99, cap=None)}),
         "vqp_vq": (vqp.VectorQuantize, {"codebook_size": 64, "accept_image_fmap": True}),
         "vqp_vq_recipe": (vqp.VectorQuantize, {"codebook_size": 64, "accept_image_fmap": True, "rotation_trick": True}),
         "vqp_fsq": (vqp.FSQ, {"codebook_size": 64, "channel_first": True}),
@@ -93,7 +95,7 @@ def test_a_tiny_grid_end_to_end_with_a_failing_run(tiny_cifar, tmp_path, monkeyp
              for s in ("base", "k64", "broken")}
     assert summary["regret"] == R.regrets(means)
     text = (tmp_path / "out" / "report.md").read_text()
-    assert "`softvq.HardVQ(512, 32, ema_decay=0.99, dead_code_threshold=1.0)`" in text
+    assert "`softvq.HardVQ(512, 32, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))`" in text
     assert "`ddcl` in `broken`, seed 0 failed: ValueError" in text and "| failed |" in text
     stored = tmp_path / "runs" / "base" / "ddcl" / "seed0.json"
     stamp = stored.stat().st_mtime_ns

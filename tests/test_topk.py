@@ -207,7 +207,7 @@ def test_soft_ema_prototypes_under_top_k_weigh_each_code_by_its_top_k_mass():
     """The soft-EMA M-step reads every code's column of the assignments: under top-k, the (N, k) ones scattered to
     their codes, so each code's EMA mass moves by the sum of the probs the layer returned for it."""
     torch.manual_seed(0)
-    layer = DDCLQuantizer(16, 4, prototype_update="soft_ema", top_k=5, dead_code_threshold=0.0, init="normal")
+    layer = DDCLQuantizer(16, 4, prototype_update="soft_ema", top_k=5, restart=None, init="normal")
     layer(torch.randn(30, 4))  # the first batch initialises what it needs
     before = layer.ema.mass.clone()
     out = layer(torch.randn(30, 4))

@@ -17,6 +17,7 @@ from softvq import DDCLQuantizer
 from softvq.cli import config
 from softvq.cli import train as train_vqvae
 from softvq.models import VQVAE
+from softvq.parts import Restart
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--data.train_subset", "96", "--data.val_size", "48", "--data.batch_size", "32", "--model.width", "16",
@@ -231,8 +232,8 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--quantizer", "--epochs", "--data.batch_size", "--data.train_subset", "--data.data_root", "--out",
                  "--seed", "--model.num_codes", "--model.code_dim", "--model.width", "--model.lr", "--model.eps",
                  "--ddcl.temperature", "--model.temperature_schedule", "--model.temperature_final",
-                 "--hard.commitment_weight", "--hard.ema_decay", "--ddcl.ema_decay", "--hard.dead_code_threshold",
-                 "--ddcl.dead_code_threshold",
+                 "--hard.commitment_weight", "--hard.ema_decay", "--ddcl.ema_decay", "--hard.restart",
+                 "--ddcl.restart", "--ddcl.restart.help",
                  "--resume", "--overwrite", "--data.download", "--model.latent_norm", "--ddcl.codebook_term",
                  "--ddcl.commitment_weight", "--ddcl.target_entropy", "--model.target_entropy", "--trainer.devices",
                  "--check_replicas", "--config", "--print_config"):
@@ -248,13 +249,13 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     assert ddcl["quantizer_kwargs"] == layer_defaults  # the flags' defaults are the layer's own: its recipe
     assert ddcl["quantizer_kwargs"]["recipe"] == "auto" and ddcl["quantizer_kwargs"]["temperature"] == "auto"
     assert hard["latent_norm"] is None
-    assert {k: hard["quantizer_kwargs"][k] for k in ("commitment_weight", "ema_decay", "dead_code_threshold")} == {
-        "commitment_weight": 0.25, "ema_decay": None, "dead_code_threshold": 0.0}  # straight-through, gradient codebook
+    assert {k: hard["quantizer_kwargs"][k] for k in ("commitment_weight", "ema_decay", "restart")} == {
+        "commitment_weight": 0.25, "ema_decay": None, "restart": None}  # straight-through, gradient codebook
     model = VQVAE(**ddcl)  # what the library's own defaults build: the layer's recipe
     layer = model.quantizer
     assert model.latent_norm == "none" and VQVAE(**hard).latent_norm == "none"
     assert layer.recipe == "auto" and layer.standardize and layer.hard_output and layer.prototype_update == "ema"
-    assert layer.dead_code_threshold == 1.0 and layer.temperature is None
+    assert layer.restart == Restart(1.0, "auto", 0.25) and layer.temperature is None
     assert layer.target_entropy == pytest.approx(0.5 * math.log(layer.num_codes))  # sqrt(K) prototypes' worth
     assert model.target_entropy is None and VQVAE(**hard).target_entropy is None  # no model-side control
 

@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from softvq import DDCLQuantizer, HardVQ
+from softvq.parts import Restart
 
 
 def _clustered(generator: torch.Generator, n: int = 256) -> torch.Tensor:
@@ -41,7 +42,7 @@ def test_bf16_layer_and_bf16_autocast_move_the_prototypes_as_float32_does():
     """300 EMA steps on the same tokens, restarts off: a layer cast to bfloat16 (fed bfloat16 tokens) stays within 1%
     of the float32 layer's prototypes (measured 0.49%; 5.3% when the EMA state was bf16), and a float32 layer under
     bf16 autocast computes exactly as without it (the codebook turns autocast off)."""
-    base = DDCLQuantizer(32, 8, dead_code_threshold=0.0)
+    base = DDCLQuantizer(32, 8, restart=None)
     base(_clustered(torch.Generator().manual_seed(1)))
     f32, b16, amp = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16), copy.deepcopy(base)
     start = base.prototypes.detach().clone()
@@ -60,7 +61,7 @@ def test_bf16_layer_and_bf16_autocast_move_the_prototypes_as_float32_does():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: DDCLQuantizer(8, 2, standardize=False, ema_decay=0.9, dead_code_threshold=0.0, temperature=0.5,
+    lambda: DDCLQuantizer(8, 2, standardize=False, ema_decay=0.9, restart=None, temperature=0.5,
                           target_entropy=None),
     lambda: HardVQ(8, 2, ema_decay=0.9),
 ], ids=["ddcl", "hard_ema"])
@@ -100,8 +101,8 @@ def test_activation_checkpointing_recomputes_bit_for_bit_and_updates_once(reentr
     the same steps without checkpointing bit for bit."""
     def make():
         torch.manual_seed(3)
-        return (torch.nn.Linear(8, 8), DDCLQuantizer(32, 8, prototype_update=update, dead_code_threshold=3.0,
-                                                      dead_code_cap=None))
+        return (torch.nn.Linear(8, 8), DDCLQuantizer(32, 8, prototype_update=update,
+                                                      restart=Restart(3.0, cap=None)))
 
     (enc_a, plain), (enc_b, ckpt) = make(), make()
     g = torch.Generator().manual_seed(4)
@@ -125,7 +126,7 @@ def test_two_forwards_before_one_backward_give_each_its_own_gradient():
     against each view's backward run right after its forward: the same input gradients and state, bit for bit.
     (Compiled, against float64: test_compile.)"""
     torch.manual_seed(6)
-    layer = DDCLQuantizer(32, 8, dead_code_threshold=3.0, dead_code_cap=None).double()
+    layer = DDCLQuantizer(32, 8, restart=Restart(3.0, cap=None)).double()
     layer(torch.randn(96, 8, dtype=torch.float64))
     sequential = copy.deepcopy(layer)
     z = torch.randn(2, 96, 8, dtype=torch.float64) * 2
@@ -167,7 +168,7 @@ def test_a_version_1_layer_gets_exactly_its_missing_keys_and_trains_on_as_it_was
     state["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "version"}
     new = DDCLQuantizer(8, 3)  # today's defaults, loading the old plain layer
     new.load_state_dict(state)  # strict: exactly the five keys were completed
-    assert new.recipe == "plain" and new.dead_code_threshold == 0.0 and new.target_entropy is None
+    assert new.recipe == "plain" and new.restart is None and new.target_entropy is None
     torch.testing.assert_close(new.ema.weighted_sum, state["prototypes"], rtol=0, atol=0)
     with torch.no_grad():  # a code no token reaches: the old layer never restarted it
         old.prototypes[5] = new.prototypes[5] = 30.0
@@ -182,11 +183,11 @@ def test_a_version_1_layer_gets_exactly_its_missing_keys_and_trains_on_as_it_was
 
 # ---- options that do what they say ---------------------------------------------------------------------------------
 def test_the_documented_default_threshold_written_out_behaves_as_the_default():
-    """K = 256 and batches of 64 tokens: dead_code_threshold=1.0 written out restarts what the default does (the cap
-    of a quarter of the mean tokens per code applies to both); dead_code_cap=None turns the cap off."""
+    """K = 256 and batches of 64 tokens: Restart(1.0) written out restarts what the default does (the cap of a
+    quarter of the mean tokens per code applies to both); Restart(1.0, cap=None) turns the cap off."""
     runs = {}
-    for name, kwargs in (("default", {}), ("explicit", {"dead_code_threshold": 1.0}),
-                         ("uncapped", {"dead_code_threshold": 1.0, "dead_code_cap": None})):
+    for name, kwargs in (("default", {}), ("explicit", {"restart": Restart(1.0)}),
+                         ("uncapped", {"restart": Restart(1.0, cap=None)})):
         torch.manual_seed(0)
         layer = DDCLQuantizer(256, 4, **kwargs)
         for step in range(30):
@@ -206,13 +207,11 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
     ({"prototype_update": "gradient", "ema_decay": 0.9}, "prototype_update"),
     ({"target_entropy": None, "temperature_rate": 0.05}, "target_entropy"),
     ({"init_scale": 0.1}, "init"),
-    ({"dead_code_threshold": 0.0, "dead_code_decay": 0.5}, "dead_code_threshold"),
-    ({"dead_code_threshold": 0.0, "dead_code_cap": 0.5}, "dead_code_threshold"),
     ({"commitment_term": "free_energy"}, "commitment_weight"),
 ])
 def test_an_option_without_effect_in_its_combination_is_refused_naming_both(kwargs, other):
     name = [k for k in kwargs if k not in ("standardize", "prototype_update", "target_entropy",
-                                           "dead_code_threshold", "renorm")][0]
+                                           "renorm")][0]
     with pytest.raises(ValueError, match=rf"^{name}=.* has no effect with {other}="):
         DDCLQuantizer(8, 4, **kwargs)
     DDCLQuantizer(8, 4, **{k: v for k, v in kwargs.items() if k != name})  # the same without it is fine
@@ -279,7 +278,7 @@ def test_init_from_data_standardises_raw_tokens_first():
 
 def test_hard_vq_returns_the_code_it_assigned_before_the_update_moves_it():
     torch.manual_seed(0)
-    for kwargs in ({"ema_decay": 0.5}, {"ema_decay": 0.5, "dead_code_threshold": 2.0}, {}):
+    for kwargs in ({"ema_decay": 0.5}, {"ema_decay": 0.5, "restart": Restart(2.0, decay=0.5, cap=None)}, {}):
         vq = HardVQ(8, 2, **kwargs)
         for _ in range(3):
             before = vq.codebook.clone()
@@ -326,11 +325,12 @@ def test_trainer_accumulates_and_clips_as_its_flags_say(tmp_path, tiny_cifar, mo
 
 
 def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(tmp_path, tiny_cifar):
-    """A run whose config.json and checkpoint predate dead_code_cap and renorm and record commitment_term="l_ols" (the
-    former default, inert at weight 0) and dead_code_decay=0.9 (the former default): --resume accepts it with its own
-    settings (nothing that acts changed), load_vqvae builds it, and real changes are still refused: renorm, absent,
-    was plain batch standardisation, so today's default renorm=True is a change the resume names, and so is today's
-    dead_code_decay="auto" against the recorded 0.9."""
+    """A run whose config.json and checkpoint predate the restart cap, renorm and the restart option (flat
+    dead_code_threshold / dead_code_decay) and record commitment_term="l_ols" (the former default, inert at weight 0)
+    and dead_code_decay=0.9 (the former default): --resume accepts it with its own settings (nothing that acts
+    changed), load_vqvae builds it, and real changes are still refused: renorm, absent, was plain batch
+    standardisation, so today's default renorm=True is a change the resume names, and so is today's restart decay
+    "auto" against the recorded 0.9."""
     from softvq.cli import train as train_vqvae
     from softvq.models import load_vqvae
 
@@ -342,23 +342,23 @@ def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(t
     train_vqvae.main([*tiny, "--out", str(out), "--epochs", "1"])
     config = json.loads((out / "config.json").read_text())
     config["ddcl"]["commitment_term"] = "l_ols"
-    config["ddcl"]["dead_code_decay"] = 0.9  # the former default, recorded by every run before "auto"
-    del config["ddcl"]["dead_code_cap"], config["ddcl"]["renorm"]
+    del config["ddcl"]["restart"], config["ddcl"]["renorm"]  # the flat options of the time, without a cap
+    config["ddcl"].update(dead_code_threshold="auto", dead_code_decay=0.9)  # 0.9: the former default
     (out / "config.json").write_text(json.dumps(config))
     ckpt_path = out / "checkpoints" / "last.ckpt"
     ckpt = torch.load(ckpt_path, weights_only=True)
     kwargs = ckpt["hyper_parameters"]["quantizer_kwargs"]
     kwargs["commitment_term"] = "l_ols"
-    kwargs["dead_code_decay"] = 0.9
-    del kwargs["dead_code_cap"], kwargs["renorm"]
+    del kwargs["restart"], kwargs["renorm"]
+    kwargs.update(dead_code_threshold="auto", dead_code_decay=0.9)
     torch.save(ckpt, ckpt_path)
     assert load_vqvae(ckpt_path).quantizer.commitment_term == "l_ols"
     with pytest.raises(ValueError, match=r"commitment_weight: (checkpoint|run) 0\.0 vs now 0\.5"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.commitment_weight", "0.5"])
-    with pytest.raises(ValueError, match=r"dead_code_decay: (checkpoint|run) 0\.9 vs now 'auto'"):
+    with pytest.raises(ValueError, match=r"restart\.decay: (checkpoint|run) 0\.9 vs now 'auto'"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume"])
     with pytest.raises(ValueError, match=r"--ddcl\.renorm: run False vs now True"):
-        train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.dead_code_decay", "0.9"])
+        train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.restart.decay", "0.9"])
     rows = train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.renorm", "false",
-                             "--ddcl.dead_code_decay", "0.9"])["ddcl"]
+                             "--ddcl.restart.decay", "0.9"])["ddcl"]
     assert [r["epoch"] for r in rows] == [1, 2]

@@ -177,7 +177,7 @@ def test_epoch_summary_counts_the_whole_epoch(recwarn):
     torch.manual_seed(0)
     # a layer without in-forward updates (EMA, restarts, T control, batch renormalisation's running statistics), so
     # that the recomputation below repeats the step
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05, "target_entropy": None, "dead_code_threshold": 0.0,
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.05, "target_entropy": None, "restart": None,
                                             "prototype_update": "gradient", "renorm": False}, **SMALL)
     model.on_train_epoch_start()
     batches = [torch.rand(5, 3, 32, 32), torch.rand(3, 3, 32, 32), torch.rand(4, 3, 32, 32)]
@@ -244,7 +244,7 @@ def test_temperature_follows_the_schedule():
 
 def test_entropy_controlled_temperature_follows_the_measured_entropy(recwarn):
     torch.manual_seed(2)
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "init": "normal", "dead_code_threshold": 0.0,
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "init": "normal", "restart": None,
                                             "recipe": "plain"}, target_entropy=0.5, temperature_rate=0.2, **SMALL)
     for _ in range(3):
         x = torch.rand(4, 3, 32, 32)

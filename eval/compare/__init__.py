@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from eval._hard import HARD_RESTART_FLAGS
 from eval._provenance import ROOT
 from eval.compare.report import write_report
 from softvq.cli import config as train_config
@@ -70,12 +71,12 @@ class RunSpec:
 METHODS = (("ddcl", "DDCL", ("--quantizer", "ddcl")),
            ("hard", "hard VQ", ("--quantizer", "hard")),
            ("hard_ema", "hard VQ, EMA + restart", ("--quantizer", "hard", "--hard.ema_decay", "0.99",
-                                                  "--hard.dead_code_threshold", "1")))
+                                                  *HARD_RESTART_FLAGS)))
 # The eps and temperature studies are about the paper's layer, whose prototypes the optimizer trains: they run on the
 # plain-layer recipe (LatentNorm, T from 4 held at H(Q) = 2.5 by the model, restarts below 1), whose default
 # eps (0.01) and entropy-controlled T are the "ddcl_plain" runs.
 PLAIN = ("--quantizer", "ddcl", "--ddcl.recipe", "plain", "--model.latent_norm", "batch", "--ddcl.temperature", "4",
-         "--ddcl.dead_code_threshold", "1")
+         "--ddcl.restart.threshold", "1")
 EPS = (("ddcl_plain", "plain layer, eps = 0.01", PLAIN),
        ("ddcl_eps0.1", "plain layer, eps = 0.1", (*PLAIN, "--model.eps", "0.1")),
        ("ddcl_eps1.0", "plain layer, eps = 1.0", (*PLAIN, "--model.eps", "1.0")))

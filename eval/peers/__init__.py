@@ -9,7 +9,7 @@ Usage (the full setting: 5 methods x 3 seeds x 5 epochs on 10,000 images; its ru
 Methods (each configured as its own documentation recommends, wrapped by :class:`PeerAdapter` where it is not a
 softvq layer; ``--methods`` picks some):
     ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto")
-    hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, dead_code_threshold=1.0)``
+    hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
     vqp_vq      vector-quantize-pytorch ``VectorQuantize(kmeans_init=True, threshold_ema_dead_code=2,
                 rotation_trick=True)``, the recipe its README gives against dead codes
     vqp_fsq     vector-quantize-pytorch ``FSQ(levels=[8, 8, 8])`` (512 implicit codes) with its input/output projection
@@ -45,8 +45,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import softvq
+from eval._hard import HARD_RESTART, HARD_RESTART_FLAGS  # noqa: F401 (importable from here)
 from eval._provenance import repo_relative
 from eval.peers.report import write_report
+from softvq._compat import upgrade_quantizer_kwargs
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
@@ -137,11 +139,14 @@ class PeerAdapter(nn.Module):
         return tensors[0].device if tensors else torch.device("cpu")
 
 
+
 def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | None = None) -> nn.Module:
     """The bottleneck ``method`` for ``num_codes`` codes of dimension ``dim``; ``overrides`` replace options of its
     recommended configuration (a probe of one option, e.g. ``{"threshold_ema_dead_code": 0}``: VectorQuantize
     without its dead-code replacement)."""
     extra = dict(overrides or {})
+    if method.startswith("ddcl"):  # a probe's options under their former names (softvq._compat), as its docs quote them
+        extra = upgrade_quantizer_kwargs("ddcl", extra) or {}
     if method == "ddcl":
         return softvq.DDCLQuantizer(num_codes, dim, **extra)
     if method == "ddcl_h25":  # the studies' DDCL rows measured before the entropy target became log K / 2
@@ -151,7 +156,8 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
         # layer as the defaults up to K = (D + 1)^2 (docs/design.md, "Training to the end")
         return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
     if method == "hard_ema":
-        return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "dead_code_threshold": 1.0, **extra})
+        options = upgrade_quantizer_kwargs("hard", {"ema_decay": 0.99, **extra})
+        return softvq.HardVQ(num_codes, dim, **{"restart": HARD_RESTART, **options})
     vqp = _vqp()
     if method == "vqp_vq":
         options = {"kmeans_init": True, "threshold_ema_dead_code": 2, "rotation_trick": True, **extra}

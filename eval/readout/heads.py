@@ -82,7 +82,7 @@ class DDCLProbe(nn.Module):
     def __init__(self, quantizer: DDCLQuantizer, classes: int, freeze: bool) -> None:
         super().__init__()
         self.readout = DDCLReadout.from_quantizer(quantizer, freeze=freeze)
-        self.readout.quantizer.dead_code_threshold = 0.0
+        self.readout.quantizer.restart = None
         k, d = quantizer.num_codes, quantizer.dim
         self.head = linear_probe(d + k + k * d, classes)
 

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
+from eval._hard import HARD_RESTART
 from eval._provenance import code_commit
 from eval.dropin import SmallAutoencoder
 from eval.robustness.grid import (
@@ -228,7 +229,7 @@ def gradient_gain_table(dims: tuple[int, ...] = (8, 32, 128), num_codes: int = 5
         torch.manual_seed(0)
         ddcl = softvq.DDCLQuantizer(num_codes, dim)
         d = gradient_gain(ddcl, dim)
-        h = gradient_gain(softvq.HardVQ(num_codes, dim, ema_decay=0.99, dead_code_threshold=1.0), dim)
+        h = gradient_gain(softvq.HardVQ(num_codes, dim, ema_decay=0.99, restart=HARD_RESTART), dim)
         lines.append(f"| {dim} | {d['gain']:.3f} | {d['cosine']:.3f} | {float(ddcl.temperature):.3g} | "
                      f"{h['gain']:.3f} | {h['cosine']:.3f} |")
     return lines

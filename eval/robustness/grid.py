@@ -75,7 +75,7 @@ CONFIGS: dict[str, tuple[str, str, str, str]] = {
              "softvq.DDCLQuantizer({K}, {D}, channel_first=True)"),
     "hard": ("softvq HardVQ", "defaults", "hard", "softvq.HardVQ({K}, {D})"),
     "hard_recipe": ("softvq HardVQ, EMA + restart", "recipe", "hard",
-                    "softvq.HardVQ({K}, {D}, ema_decay=0.99, dead_code_threshold=1.0)"),
+                    "softvq.HardVQ({K}, {D}, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))"),
     "vqp_vq": ("vqp VectorQuantize", "defaults", "vqp_vq",
                "VectorQuantize(dim={D}, codebook_size={K}, accept_image_fmap=True)"),
     "vqp_vq_recipe": ("vqp VectorQuantize, README recipe", "recipe", "vqp_vq",

@@ -20,7 +20,7 @@ import inspect
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +160,8 @@ def check_all(cfg: Namespace) -> dict[str, VQVAE]:
 
 
 # "auto" values recorded as "auto": the temperature names a rule the layer applies while it trains (set on the first
-# batch), and the restart threshold was one too (1 capped at a quarter of the mean tokens per code) until the cap became
-# its own option (ddcl.dead_code_cap, recorded beside it); it stays "auto" so that runs recorded then still resume.
-RUNTIME_AUTO = ("temperature", "dead_code_threshold")
+# batch).
+RUNTIME_AUTO = ("temperature",)
 
 
 def _resolved(given: dict[str, Any], module: Any) -> dict[str, Any]:
@@ -172,7 +171,7 @@ def _resolved(given: dict[str, Any], module: Any) -> dict[str, Any]:
     for key, value in given.items():
         if value is None or (value == "auto" and key not in RUNTIME_AUTO):
             value = getattr(module, key, value)
-        out[key] = value
+        out[key] = asdict(value) if is_dataclass(value) else value  # a part's settings (softvq.parts.Restart)
     return out
 
 
@@ -182,8 +181,8 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     Nulls that stand for a default are replaced by the value the constructors chose (e.g. ``model.latent_norm``,
     ``ddcl.standardize``, ``ddcl.target_entropy``); a null that remains means "off" or "not used". ``"auto"`` remains
     only where it names a rule applied in training (:data:`RUNTIME_AUTO`): ``ddcl.temperature`` set on the first
-    training batch by bisection to the target entropy, and ``ddcl.dead_code_threshold`` (the recipe's 1, or 0 for the
-    plain layer; the cap on it is ``ddcl.dead_code_cap``).
+    training batch by bisection to the target entropy. A part's settings (``ddcl.restart``) are recorded field by
+    field.
     """
     layer = model._codebooks()[0]  # level 0 of a hierarchy or a residual stack
     section = layer_kwargs(cfg, quantizer) if model.levels == 1 else {

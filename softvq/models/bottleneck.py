@@ -23,7 +23,7 @@ LATENT_NORMS: tuple[str, ...] = ("none", "batch")
 # random tokens average 2 * code_dim = 128), T = 4 at the start (about e^2.5 ~ 12 prototypes in play per token),
 # restarts below one token per batch, and the temperature held at H(Q) = DDCL_TARGET_ENTROPY = 2.5 nats by the model
 # (softvq.adapt_temperature).
-HIERARCHY_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "dead_code_threshold": 1.0}
+HIERARCHY_DEFAULTS: dict[str, Any] = {"temperature": 4.0, "restart": softvq.Restart()}
 DDCL_TARGET_ENTROPY = 2.5
 
 

@@ -3,7 +3,8 @@
 - :class:`TokenStandardizer` — tokens standardised per dimension inside the layer (:mod:`softvq.norm`).
 - :class:`TemperatureControl` — the Boltzmann temperature: calibrated to an entropy target, then held there.
 - :class:`EmaPrototypes` — the codebook moved by an EMA k-means step (hard or soft responsibilities).
-- :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use.
+- :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use; its
+  settings, :class:`Restart`, are the layers' ``restart`` option.
 
 :class:`softvq.DDCLQuantizer` holds all four, :class:`softvq.HardVQ` the last two. Which layer composes which part:
 docs/design.md, "Anatomy of the layer".
@@ -11,8 +12,8 @@ docs/design.md, "Anatomy of the layer".
 
 from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
-from softvq.parts.restart import DeadCodeRestart, code_counts
+from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.parts.temperature import TemperatureControl, max_stable_rate
 
-__all__ = ["DeadCodeRestart", "EmaPrototypes", "TemperatureControl", "TokenStandardizer", "code_counts",
+__all__ = ["DeadCodeRestart", "EmaPrototypes", "Restart", "TemperatureControl", "TokenStandardizer", "code_counts",
            "max_stable_rate"]

@@ -9,6 +9,8 @@ waits on the CPU and ``torch.compile`` traces it whole.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -27,6 +29,46 @@ USAGE_DECAY_FLOOR = 0.9
 # ... and at most 0.97's memory (33 batches): a longer one leaves dead codes unrestarted for epochs at K = 16384
 # (docs/design.md, "Dead-code restart at large K").
 USAGE_DECAY_CEILING = 0.97
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The settings of dead-code restart (:class:`DeadCodeRestart`), as a layer's ``restart`` option takes them:
+    ``DDCLQuantizer(K, D, restart=Restart(threshold=2.0))``, ``HardVQ(K, D, restart=Restart())``; ``restart=None``
+    switches restarts off. A config file or the trainer's flags give it as a mapping (``--ddcl.restart.threshold 2``).
+
+    Args:
+        threshold: restart a code whose running number of won tokens per training batch is below this (``> 0``).
+        decay: that running count's decay in ``(0, 1)``, or ``"auto"``: ``1 - N / (64 K)`` for a batch of ``N``
+            tokens, clipped to ``[0.9, 0.97]`` (:meth:`DeadCodeRestart.usage_decay`;
+            docs/design.md, "Dead-code restart at large K").
+        cap: the threshold in effect is at most this fraction of the mean tokens per code per batch, so that a batch
+            too small to give every code a token restarts no live code; ``None``: uncapped.
+    """
+
+    threshold: float = 1.0
+    decay: float | Literal["auto"] = "auto"
+    cap: float | None = 0.25
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "threshold", check_float("restart.threshold", self.threshold))
+        if not (isinstance(self.decay, str) and self.decay == "auto"):
+            object.__setattr__(self, "decay", check_unit("restart.decay", self.decay))
+        if self.cap is not None:
+            object.__setattr__(self, "cap", check_float("restart.cap", self.cap))
+
+    @classmethod
+    def of(cls, value: object, name: str = "restart") -> Restart | None:
+        """``value`` as a layer's ``restart`` option takes it: a :class:`Restart`, ``None`` (off) or a mapping of its
+        fields (a config file's); anything else is a ``ValueError`` naming ``name``."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"{name}: unknown field(s) {sorted(unknown)}; Restart takes threshold, decay and cap")
+            return cls(**value)
+        raise ValueError(f"{name} must be a softvq.parts.Restart, a mapping of its fields or None, got {value!r}")
 
 
 @torch.no_grad()
@@ -82,10 +124,10 @@ class DeadCodeRestart(nn.Module):
                  cap: float | None = None) -> None:
         super().__init__()
         self.num_codes = check_positive_int("num_codes", num_codes)
-        self.threshold = check_float("dead_code_threshold", threshold, allow_zero=True)
+        self.threshold = check_float("restart.threshold", threshold, allow_zero=True)
         self.decay: float | str = "auto" if isinstance(decay, str) and decay == "auto" \
-            else check_unit("dead_code_decay", decay)
-        self.cap = None if cap is None else check_float("dead_code_cap", cap)
+            else check_unit("restart.decay", decay)
+        self.cap = None if cap is None else check_float("restart.cap", cap)
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
         self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
 
@@ -130,6 +172,19 @@ class DeadCodeRestart(nn.Module):
         dead = restart_dead_codes_(codebook, self.usage, z, threshold)
         self.restart_count.add_(dead.sum())
         return dead
+
+    @property
+    def settings(self) -> Restart | None:
+        """The part's settings as a :class:`Restart` (``None`` while the threshold is 0: no restarts)."""
+        return Restart(self.threshold, self.decay, self.cap) if self.threshold > 0 else None
+
+    @settings.setter
+    def settings(self, value: Restart | None) -> None:
+        value = Restart.of(value)
+        if value is None:
+            self.threshold = 0.0
+        else:
+            self.threshold, self.decay, self.cap = value.threshold, value.decay, value.cap
 
     def _apply(self, fn: Any, recurse: bool = True) -> DeadCodeRestart:
         apply_keeping_precision(self, lambda: super(DeadCodeRestart, self)._apply(fn, recurse))

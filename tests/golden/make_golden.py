@@ -37,6 +37,8 @@ GOLDEN = HERE / "layers.json"
 STATES = HERE / "states"
 STEPS = 50
 K, D, D_IN = 16, 8, 6
+# HardVQ "EMA 0.99 + restart 1": its usage decayed at the EMA's 0.99, uncapped (as eval.peers.HARD_RESTART)
+HARD_RESTART = softvq.Restart(1.0, decay=0.99, cap=None)
 
 # name -> (builder, input shape (leading dims, D_in), dtype). Small sizes: the file pins behaviour, not speed.
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], torch.dtype]] = {
@@ -48,10 +50,10 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], torch.dtype]] =
     "ddcl_gradient": (lambda: softvq.DDCLQuantizer(K, D, prototype_update="gradient"), (48,), torch.float32),
     "ddcl_cosine": (lambda: softvq.DDCLQuantizer(K, D, distance="cosine"), (48,), torch.float32),
     "ddcl_top_k": (lambda: softvq.DDCLQuantizer(K, D, top_k=4), (48,), torch.float32),
-    "ddcl_restarting": (lambda: softvq.DDCLQuantizer(K, D, dead_code_threshold=4.0, dead_code_cap=None), (48,),
+    "ddcl_restarting": (lambda: softvq.DDCLQuantizer(K, D, restart=softvq.Restart(4.0, cap=None)), (48,),
                         torch.float32),
     "hard": (lambda: softvq.HardVQ(K, D), (48,), torch.float32),
-    "hard_ema_restart": (lambda: softvq.HardVQ(K, D, ema_decay=0.99, dead_code_threshold=1.0), (48,), torch.float32),
+    "hard_ema_restart": (lambda: softvq.HardVQ(K, D, ema_decay=0.99, restart=HARD_RESTART), (48,), torch.float32),
     "residual_ddcl": (lambda: softvq.ResidualDDCL(3, K, D), (48,), torch.float32),
     "residual_hard": (lambda: softvq.ResidualHardVQ(3, K, D), (48,), torch.float32),
     "hierarchy": (lambda: softvq.HierarchicalDDCL([K, 8], D, pool=2), (4, 4, 4), torch.float32),
