@@ -108,6 +108,12 @@ _AUTO_WAS_NONE = (("ddcl", "rddcl"), ("temperature", "standardize", "prototype_u
 _FLAT_RESTART = ("dead_code_threshold", "dead_code_decay", "dead_code_cap")
 
 
+def _init_of_flat(init: object, scale: object) -> dict[str, Any]:
+    """``{"init": ...}`` for a record's ``init`` and the former ``init_scale`` beside it: ``"normal"`` with its scale
+    is a :class:`softvq.parts.NormalInit` (as a mapping); ``"data"`` had no use for the scale."""
+    return {"init": {"scale": float(scale)} if init == "normal" else init}
+
+
 def _restart_of_flat(quantizer: object, get: Any) -> dict[str, Any] | None:
     """The ``restart`` setting (a mapping of :class:`softvq.parts.Restart`'s fields, or ``None``) that a record's flat
     options (``get(name, default)``) meant for quantizer ``quantizer``."""
@@ -145,8 +151,11 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
         for name in _FLAT_RESTART:
             out.pop(name, None)
         out["restart"] = restart
-    if is_dataclass(out.get("restart")):  # plain types only: a checkpoint's hyperparameters load with weights_only
-        out["restart"] = asdict(out["restart"])
+    if quantizer in ("ddcl", "rddcl") and "init_scale" in out:
+        out.update(_init_of_flat(out.get("init", "data"), out.pop("init_scale")))
+    for name in ("restart", "init"):  # plain types only: a checkpoint's hyperparameters load with weights_only
+        if is_dataclass(out.get(name)):
+            out[name] = asdict(out[name])
     return out
 
 
@@ -178,4 +187,11 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
             out[f"{section}.restart"] = None
         else:
             out.update({f"{section}.restart.{field}": value for field, value in restart.items()})
+    for section, quantizer in sections:
+        if quantizer in ("ddcl", "rddcl") and f"{section}.init_scale" in out:
+            init = _init_of_flat(out.pop(f"{section}.init", "data"), out.pop(f"{section}.init_scale"))["init"]
+            if isinstance(init, dict):
+                out[f"{section}.init.scale"] = init["scale"]
+            else:
+                out[f"{section}.init"] = init
     return out

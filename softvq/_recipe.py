@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from softvq._checks import check_bool, check_choice, check_float, check_positive_int, check_unit
 from softvq._collectives import all_reduce_sum_, is_distributed
+from softvq.parts.init import NormalInit
 from softvq.parts.restart import Restart
 
 TERMS = ("l_q", "l_ols", "free_energy")  # the terms codebook_term and commitment_term name
@@ -80,8 +81,7 @@ def check_options(given: dict[str, Any]) -> dict[str, Any]:
     o["commitment_term"] = check_choice("commitment_term", o["commitment_term"], (*TERMS, "hard"))
     o["codebook_weight"] = check_float("codebook_weight", o["codebook_weight"], allow_zero=True)
     o["commitment_weight"] = check_float("commitment_weight", o["commitment_weight"], allow_zero=True)
-    o["init"] = check_choice("init", o["init"], ("data", "normal"))
-    o["init_scale"] = check_float("init_scale", o["init_scale"])
+    o["init"] = NormalInit.of(o["init"])
     o["check_finite"] = check_bool("check_finite", o["check_finite"])
     o["top_k"] = None if o["top_k"] is None else check_positive_int("top_k", o["top_k"])
     o["channel_first"] = check_bool("channel_first", o["channel_first"])
@@ -122,7 +122,6 @@ INERT = (
      "gradient-trained prototypes have no EMA"),
     ("temperature_rate", "target_entropy", lambda s: s.target_entropy is None,
      "it is the gain of the entropy control, which target_entropy=None turns off"),
-    ("init_scale", "init", lambda s: s.init == "data", "it scales init='normal' prototypes"),
     ("commitment_term", "commitment_weight", lambda s: s.commitment_weight == 0,
      "a commitment weight of 0 drops the term"),
 )

@@ -33,6 +33,7 @@ from softvq._replay import ForwardRecords
 from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
 from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
+from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart
 from softvq.parts.temperature import TemperatureControl
 from softvq.types import QuantizerOutput, channel_first_forward
@@ -94,9 +95,8 @@ class DDCLQuantizer(nn.Module):
             "Collapse-free defaults").
         commitment_weight: its weight (``>= 0``; 0: committing to the soft centroid is a mean-shift step that pulled
             the tokens into few modes).
-        init: ``"data"``: random tokens of the first training batch (:meth:`init_from_data`); ``"normal"``:
-            ``N(0, init_scale^2)``.
-        init_scale: the standard deviation of ``init="normal"``.
+        init: ``"data"``: random tokens of the first training batch (:meth:`init_from_data`); a
+            :class:`softvq.parts.NormalInit` ``(scale)``: ``N(0, scale^2)`` (``"normal"``: ``NormalInit()``).
         restart: dead-code restart (:class:`softvq.parts.Restart`: a prototype that wins fewer than ``threshold`` tokens
             per training batch, on a running count, moves onto a random token); ``None``: never; ``"auto"``:
             ``Restart()`` (threshold 1, the count's decay scaled with the tokens per code, capped at a quarter of the
@@ -134,8 +134,7 @@ class DDCLQuantizer(nn.Module):
         codebook_weight: float = 1.0,
         commitment_term: Literal["hard", "l_q", "l_ols", "free_energy"] = "hard",
         commitment_weight: float = 0.0,
-        init: Literal["data", "normal"] = "data",
-        init_scale: float = 1.0,
+        init: Literal["data", "normal"] | NormalInit = "data",
         restart: Restart | Literal["auto"] | None = "auto",
         top_k: int | None = None,
         channel_first: bool = False,
@@ -152,13 +151,13 @@ class DDCLQuantizer(nn.Module):
                                                       temperature_rate)  # T lives there
         self.dead_codes = DeadCodeRestart(num_codes, threshold=0.0)  # no restarts unless restart sets them
         self.dead_codes.settings = o["restart"]
-        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * o["init_scale"],  # (K, D)
+        scale = 1.0 if o["init"] == "data" else o["init"].scale
+        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * scale,  # (K, D)
                                        requires_grad=self.prototype_update == "gradient")
         self.ema = EmaPrototypes(self.prototypes, o["ema_decay"])
-        refuse_inert_options(self, {**given, "renorm_clip": self.standardizer.renorm_clip,
-                                    "init_scale": o["init_scale"]}, _DEFAULTS)
+        refuse_inert_options(self, {**given, "renorm_clip": self.standardizer.renorm_clip}, _DEFAULTS)
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved by get_extra_state.
-        self._initialized = init != "data"
+        self._initialized = o["init"] != "data"
         self._warned_start = False  # a batch that could not start the codebook has been reported
         # What each eager training forward read, for a recomputation during its backward (softvq._replay).
         self._records = ForwardRecords()

@@ -106,3 +106,17 @@ def test_a_layer_from_upgraded_flat_options_is_the_layer_they_built():
     assert layer.restart == softvq.Restart(1.0, decay=0.99, cap=None)
     saved = softvq._compat.upgrade_quantizer_kwargs("hard", {"restart": softvq.Restart(1.0, decay=0.99, cap=None)})
     assert saved["restart"] == {"threshold": 1.0, "decay": 0.99, "cap": None}  # plain types: weights_only loads it
+
+
+@pytest.mark.parametrize(("flat", "init"), [
+    ({"init": "normal", "init_scale": 0.1}, {"scale": 0.1}),
+    ({"init": "data", "init_scale": 1.0}, "data"),
+    ({"init_scale": 1.0}, "data"),
+])
+def test_a_records_init_scale_becomes_the_normal_init_it_meant(flat, init):
+    assert softvq._compat.upgrade_quantizer_kwargs("ddcl", flat) == {"init": init}
+    dotted = softvq._compat.upgrade_settings(config.flat({"quantizer": ["ddcl"], "ddcl": flat}))
+    assert "ddcl.init_scale" not in dotted
+    assert (dotted["ddcl.init"] if init == "data" else {"scale": dotted["ddcl.init.scale"]}) == init
+    layer = softvq.DDCLQuantizer(4, 2, **softvq._compat.upgrade_quantizer_kwargs("ddcl", flat))
+    assert layer.init == (init if init == "data" else softvq.parts.NormalInit(**init))

@@ -11,7 +11,7 @@ from helpers import exact_cdist
 
 from softvq import DDCLQuantizer
 from softvq.ddcl import _DEFAULTS, _TERMS, Objective, _SoftCentroid
-from softvq.parts import Restart
+from softvq.parts import NormalInit, Restart
 
 
 def plain(*args, **kw) -> DDCLQuantizer:
@@ -151,7 +151,7 @@ def test_only_routed_terms_reach_each_side():
 
 def test_gradients_finite_at_tiny_temperature_and_huge_inputs():
     torch.manual_seed(5)
-    quantizer = plain(32, 8, temperature=1e-4, init="normal", init_scale=1e4)
+    quantizer = plain(32, 8, temperature=1e-4, init=NormalInit(1e4))
     z = (torch.randn(64, 8) * 1e4).requires_grad_(True)
     out = quantizer(z)
     (out.quantized.square().mean() + out.loss).backward()

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import softvq
-from softvq.parts import DeadCodeRestart, EmaPrototypes, Restart, TemperatureControl, code_counts, max_stable_rate
+from softvq.parts import (
+    DeadCodeRestart,
+    EmaPrototypes,
+    NormalInit,
+    Restart,
+    TemperatureControl,
+    code_counts,
+    max_stable_rate,
+)
 
 
 def entropy64(z: torch.Tensor, p: torch.Tensor, t: float) -> float:
@@ -246,3 +254,25 @@ def test_a_restart_given_moves_the_codes_below_its_threshold_and_none_moves_noth
     assert 0 < restarting.restarts == int((counts < 4).sum()) < 12
     still.train()(z), still(z)
     assert still.restarts == 0
+
+
+# ---- NormalInit: the init option's alternative to "data" -----------------------------------------------------------
+def test_normal_init_draws_the_prototypes_at_its_scale_and_data_init_waits_for_a_batch():
+    torch.manual_seed(5)
+    reference = torch.randn(6, 3) * 0.25  # the same draw by hand
+    torch.manual_seed(5)
+    layer = softvq.DDCLQuantizer(6, 3, init=NormalInit(0.25))
+    assert torch.equal(layer.prototypes.detach(), reference) and layer.initialized
+    assert softvq.DDCLQuantizer(6, 3, init="normal").init == NormalInit(1.0)
+    assert softvq.DDCLQuantizer(6, 3, init={"scale": 2.0}).init == NormalInit(2.0)  # a config file's mapping
+    assert not softvq.DDCLQuantizer(6, 3).initialized  # "data": the first training batch sets them
+
+
+@pytest.mark.parametrize(("init", "match"), [
+    ({"scale": 0.0}, r"init\.scale must be a positive finite number, got 0\.0"),
+    ({"sigma": 1.0}, r"unknown field\(s\) \['sigma'\]"),
+    ("kmeans", r"init must be 'data', 'normal', a softvq\.parts\.NormalInit.*got 'kmeans'"),
+])
+def test_normal_init_refuses_bad_settings(init, match):
+    with pytest.raises(ValueError, match=match):
+        softvq.DDCLQuantizer(6, 3, init=init)

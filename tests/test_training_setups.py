@@ -206,7 +206,6 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
     ({"renorm": False, "renorm_clip": (1.5, 0.5)}, "renorm"),
     ({"prototype_update": "gradient", "ema_decay": 0.9}, "prototype_update"),
     ({"target_entropy": None, "temperature_rate": 0.05}, "target_entropy"),
-    ({"init_scale": 0.1}, "init"),
     ({"commitment_term": "free_energy"}, "commitment_weight"),
 ])
 def test_an_option_without_effect_in_its_combination_is_refused_naming_both(kwargs, other):

@@ -12,6 +12,7 @@ from helpers import exact_cdist
 import softvq
 from softvq.models import VQVAE, Decoder, Encoder, build_quantizer
 from softvq.models.vqvae import LatentNorm
+from softvq.parts import NormalInit
 from softvq.schedule import anneal_temperature
 
 SMALL = {"num_codes": 16, "code_dim": 8, "width": 16, "res_hidden": 8, "res_blocks": 1}
@@ -46,7 +47,7 @@ def test_encode_and_decode_match_the_parts(name):
     are 16 of the batch's own tokens: a fresh encoder's latents barely vary, and a random codebook sends them all to
     one code, which no layout bug can change."""
     torch.manual_seed(0)
-    options = {"init": "normal", "init_scale": 0.1} if name == "ddcl" else {}
+    options = {"init": NormalInit(0.1)} if name == "ddcl" else {}
     model = VQVAE(name, quantizer_kwargs=options, **{**SMALL, "code_dim": 6}).eval()
     x = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
@@ -213,7 +214,7 @@ def test_epoch_summary_counts_the_whole_epoch(recwarn):
 
 def test_validation_psnr_is_per_image_and_hard_decode_is_reported():
     torch.manual_seed(1)
-    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.5, "init": "normal", "init_scale": 0.1,
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.5, "init": NormalInit(0.1),
                                             "hard_output": False}, **SMALL).eval()
     x = torch.rand(6, 3, 32, 32)
     model.on_validation_epoch_start()

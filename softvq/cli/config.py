@@ -169,9 +169,12 @@ def _resolved(given: dict[str, Any], module: Any) -> dict[str, Any]:
     same name), so that config.json says what the run used rather than "the default" (except :data:`RUNTIME_AUTO`)."""
     out = {}
     for key, value in given.items():
-        if value is None or (value == "auto" and key not in RUNTIME_AUTO):
+        resolved = getattr(module, key, None)
+        if is_dataclass(resolved):  # a part's settings (softvq.parts.Restart, NormalInit) as the layer took them
+            value = resolved
+        elif value is None or (value == "auto" and key not in RUNTIME_AUTO):
             value = getattr(module, key, value)
-        out[key] = asdict(value) if is_dataclass(value) else value  # a part's settings (softvq.parts.Restart)
+        out[key] = asdict(value) if is_dataclass(value) else value
     return out
 
 

@@ -5,6 +5,7 @@
 - :class:`EmaPrototypes` — the codebook moved by an EMA k-means step (hard or soft responsibilities).
 - :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use; its
   settings, :class:`Restart`, are the layers' ``restart`` option.
+- :class:`NormalInit` — prototypes drawn from a normal distribution, the ``init`` option's alternative to ``"data"``.
 
 :class:`softvq.DDCLQuantizer` holds all four, :class:`softvq.HardVQ` the last two. Which layer composes which part:
 docs/design.md, "Anatomy of the layer".
@@ -12,8 +13,9 @@ docs/design.md, "Anatomy of the layer".
 
 from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
+from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.parts.temperature import TemperatureControl, max_stable_rate
 
-__all__ = ["DeadCodeRestart", "EmaPrototypes", "Restart", "TemperatureControl", "TokenStandardizer", "code_counts",
-           "max_stable_rate"]
+__all__ = ["DeadCodeRestart", "EmaPrototypes", "NormalInit", "Restart", "TemperatureControl", "TokenStandardizer",
+           "code_counts", "max_stable_rate"]
