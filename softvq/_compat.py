@@ -108,6 +108,23 @@ _AUTO_WAS_NONE = (("ddcl", "rddcl"), ("temperature", "standardize", "prototype_u
 _FLAT_RESTART = ("dead_code_threshold", "dead_code_decay", "dead_code_cap")
 
 
+# DDCLQuantizer's flat options of its two prototype updates, before ``prototype_update`` took an Ema or a Gradient.
+_FLAT_UPDATE = ("ema_decay", "codebook_term", "codebook_weight")
+
+
+def _update_of_flat(get: Any, kind: object) -> object:
+    """The ``prototype_update`` (a mapping of :class:`softvq.parts.Ema`'s or :class:`~softvq.parts.Gradient`'s fields)
+    that a record's update ``kind`` and flat options (``get(name, default)``) meant; a kind that is already a
+    mapping is left as it is."""
+    if kind == "auto":
+        kind = "ema" if get("recipe", "auto") == "auto" else "gradient"
+    if kind in ("ema", "soft_ema"):
+        return {"decay": float(get("ema_decay", 0.99)), "soft": kind == "soft_ema"}
+    if kind == "gradient":
+        return {"term": get("codebook_term", "free_energy"), "weight": float(get("codebook_weight", 1.0))}
+    return kind
+
+
 def _init_of_flat(init: object, scale: object) -> dict[str, Any]:
     """``{"init": ...}`` for a record's ``init`` and the former ``init_scale`` beside it: ``"normal"`` with its scale
     is a :class:`softvq.parts.NormalInit` (as a mapping); ``"data"`` had no use for the scale."""
@@ -151,9 +168,14 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
         for name in _FLAT_RESTART:
             out.pop(name, None)
         out["restart"] = restart
+    if quantizer in ("ddcl", "rddcl") and any(name in out for name in _FLAT_UPDATE):
+        update = _update_of_flat(out.get, out.get("prototype_update", "auto"))
+        for name in _FLAT_UPDATE:
+            out.pop(name, None)
+        out["prototype_update"] = update
     if quantizer in ("ddcl", "rddcl") and "init_scale" in out:
         out.update(_init_of_flat(out.get("init", "data"), out.pop("init_scale")))
-    for name in ("restart", "init"):  # plain types only: a checkpoint's hyperparameters load with weights_only
+    for name in ("restart", "init", "prototype_update"):  # plain types only: hyperparameters load with weights_only
         if is_dataclass(out.get(name)):
             out[name] = asdict(out[name])
     return out
@@ -187,6 +209,14 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
             out[f"{section}.restart"] = None
         else:
             out.update({f"{section}.restart.{field}": value for field, value in restart.items()})
+    for section, quantizer in sections:
+        if quantizer in ("ddcl", "rddcl") and any(f"{section}.{name}" in out for name in _FLAT_UPDATE):
+            update = _update_of_flat(lambda n, d, s=section: out.get(f"{s}.{n}", d),
+                                     out.pop(f"{section}.prototype_update", "auto"))
+            for name in _FLAT_UPDATE:
+                out.pop(f"{section}.{name}", None)
+            out.update({f"{section}.prototype_update.{k}": v for k, v in update.items()} if isinstance(update, dict)
+                       else {f"{section}.prototype_update": update})
     for section, quantizer in sections:
         if quantizer in ("ddcl", "rddcl") and f"{section}.init_scale" in out:
             init = _init_of_flat(out.pop(f"{section}.init", "data"), out.pop(f"{section}.init_scale"))["init"]

@@ -56,7 +56,7 @@ def forward_tokens(layer: nn.Module, z: Tensor) -> QuantizerOutput:
         out, loss = output_codes(layer, zf, p, mu, indices, loss, mean, std)
     if update and not deferred:
         soft = q.detach()
-        if chosen.numel() > 0 and layer.prototype_update == "soft_ema":  # its M-step reads every code's column
+        if chosen.numel() > 0 and layer._update_kind == "soft_ema":  # its M-step reads every code's column
             soft = scatter_top_k(soft, chosen, layer.num_codes)
         after_step(layer, zf.detach(), soft, indices, stats[3])  # stats: l_q, l_ols, v, entropy
     return assemble(z, out, q, indices, loss, stats, chosen)
@@ -128,7 +128,8 @@ def objective(layer: nn.Module) -> Objective:
     commitment term unless it is ``"hard"`` (added outside it, by :func:`output_codes`)."""
     soft_commitment = ("l_ols", 0.0) if layer.commitment_term == "hard" else (layer.commitment_term,
                                                                                layer.commitment_weight)
-    return Objective(layer.codebook_term, layer.codebook_weight if layer.prototype_update == "gradient" else 0.0,
+    gradient = layer._gradient  # a Gradient for optimizer-trained prototypes, else None (no codebook term)
+    return Objective(gradient.term if gradient else "free_energy", gradient.weight if gradient else 0.0,
                      *soft_commitment)
 
 
@@ -192,12 +193,12 @@ def after_step(layer: nn.Module, z: Tensor, q: Tensor, indices: Tensor, entropy:
     """After a training forward: the usage for dead-code restart, the EMA prototype update and the temperature
     control, each with its statistics summed over processes (every process ends with the same state). No
     host-device synchronisation."""
-    if layer.dead_codes.threshold > 0 or layer.prototype_update == "ema":
+    if layer.dead_codes.threshold > 0 or layer._update_kind == "ema":
         counts = code_counts(indices, layer.num_codes, layer.dead_codes.usage.dtype)
         if layer.dead_codes.threshold > 0:
             layer.dead_codes.update(counts)
-    if layer.prototype_update == "ema":
+    if layer._update_kind == "ema":
         layer.ema.step_(layer.prototypes, z, indices=indices, counts=counts)
-    elif layer.prototype_update == "soft_ema":  # the free-energy M-step, tokens weighted by their assignments
+    elif layer._update_kind == "soft_ema":  # the free-energy M-step, tokens weighted by their assignments
         layer.ema.step_(layer.prototypes, z, q=q)
     layer.temperature_control.step(entropy, indices.numel())  # T's rule: softvq/parts/temperature.py

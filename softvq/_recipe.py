@@ -15,17 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from softvq._checks import check_bool, check_choice, check_float, check_positive_int, check_unit
+from softvq._checks import check_bool, check_choice, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import Restart
-
-TERMS = ("l_q", "l_ols", "free_energy")  # the terms codebook_term and commitment_term name
+from softvq.parts.update import TERMS, Ema, Gradient, prototype_update_of
 
 # The options the layer holds itself; a part holds each of the others (PartOption below).
-LAYER_OPTIONS = ("num_codes", "dim", "recipe", "distance", "codebook_term", "commitment_term", "codebook_weight",
-                 "commitment_weight", "init", "check_finite", "top_k", "channel_first", "standardize", "output_scale",
-                 "hard_output", "prototype_update")
+LAYER_OPTIONS = ("num_codes", "dim", "recipe", "distance", "commitment_term", "commitment_weight", "init",
+                 "check_finite", "top_k", "channel_first", "standardize", "output_scale", "hard_output")
 
 
 def _is_auto(value: object) -> bool:
@@ -33,7 +31,7 @@ def _is_auto(value: object) -> bool:
 
 
 def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize: bool | str,
-            output_scale: str | float, hard_output: bool | str, prototype_update: str, ema_decay: float,
+            output_scale: str | float, hard_output: bool | str, prototype_update: object,
             target_entropy: float | str | None, restart: object) -> dict[str, Any]:
     """The options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the recipe's, checked.
     ``"auto"`` means the recipe's value and ``None`` means off, wherever an option takes them (``target_entropy=None``:
@@ -58,10 +56,7 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         "standardize": check_bool("standardize", auto if _is_auto(standardize) else standardize),
         "output_scale": output_scale,
         "hard_output": check_bool("hard_output", auto if _is_auto(hard_output) else hard_output),
-        "prototype_update": check_choice("prototype_update", ("ema" if auto else "gradient")
-                                         if _is_auto(prototype_update) else prototype_update,
-                                         ("ema", "soft_ema", "gradient")),
-        "ema_decay": check_unit("ema_decay", ema_decay),
+        "prototype_update": prototype_update_of(prototype_update, auto=Ema() if auto else Gradient()),
         "target_entropy": target_entropy,
         "temperature": start,
         "restart": (Restart() if auto else None) if _is_auto(restart) else Restart.of(restart),
@@ -77,9 +72,7 @@ def check_options(given: dict[str, Any]) -> dict[str, Any]:
     o["dim"] = check_positive_int("dim", o["dim"])
     o["recipe"] = check_choice("recipe", o["recipe"], ("auto", "plain"))
     o["distance"] = check_choice("distance", o["distance"], ("euclidean", "cosine"))
-    o["codebook_term"] = check_choice("codebook_term", o["codebook_term"], TERMS)
     o["commitment_term"] = check_choice("commitment_term", o["commitment_term"], (*TERMS, "hard"))
-    o["codebook_weight"] = check_float("codebook_weight", o["codebook_weight"], allow_zero=True)
     o["commitment_weight"] = check_float("commitment_weight", o["commitment_weight"], allow_zero=True)
     o["init"] = NormalInit.of(o["init"])
     o["check_finite"] = check_bool("check_finite", o["check_finite"])
@@ -87,7 +80,7 @@ def check_options(given: dict[str, Any]) -> dict[str, Any]:
     o["channel_first"] = check_bool("channel_first", o["channel_first"])
     o.update(resolve(given["recipe"] == "auto", o["num_codes"], given["temperature"],
                      **{name: given[name] for name in ("standardize", "output_scale", "hard_output", "prototype_update",
-                                                       "ema_decay", "target_entropy", "restart")}))
+                                                       "target_entropy", "restart")}))
     o["renorm"] = check_bool("renorm", o["renorm"])
     return o
 
@@ -98,8 +91,7 @@ def options_repr(layer: nn.Module) -> str:
     return (
         f"num_codes={layer.num_codes}, dim={layer.dim}, recipe={layer.recipe!r}, temperature={t}, "
         f"target_entropy={layer.target_entropy}, standardize={layer.standardize}, "
-        f"prototype_update={layer.prototype_update!r}, hard_output={layer.hard_output}, "
-        f"distance={layer.distance!r}, codebook={layer.codebook_weight:g}*{layer.codebook_term}, "
+        f"prototype_update={layer.prototype_update}, hard_output={layer.hard_output}, distance={layer.distance!r}, "
         f"commitment={layer.commitment_weight:g}*{layer.commitment_term}, init={layer.init!r}, "
         f"restart={layer.restart}"
         + (f", top_k={layer.top_k}" if layer.top_k is not None else "")
@@ -108,18 +100,12 @@ def options_repr(layer: nn.Module) -> str:
 
 # Options that only act in some combinations: (option, the option it depends on, when it has no effect, why).
 INERT = (
-    ("codebook_term", "prototype_update", lambda s: s.prototype_update != "gradient",
-     "the codebook term trains gradient-trained prototypes; EMA prototypes are moved by the layer itself"),
-    ("codebook_weight", "prototype_update", lambda s: s.prototype_update != "gradient",
-     "the codebook term trains gradient-trained prototypes; EMA prototypes are moved by the layer itself"),
     ("output_scale", "standardize", lambda s: not s.standardize,
      "without standardisation the codes are on the input's scale already"),
     ("renorm", "standardize", lambda s: not s.standardize,
      "it is how the layer's standardisation trains, and there is none"),
     ("renorm_clip", "renorm", lambda s: not (s.standardize and s.renorm),
      "it clips batch renormalisation's corrections, which only renorm=True (with standardize) applies"),
-    ("ema_decay", "prototype_update", lambda s: s.prototype_update == "gradient",
-     "gradient-trained prototypes have no EMA"),
     ("temperature_rate", "target_entropy", lambda s: s.target_entropy is None,
      "it is the gain of the entropy control, which target_entropy=None turns off"),
     ("commitment_term", "commitment_weight", lambda s: s.commitment_weight == 0,

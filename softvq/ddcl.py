@@ -36,6 +36,7 @@ from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart
 from softvq.parts.temperature import TemperatureControl
+from softvq.parts.update import Ema, Gradient, prototype_update_of
 from softvq.types import QuantizerOutput, channel_first_forward
 
 
@@ -55,8 +56,8 @@ class DDCLQuantizer(nn.Module):
     calibrated on the first training batch, then holding H(Q) at ``target_entropy``), ``ema`` (a k-means step) and
     ``dead_codes`` (restarts); what each does and how its default was chosen, and ``recipe="plain"``, the paper's
     layer: docs/design.md, "The recipe inside the layer". An explicit option overrides the recipe's; one that has no
-    effect in the combination given (``ema_decay`` with ``prototype_update="gradient"``) is a ``ValueError`` naming
-    both options.
+    effect in the combination given (``output_scale`` with ``standardize=False``) is a ``ValueError`` naming both
+    options.
 
     What reaches what (the codebook term: gradient-trained prototypes only; the commitment term: the encoder only):
     docs/design.md, "What reaches the encoder and what reaches the prototypes". Several calls before one backward,
@@ -80,16 +81,14 @@ class DDCLQuantizer(nn.Module):
         renorm: train the standardiser with clipped batch renormalisation (:class:`softvq.norm.TokenStandardizer`;
             docs/design.md, "Batch renormalisation"); ``False``: plain batch standardisation.
         renorm_clip: ``(r_max, d_max)``, the clip of its corrections (within 10% in scale, 0.1 std in shift).
-        prototype_update: ``"ema"`` (hard k-means step), ``"soft_ema"`` (the free-energy M-step) or ``"gradient"``
-            (``"auto"``: the recipe's, ``"ema"`` / ``"gradient"`` for ``"plain"``).
-        ema_decay: the EMA's decay in ``(0, 1)`` (:class:`softvq.parts.EmaPrototypes`).
+        prototype_update: how the prototypes move: a :class:`softvq.parts.Ema` ``(decay, soft)``, moved by the layer
+            (:class:`softvq.parts.EmaPrototypes`), or a :class:`softvq.parts.Gradient` ``(term, weight)``, trained by
+            the optimizer on that term of the loss; ``"ema"`` (``Ema()``: a k-means step, decay 0.99), ``"soft_ema"``
+            (``Ema(soft=True)``: the free-energy M-step), ``"gradient"`` (``Gradient()``: the free energy, weight 1)
+            or ``"auto"``: the recipe's, ``"ema"`` / ``"gradient"`` for ``"plain"``.
         hard_output: output the argmax prototype with the soft centroid's gradient (``"auto"``: on for
             ``recipe="auto"``).
         distance: ``"euclidean"`` or ``"cosine"`` (tokens and prototypes L2-normalised; ``d = 2 - 2 cos``).
-        codebook_term: the term that trains gradient-trained prototypes: ``"free_energy"``
-            (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (pushes far prototypes away,
-            which strands them under Adam) or ``"l_ols"``.
-        codebook_weight: its weight (``>= 0``).
         commitment_term: the term that pulls the encoder to the codebook: ``"hard"`` (``||z - sg[p_argmax]||^2``,
             VQ-VAE's), ``"l_ols"`` (to the soft centroid), ``"l_q"`` or ``"free_energy"`` (docs/design.md,
             "Collapse-free defaults").
@@ -126,12 +125,9 @@ class DDCLQuantizer(nn.Module):
         output_scale: Literal["input", "standardized"] | float = "standardized",
         renorm: bool = True,
         renorm_clip: tuple[float, float] = (1.1, 0.1),
-        prototype_update: Literal["auto", "ema", "soft_ema", "gradient"] = "auto",
-        ema_decay: float = 0.99,
+        prototype_update: Literal["auto", "ema", "soft_ema", "gradient"] | Ema | Gradient = "auto",
         hard_output: bool | Literal["auto"] = "auto",
         distance: Literal["euclidean", "cosine"] = "euclidean",
-        codebook_term: Literal["l_q", "l_ols", "free_energy"] = "free_energy",
-        codebook_weight: float = 1.0,
         commitment_term: Literal["hard", "l_q", "l_ols", "free_energy"] = "hard",
         commitment_weight: float = 0.0,
         init: Literal["data", "normal"] | NormalInit = "data",
@@ -152,9 +148,11 @@ class DDCLQuantizer(nn.Module):
         self.dead_codes = DeadCodeRestart(num_codes, threshold=0.0)  # no restarts unless restart sets them
         self.dead_codes.settings = o["restart"]
         scale = 1.0 if o["init"] == "data" else o["init"].scale
+        update = o["prototype_update"]  # an Ema or a Gradient
         self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * scale,  # (K, D)
-                                       requires_grad=self.prototype_update == "gradient")
-        self.ema = EmaPrototypes(self.prototypes, o["ema_decay"])
+                                       requires_grad=update.kind == "gradient")
+        self.ema = EmaPrototypes(self.prototypes, update.decay if isinstance(update, Ema) else 0.99)
+        self.prototype_update = update
         refuse_inert_options(self, {**given, "renorm_clip": self.standardizer.renorm_clip}, _DEFAULTS)
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved by get_extra_state.
         self._initialized = o["init"] != "data"
@@ -165,8 +163,22 @@ class DDCLQuantizer(nn.Module):
     # Options whose value one part owns (reading or setting them on the layer reads or sets the part's).
     target_entropy = PartOption("temperature_control", "target_entropy")
     temperature_rate = PartOption("temperature_control", "rate")
-    ema_decay = PartOption("ema", "decay")
     restart = PartOption("dead_codes", "settings")  # a Restart, or None: no restarts
+
+    @property
+    def prototype_update(self) -> Ema | Gradient:
+        """How the prototypes move: an :class:`~softvq.parts.Ema` (its decay is the ``ema`` part's) or a
+        :class:`~softvq.parts.Gradient`. Assigning one (or ``"ema"``, ...) switches; the prototypes' ``requires_grad``
+        is the caller's to set."""
+        return Ema(self.ema.decay, self._update_kind == "soft_ema") if self._gradient is None else self._gradient
+
+    @prototype_update.setter
+    def prototype_update(self, value: Ema | Gradient | str) -> None:
+        value = prototype_update_of(value, auto=Ema() if self.recipe == "auto" else Gradient())
+        self._gradient = value if isinstance(value, Gradient) else None
+        if isinstance(value, Ema):
+            self.ema.decay = value.decay
+        self._update_kind = value.kind  # "ema", "soft_ema" or "gradient": what the forward does (a Python string)
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property

@@ -108,7 +108,7 @@ class HierarchicalDDCL(nn.Module):
             grid axis: ``2`` is 2x2 on an image grid), or a sequence of ``L - 1`` windows, each an ``int`` (every
             axis) or a tuple with one entry per grid axis. ``1`` = no pooling. Each window must divide the grid of
             the level below (checked per input).
-        **ddcl_kwargs: options of :class:`~softvq.DDCLQuantizer` (``temperature``, ``distance``, ``codebook_term``,
+        **ddcl_kwargs: options of :class:`~softvq.DDCLQuantizer` (``temperature``, ``distance``, ``prototype_update``,
             ``restart``, ...), the same for every level; ``recipe`` is ``"plain"`` unless given (no restarts:
             ``recipe="auto"`` or ``restart=softvq.Restart()`` for them). Set a level's temperature afterwards
             with ``hier.levels[l].temperature = t``.

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from softvq._checks import check_bool, check_finite_state
 from softvq._precision import compute_dtype
 from softvq.ddcl import DDCLQuantizer
+from softvq.parts.update import Gradient
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 # The readout is the plain layer: where its defaults differ from DDCLQuantizer's.
@@ -80,7 +81,7 @@ class DDCLReadout(nn.Module):
         dim: ``D``, the token dimension.
         check_finite: raise on NaN/Inf at real positions (padded positions may hold anything).
         **quantizer_kwargs: any :class:`~softvq.DDCLQuantizer` keyword (``temperature``, ``distance``,
-            ``codebook_term``, ``commitment_weight``, ``init``, ``standardize``, ...), forwarded to the inner
+            ``prototype_update``, ``commitment_weight``, ``init``, ``standardize``, ...), forwarded to the inner
             quantizer, which only ever sees the real tokens (``init="data"``, dead-code restart, standardisation and
             the in-layer updates draw from them alone). The readout is the plain layer, so its defaults differ as
             follows: ``recipe="plain"`` (the only value accepted), ``temperature=1.0`` (a fixed temperature; with
@@ -136,8 +137,8 @@ class DDCLReadout(nn.Module):
                              f"build DDCLReadout({quantizer.num_codes}, {quantizer.dim}, ...) to train a readout from "
                              f"scratch")
         readout = cls(quantizer.num_codes, quantizer.dim, temperature=quantizer.temperature,
-                      distance=quantizer.distance, codebook_term=quantizer.codebook_term,
-                      codebook_weight=quantizer.codebook_weight, commitment_term=quantizer.commitment_term,
+                      distance=quantizer.distance, prototype_update=quantizer._gradient or Gradient(),
+                      commitment_term=quantizer.commitment_term,
                       commitment_weight=quantizer.commitment_weight, init=quantizer.init,
                       restart=None if freeze else quantizer.restart,
                       check_finite=quantizer.check_finite, standardize=quantizer.standardize)

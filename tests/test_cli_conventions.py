@@ -57,7 +57,8 @@ def test_saved_config_is_resolved_and_reproduces_the_run(tiny_cifar, tmp_path):
     saved = json.loads((out / "config.json").read_text())
     # nulls that stood for "the recipe's value" are the values the layer chose
     assert saved["ddcl"]["standardize"] is True and saved["ddcl"]["hard_output"] is True
-    assert saved["ddcl"]["prototype_update"] == "ema" and saved["model"]["latent_norm"] == "none"
+    assert saved["ddcl"]["prototype_update"] == {"decay": 0.99, "soft": False}  # the recipe's Ema, field by field
+    assert saved["model"]["latent_norm"] == "none"
     assert saved["ddcl"]["target_entropy"] == pytest.approx(0.5 * __import__("math").log(8))
     # "auto" only where it names a rule applied while training (T from the first batch); a part's settings by field
     assert saved["ddcl"]["temperature"] == "auto"

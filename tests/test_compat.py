@@ -120,3 +120,24 @@ def test_a_records_init_scale_becomes_the_normal_init_it_meant(flat, init):
     assert (dotted["ddcl.init"] if init == "data" else {"scale": dotted["ddcl.init.scale"]}) == init
     layer = softvq.DDCLQuantizer(4, 2, **softvq._compat.upgrade_quantizer_kwargs("ddcl", flat))
     assert layer.init == (init if init == "data" else softvq.parts.NormalInit(**init))
+
+
+@pytest.mark.parametrize(("flat", "update"), [
+    ({"ema_decay": 0.9}, {"decay": 0.9, "soft": False}),
+    ({"prototype_update": "soft_ema", "ema_decay": 0.5, "codebook_term": "free_energy"}, {"decay": 0.5, "soft": True}),
+    ({"recipe": "plain", "codebook_term": "l_q", "codebook_weight": 2.0, "ema_decay": 0.99},
+     {"term": "l_q", "weight": 2.0}),
+    ({"prototype_update": "gradient", "codebook_weight": 0.0}, {"term": "free_energy", "weight": 0.0}),
+])
+def test_a_records_flat_update_options_become_the_prototype_update_they_meant(flat, update):
+    """ema_decay (the EMA's) and codebook_term / codebook_weight (the gradient's), before prototype_update took an Ema
+    or a Gradient: the kind recorded (the recipe's for "auto") decides which of them meant something."""
+    upgraded = softvq._compat.upgrade_quantizer_kwargs("ddcl", flat)
+    assert upgraded["prototype_update"] == update
+    assert not {"ema_decay", "codebook_term", "codebook_weight"} & set(upgraded)
+    dotted = softvq._compat.upgrade_settings(config.flat({"quantizer": ["ddcl"], "ddcl": flat}))
+    assert {k.rsplit(".", 1)[1]: v for k, v in dotted.items() if k.startswith("ddcl.prototype_update.")} == update
+    assert softvq._compat.upgrade_quantizer_kwargs("hard", {"ema_decay": 0.9}) == {"ema_decay": 0.9}  # HardVQ's own
+    layer = softvq.DDCLQuantizer(4, 2, **upgraded)
+    assert layer.prototype_update == (softvq.parts.Ema(**update) if "decay" in update else
+                                      softvq.parts.Gradient(**update))

@@ -11,7 +11,7 @@ from helpers import exact_cdist
 
 from softvq import DDCLQuantizer
 from softvq.ddcl import _DEFAULTS, _TERMS, Objective, _SoftCentroid
-from softvq.parts import NormalInit, Restart
+from softvq.parts import Gradient, NormalInit, Restart
 
 
 def plain(*args, **kw) -> DDCLQuantizer:
@@ -102,7 +102,7 @@ ROUTINGS += [(cb_term, _DEFAULTS["commitment_term"], 0.7, 0.0) for cb_term in _T
 def test_gradients_match_reference_with_stop_gradients(distance, cb_term, cm_term, cb_w, cm_w):
     torch.manual_seed(2)
     quantizer = plain(9, 5, temperature=0.9 if distance == "euclidean" else 0.3, distance=distance,
-                              codebook_term=cb_term, codebook_weight=cb_w, commitment_term=cm_term,
+                              prototype_update=Gradient(cb_term, cb_w), commitment_term=cm_term,
                               commitment_weight=cm_w, init="normal").double()
     z = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
     g_mu = torch.randn(4, 6, 5, dtype=torch.float64)
@@ -136,13 +136,13 @@ def test_gradcheck_soft_centroid_and_assignments():
 def test_only_routed_terms_reach_each_side():
     """loss alone: the commitment term's gradient reaches z, the codebook term's reaches the prototypes."""
     torch.manual_seed(4)
-    q_only_codebook = plain(8, 4, init="normal", codebook_weight=1.0, commitment_weight=0.0).double()
+    q_only_codebook = plain(8, 4, init="normal", prototype_update=Gradient(weight=1.0), commitment_weight=0.0).double()
     z = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
     q_only_codebook(z).loss.backward()
     assert torch.count_nonzero(z.grad) == 0
     assert torch.count_nonzero(q_only_codebook.prototypes.grad) > 0
 
-    q_only_commit = plain(8, 4, init="normal", codebook_weight=0.0, commitment_weight=1.0).double()
+    q_only_commit = plain(8, 4, init="normal", prototype_update=Gradient(weight=0.0), commitment_weight=1.0).double()
     z.grad = None
     q_only_commit(z).loss.backward()
     assert torch.count_nonzero(z.grad) > 0
@@ -287,7 +287,7 @@ def test_empty_batch_returns_empty_outputs():
         ({"temperature": -1.0}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"distance": "manhattan"}, "manhattan"),
-        ({"codebook_term": "v"}, "codebook_term"),
+        ({"prototype_update": {"term": "v"}}, r"prototype_update\.term"),
         ({"commitment_weight": -0.1}, "commitment_weight"),
         ({"init": "kmeans"}, "init"),
         ({"restart": {"threshold": -1.0}}, r"restart\.threshold"),
@@ -374,7 +374,7 @@ def test_free_energy_attracts_a_far_prototype_where_l_q_repels_it():
     z = torch.randn(200, 4, dtype=torch.float64)
     directions = {}
     for term in ("l_q", "free_energy"):
-        quantizer = plain(3, 4, temperature=1.0, codebook_term=term, commitment_weight=0.0,
+        quantizer = plain(3, 4, temperature=1.0, prototype_update=Gradient(term), commitment_weight=0.0,
                                   init="normal").double()
         with torch.no_grad():
             quantizer.prototypes.copy_(torch.tensor([[0.0, 0, 0, 0], [0.5, 0, 0, 0], [6.0, 0, 0, 0]]))
@@ -387,7 +387,7 @@ def test_free_energy_attracts_a_far_prototype_where_l_q_repels_it():
 
 def test_free_energy_is_l_q_minus_temperature_times_entropy():
     torch.manual_seed(6)
-    quantizer = plain(7, 3, temperature=0.6, codebook_term="free_energy", codebook_weight=1.0,
+    quantizer = plain(7, 3, temperature=0.6, prototype_update=Gradient("free_energy", 1.0),
                               commitment_weight=0.0, init="normal").double()
     z = torch.randn(50, 3, dtype=torch.float64)
     out = quantizer(z)

@@ -11,7 +11,7 @@ import torch
 from helpers import running_moments
 
 from softvq import DDCLQuantizer
-from softvq.parts import Restart
+from softvq.parts import Ema, Gradient, Restart
 
 
 def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
@@ -141,7 +141,8 @@ def test_in_layer_standardisation_matches_float64_by_hand(renorm):
 
 @pytest.mark.parametrize("update", ["ema", "soft_ema"])
 def test_ema_prototype_update_by_hand(update):
-    quantizer = layer(k=3, dim=2, standardize=False, prototype_update=update, ema_decay=0.75, temperature=0.5)
+    quantizer = layer(k=3, dim=2, standardize=False, prototype_update=Ema(0.75, soft=update == "soft_ema"),
+                      temperature=0.5)
     assert not quantizer.prototypes.requires_grad  # not the optimizer's: the layer moves them
     p0 = quantizer.prototypes.detach().clone()
     z = torch.tensor([[0.0, 0.1], [1.0, 1.0], [1.2, 0.8], [-2.0, 0.5], [-1.8, 0.4]], dtype=torch.float64)
@@ -261,7 +262,7 @@ def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
     new = DDCLQuantizer(8, 3, temperature=0.7)  # today's defaults
     new.load_state_dict(state)
     assert new.recipe == "plain" and not new.standardize and not new.hard_output
-    assert new.prototype_update == "gradient" and new.prototypes.requires_grad
+    assert new.prototype_update == Gradient() and new.prototypes.requires_grad
     z = torch.randn(10, 3)
     new.eval(), old.eval()
     a, b = new(z), old(z)
@@ -274,7 +275,8 @@ def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
 @pytest.mark.parametrize("kwargs,match", [
     ({"recipe": "fast"}, "recipe"),
     ({"prototype_update": "adam"}, "prototype_update"),
-    ({"ema_decay": 1.0}, "ema_decay"),
+    ({"prototype_update": {"decay": 1.0}}, r"prototype_update\.decay"),
+    ({"prototype_update": {"decay": 0.9, "term": "l_q"}}, "neither Ema.s"),
     ({"hard_output": 1}, "hard_output"),
     ({"standardize": "yes"}, "standardize"),
     ({"channel_first": None}, "channel_first"),

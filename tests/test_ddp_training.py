@@ -24,7 +24,7 @@ SMALL = ["--epochs", "2", "--data.train_subset", "64", "--data.val_size", "20", 
          "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4", "--model.res_blocks", "1",
          "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.precision", "64-true",
          "--trainer.progress_bar", "false", "--quantizer", "ddcl", "hard", "--hard.ema_decay", "0.9",
-         "--ddcl.ema_decay", "0.9", "--hard.restart.threshold", "30", "--hard.restart.decay", "0.9",
+         "--ddcl.prototype_update.decay", "0.9", "--hard.restart.threshold", "30", "--hard.restart.decay", "0.9",
          "--hard.restart.cap", "null", "--ddcl.restart.threshold", "30",
          "--check_replicas", "1", "--seed", "4"]
 EXACT = ("epoch", "step", "utilization", "dead_codes", "perplexity", "val_utilization", "val_dead_codes",
@@ -87,8 +87,7 @@ def test_two_processes_end_with_the_weights_of_one_process(runs, quantizer):
 
 def test_two_level_hierarchy_on_two_processes_equals_one_process(tmp_path, tiny_cifar):
     """Level 1 starts on level 0's temperature scale, from the token variance of both processes' batches."""
-    # (the levels are plain layers, whose prototypes the optimizer trains: an EMA decay would have no effect there)
-    hierarchy = ["--quantizer", "ddcl", "--model.levels", "2", "--model.level_codes", "8", "--ddcl.ema_decay", "0.99"]
+    hierarchy = ["--quantizer", "ddcl", "--model.levels", "2", "--model.level_codes", "8"]
     ddp = train(tmp_path, tiny_cifar["folder"], "ddp", "--trainer.devices", "2", "--data.batch_size", "8", *hierarchy)
     train(tmp_path, tiny_cifar["folder"], "single", "--trainer.devices", "1", "--data.batch_size", "16", *hierarchy)
     assert "after each of 8 checked steps" in ddp.stdout

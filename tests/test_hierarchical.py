@@ -16,7 +16,7 @@ from softvq import DDCLQuantizer, HierarchicalDDCL, HierarchicalOutput
 from softvq.cli import train as train_vqvae
 from softvq.models import VQVAE
 from softvq.models.codes import extract_codes
-from softvq.parts import Restart
+from softvq.parts import Gradient, Restart
 
 
 def reference_pool(x: torch.Tensor, window: tuple[int, ...]) -> torch.Tensor:
@@ -80,7 +80,8 @@ def test_every_level_matches_the_reference_and_keeps_the_identity_and_v_nonnegat
 
 
 def test_a_single_level_is_exactly_a_ddcl_quantizer():
-    kwargs = {"temperature": 0.5, "restart": Restart(0.5), "codebook_term": "l_q", "commitment_weight": 0.25}
+    kwargs = {"temperature": 0.5, "restart": Restart(0.5), "prototype_update": Gradient("l_q"),
+              "commitment_weight": 0.25}
     torch.manual_seed(3)
     hier = HierarchicalDDCL([16], 4, **kwargs)
     torch.manual_seed(3)
@@ -103,7 +104,7 @@ def test_a_single_level_is_exactly_a_ddcl_quantizer():
 
 def test_gradients_reach_every_level_and_the_input():
     torch.manual_seed(1)
-    hier = HierarchicalDDCL([8, 6, 4], 3, pool=2, init="normal", codebook_weight=0.0)
+    hier = HierarchicalDDCL([8, 6, 4], 3, pool=2, init="normal", prototype_update=Gradient(weight=0.0))
     z = torch.randn(2, 8, 8, 3, requires_grad=True)
     # Only the top level's output in the objective: the lower levels learn through the pooled inputs above them.
     hier(z).quantized[-1].square().sum().backward()

@@ -11,6 +11,7 @@ import torch
 import softvq
 from softvq.parts import (
     DeadCodeRestart,
+    Ema,
     EmaPrototypes,
     NormalInit,
     Restart,
@@ -199,9 +200,9 @@ def test_each_stack_states_its_per_level_settings():
     assert all(level.recipe == "plain" and level.restart is None and level.target_entropy is None
                for level in plain.levels)
     auto = softvq.HierarchicalDDCL([16, 8], 4, pool=2, recipe="auto")
-    assert all(level.restart == Restart() and level.prototype_update == "ema" and level.target_entropy
+    assert all(level.restart == Restart() and level.prototype_update == Ema() and level.target_entropy
                for level in auto.levels)
-    assert all(level.restart == Restart() and level.prototype_update == "ema"
+    assert all(level.restart == Restart() and level.prototype_update == Ema()
                for level in softvq.ResidualDDCL(2, 16, 4).levels)
     assert all(level.ema_decay == 0.99 and level.restart == Restart(1.0, decay=0.99, cap=None)
                for level in softvq.ResidualHardVQ(2, 16, 4).levels)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from softvq import DDCLQuantizer, DDCLReadout, ReadoutOutput
-from softvq.parts import Restart
+from softvq.parts import Gradient, Restart
 
 K, D = 5, 4
 
@@ -69,7 +69,7 @@ def ragged(batch=3, length=7, dtype=torch.float64, seed=1) -> tuple[torch.Tensor
 @pytest.mark.parametrize("distance,temperature,codebook_term", [("euclidean", 0.9, "free_energy"),
                                                                  ("cosine", 0.3, "l_q")])
 def test_outputs_and_terms_match_a_token_by_token_loop_float64(distance, temperature, codebook_term):
-    readout = make(distance=distance, temperature=temperature, codebook_term=codebook_term, codebook_weight=0.7,
+    readout = make(distance=distance, temperature=temperature, prototype_update=Gradient(codebook_term, 0.7),
                    commitment_weight=0.3, commitment_term="l_ols")
     z, mask = ragged()
     out = readout(z, mask)
@@ -104,7 +104,7 @@ def test_identity_holds_on_every_batch_and_every_row():
 
 @pytest.mark.parametrize("codebook_term", ["free_energy", "l_q"])
 def test_gradients_match_the_loop_reference_with_stop_gradients(codebook_term):
-    readout = make(temperature=0.8, codebook_term=codebook_term, codebook_weight=1.0, commitment_weight=0.25,
+    readout = make(temperature=0.8, prototype_update=Gradient(codebook_term, 1.0), commitment_weight=0.25,
                    commitment_term="l_ols")
     z, mask = ragged(batch=2, length=5, seed=3)
     z = z.nan_to_num(0.0).requires_grad_(True)
@@ -280,7 +280,7 @@ def test_bad_inputs_raise_clear_errors(tokens, mask, match):
     ({"dim": 2.5}, "dim must be a positive integer, got 2.5"),
     ({"temperature": -1.0}, "temperature must be a positive finite number, got -1.0"),
     ({"distance": "manhattan"}, "distance must be one of .* got 'manhattan'"),
-    ({"codebook_term": "v"}, "codebook_term must be one of"),
+    ({"prototype_update": {"term": "v"}}, r"prototype_update\.term must be one of"),
     ({"commitment_weight": float("nan")}, "commitment_weight must be a non-negative finite number"),
     ({"restart": {"decay": 1.0}}, r"restart\.decay must be in \(0, 1\), got 1.0"),
 ])
@@ -319,9 +319,9 @@ def train_steps(readout: DDCLReadout, steps: int = 3, seed: int = 30) -> list:
 @pytest.mark.parametrize("kwargs", [
     {},
     {"temperature": 0.4, "distance": "cosine", "commitment_term": "hard", "commitment_weight": 0.5},
-    {"init": "normal", "codebook_term": "l_q", "codebook_weight": 0.3, "commitment_term": "free_energy",
+    {"init": "normal", "prototype_update": Gradient("l_q", 0.3), "commitment_term": "free_energy",
      "commitment_weight": 0.2, "restart": Restart(1.5, decay=0.5, cap=None)},
-    {"standardize": True, "temperature": 2.0, "codebook_term": "l_ols"},
+    {"standardize": True, "temperature": 2.0, "prototype_update": Gradient("l_ols")},
 ])
 def test_keywords_build_the_readout_from_quantizer_builds_from_an_explicit_quantizer(kwargs):
     """DDCLReadout(K, D, **kw) against DDCLReadout.from_quantizer(DDCLQuantizer(K, D, recipe="plain", **kw)), output
@@ -354,7 +354,7 @@ def test_the_readout_defaults_are_the_plain_layer_at_temperature_1():
     assert readout.quantizer.extra_repr() == explicit.extra_repr()
     assert readout.quantizer.temperature == 1.0 and readout.quantizer.restart is None
     assert not readout.quantizer.standardize and not readout.quantizer.hard_output
-    assert readout.quantizer.prototype_update == "gradient" and readout.prototypes.requires_grad
+    assert readout.quantizer.prototype_update == Gradient() and readout.prototypes.requires_grad
     assert readout.check_finite and not readout.quantizer.check_finite  # the readout checks the real tokens itself
     assert torch.equal(readout.prototypes, explicit.prototypes)
 

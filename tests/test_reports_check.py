@@ -147,7 +147,8 @@ def test_fingerprints_flag_exactly_the_reports_whose_methods_numerics_changed(tm
     assert capsys.readouterr().out.count("fresh: the numerics of") == 2
 
     builders = fingerprint._builders()
-    toy = {**builders, "ddcl": lambda: softvq.DDCLQuantizer(256, 8, ema_decay=0.98)}  # "a new default"
+    new_default = softvq.parts.Ema(0.98)  # "a new default"
+    toy = {**builders, "ddcl": lambda: softvq.DDCLQuantizer(256, 8, prototype_update=new_default)}
     monkeypatch.setattr(fingerprint, "_builders", lambda: toy)
     assert reports.main(["--check"], root=tmp_path, store=store) == 1
     table = capsys.readouterr().out

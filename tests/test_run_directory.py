@@ -237,7 +237,8 @@ def finished_ddcl(tmp_path_factory, tiny_cifar) -> Path:
 @pytest.mark.parametrize("quantizer, flags, diff", [
     ("hard", ["--hard.ema_decay", "0.99"], "quantizer_kwargs.ema_decay: checkpoint None vs now 0.99"),
     ("ddcl", ["--ddcl.distance", "cosine"], "quantizer_kwargs.distance: checkpoint 'euclidean' vs now 'cosine'"),
-    ("ddcl", ["--ddcl.ema_decay", "0.9"], "quantizer_kwargs.ema_decay: checkpoint 0.99 vs now 0.9"),
+    ("ddcl", ["--ddcl.prototype_update", "soft_ema"],
+     "quantizer_kwargs.prototype_update: checkpoint 'auto' vs now 'soft_ema'"),
     ("ddcl", ["--ddcl.init", "normal"], "quantizer_kwargs.init: checkpoint 'data' vs now 'normal'"),
     ("ddcl", ["--ddcl.temperature", "2"], "quantizer_kwargs.temperature: checkpoint * vs now 2.0"),  # * = the default
     ("hard", ["--model.eps", "0.1"], "eps: checkpoint 0.01 vs now 0.1"),

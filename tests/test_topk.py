@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from softvq import CodebookUsage, DDCLQuantizer, DDCLReadout, HierarchicalDDCL, ResidualDDCL, codebook_usage
 from softvq.models import VQVAE
+from softvq.parts import Gradient
 
 
 def truncated_brute_force(z, p, temperature, k, distance="euclidean"):
@@ -37,7 +38,7 @@ def test_top_k_is_the_truncated_distribution_exactly_in_float64(distance, cb_ter
     torch.manual_seed(0)
     k, temperature = 5, 0.7 if distance == "euclidean" else 0.2
     layer = DDCLQuantizer(16, 4, temperature, recipe="plain", top_k=k, distance=distance, init="normal",
-                          codebook_term=cb_term, commitment_term=cm_term, commitment_weight=0.3).double()
+                          prototype_update=Gradient(cb_term), commitment_term=cm_term, commitment_weight=0.3).double()
     z = torch.randn(40, 4, dtype=torch.float64, requires_grad=True)
     g_mu, g_q = torch.randn(40, 4, dtype=torch.float64), torch.randn(40, 16, dtype=torch.float64)
     out = layer(z)
@@ -213,6 +214,6 @@ def test_soft_ema_prototypes_under_top_k_weigh_each_code_by_its_top_k_mass():
     out = layer(torch.randn(30, 4))
     mass = torch.zeros(16, dtype=torch.float64).index_put_((out.prob_codes.reshape(-1),),
                                                            out.probs.detach().reshape(-1).double(), accumulate=True)
-    expected = before.double() * layer.ema_decay + mass * (1 - layer.ema_decay)
+    expected = before.double() * layer.ema.decay + mass * (1 - layer.ema.decay)
     torch.testing.assert_close(layer.ema.mass.double(), expected, rtol=1e-5, atol=1e-6)
     assert (mass > 0).sum() > 5  # more codes than one token's top 5 got mass

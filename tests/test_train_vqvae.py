@@ -17,7 +17,7 @@ from softvq import DDCLQuantizer
 from softvq.cli import config
 from softvq.cli import train as train_vqvae
 from softvq.models import VQVAE
-from softvq.parts import Restart
+from softvq.parts import Ema, Restart
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--data.train_subset", "96", "--data.val_size", "48", "--data.batch_size", "32", "--model.width", "16",
@@ -232,9 +232,9 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--quantizer", "--epochs", "--data.batch_size", "--data.train_subset", "--data.data_root", "--out",
                  "--seed", "--model.num_codes", "--model.code_dim", "--model.width", "--model.lr", "--model.eps",
                  "--ddcl.temperature", "--model.temperature_schedule", "--model.temperature_final",
-                 "--hard.commitment_weight", "--hard.ema_decay", "--ddcl.ema_decay", "--hard.restart",
+                 "--hard.commitment_weight", "--hard.ema_decay", "--ddcl.prototype_update.help", "--hard.restart",
                  "--ddcl.restart", "--ddcl.restart.help",
-                 "--resume", "--overwrite", "--data.download", "--model.latent_norm", "--ddcl.codebook_term",
+                 "--resume", "--overwrite", "--data.download", "--model.latent_norm", "--ddcl.prototype_update",
                  "--ddcl.commitment_weight", "--ddcl.target_entropy", "--model.target_entropy", "--trainer.devices",
                  "--check_replicas", "--config", "--print_config"):
         assert flag in text, flag
@@ -254,7 +254,7 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     model = VQVAE(**ddcl)  # what the library's own defaults build: the layer's recipe
     layer = model.quantizer
     assert model.latent_norm == "none" and VQVAE(**hard).latent_norm == "none"
-    assert layer.recipe == "auto" and layer.standardize and layer.hard_output and layer.prototype_update == "ema"
+    assert layer.recipe == "auto" and layer.standardize and layer.hard_output and layer.prototype_update == Ema()
     assert layer.restart == Restart(1.0, "auto", 0.25) and layer.temperature is None
     assert layer.target_entropy == pytest.approx(0.5 * math.log(layer.num_codes))  # sqrt(K) prototypes' worth
     assert model.target_entropy is None and VQVAE(**hard).target_entropy is None  # no model-side control
@@ -282,7 +282,7 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     (["--epochs", "-1"], "error: epochs must be a positive integer, got -1"),
     (["--model.eps", "0"], "error: eps must be a positive finite number, got 0.0"),
     (["--ddcl.temperature", "-0.5"], "error: temperature must be a positive finite number, got -0.5"),
-    (["--ddcl.ema_decay", "1.5"], "error: ema_decay must be in (0, 1), got 1.5"),
+    (["--ddcl.prototype_update.decay", "1.5"], "error: prototype_update.decay must be in (0, 1), got 1.5"),
     (["--quantizer", "hard", "--hard.ema_decay", "1.5"], "error: ema_decay must be None or in (0, 1), got 1.5"),
     (["--model.temperature_schedule", "cosine"], "error: temperature_schedule='cosine' needs temperature_final"),
     (["--ddcl.recipe", "plain", "--model.target_entropy", "2", "--model.temperature_schedule", "linear",

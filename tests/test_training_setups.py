@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from softvq import DDCLQuantizer, HardVQ
-from softvq.parts import Restart
+from softvq.parts import Ema, Restart
 
 
 def _clustered(generator: torch.Generator, n: int = 256) -> torch.Tensor:
@@ -61,7 +61,7 @@ def test_bf16_layer_and_bf16_autocast_move_the_prototypes_as_float32_does():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: DDCLQuantizer(8, 2, standardize=False, ema_decay=0.9, restart=None, temperature=0.5,
+    lambda: DDCLQuantizer(8, 2, standardize=False, prototype_update=Ema(0.9), restart=None, temperature=0.5,
                           target_entropy=None),
     lambda: HardVQ(8, 2, ema_decay=0.9),
 ], ids=["ddcl", "hard_ema"])
@@ -200,11 +200,8 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
 
 
 @pytest.mark.parametrize("kwargs,other", [
-    ({"codebook_term": "l_q"}, "prototype_update"),
-    ({"codebook_weight": 2.0}, "prototype_update"),
     ({"standardize": False, "output_scale": "input"}, "standardize"),
     ({"renorm": False, "renorm_clip": (1.5, 0.5)}, "renorm"),
-    ({"prototype_update": "gradient", "ema_decay": 0.9}, "prototype_update"),
     ({"target_entropy": None, "temperature_rate": 0.05}, "target_entropy"),
     ({"commitment_term": "free_energy"}, "commitment_weight"),
 ])

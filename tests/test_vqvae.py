@@ -310,7 +310,8 @@ def test_build_quantizer_passes_options():
     q = build_quantizer("hard", 8, 4, commitment_weight=0.5, ema_decay=0.9)
     assert isinstance(q, softvq.HardVQ) and q.commitment_weight == 0.5 and q.ema_decay == 0.9
     q = build_quantizer("ddcl", 8, 4, temperature=0.3, prototype_update="soft_ema")
-    assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3 and q.prototype_update == "soft_ema"
+    assert isinstance(q, softvq.DDCLQuantizer) and q.temperature == 0.3
+    assert q.prototype_update == softvq.parts.Ema(soft=True)
     with pytest.raises(ValueError, match="invalid option for quantizer 'ddcl'"):
         build_quantizer("ddcl", 8, 4, epsilon=0.5)
     torch.manual_seed(0)

@@ -43,6 +43,7 @@ from eval.clustering import cluster_owners, clustering_accuracy, contingency_mat
 from eval.debris.data import REGIMES, make_orbital_debris
 from eval.debris.report import MAIN, Fit, plot, render
 from softvq import DDCLQuantizer, param_groups
+from softvq.parts import Gradient
 
 log = logging.getLogger("eval.debris")
 
@@ -98,7 +99,7 @@ def fit_ddcl_direct(x: Tensor, k: int, seed: int, cfg: DirectConfig) -> Fit:
     best, best_lq, worst = None, math.inf, 0.0
     for restart in range(cfg.restarts):
         quantizer = DDCLQuantizer(k, x.shape[1], temperature=cfg.t_start, recipe="plain",
-                                  codebook_term=cfg.codebook_term,
+                                  prototype_update=Gradient(cfg.codebook_term),
                                   commitment_weight=0.0, init="normal" if cfg.init == "kmeans++" else "data").double()
         if cfg.init == "kmeans++":
             from sklearn.cluster import kmeans_plusplus

@@ -16,6 +16,7 @@ from eval.paradigm1.config import Paradigm1Config
 from eval.paradigm1.encoders import TokenSet
 from eval.paradigm1.heads import masked_mean
 from softvq import DDCLReadout
+from softvq.parts import Gradient
 
 
 def pair_distance(x: Tensor) -> float:
@@ -33,7 +34,8 @@ def fit_ddcl_clusters(x: Tensor, k: int, seed: int, cfg: Paradigm1Config) -> tup
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     scale = pair_distance(x)
-    readout = DDCLReadout(k, x.shape[1], temperature=cfg.cluster_t_start * scale, codebook_term=cfg.cluster_term,
+    readout = DDCLReadout(k, x.shape[1], temperature=cfg.cluster_t_start * scale,
+                          prototype_update=Gradient(cfg.cluster_term),
                           init="normal" if cfg.cluster_init == "kmeans++" else "data")
     if cfg.cluster_init == "kmeans++":
         from sklearn.cluster import kmeans_plusplus

@@ -6,6 +6,8 @@
 - :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use; its
   settings, :class:`Restart`, are the layers' ``restart`` option.
 - :class:`NormalInit` — prototypes drawn from a normal distribution, the ``init`` option's alternative to ``"data"``.
+- :class:`Ema` / :class:`Gradient` — how the prototypes move, the ``prototype_update`` option: by the layer's EMA step,
+  or by the optimizer on a term of the loss.
 
 :class:`softvq.DDCLQuantizer` holds all four, :class:`softvq.HardVQ` the last two. Which layer composes which part:
 docs/design.md, "Anatomy of the layer".
@@ -16,6 +18,7 @@ from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.parts.temperature import TemperatureControl, max_stable_rate
+from softvq.parts.update import Ema, Gradient
 
-__all__ = ["DeadCodeRestart", "EmaPrototypes", "NormalInit", "Restart", "TemperatureControl", "TokenStandardizer",
-           "code_counts", "max_stable_rate"]
+__all__ = ["DeadCodeRestart", "Ema", "EmaPrototypes", "Gradient", "NormalInit", "Restart", "TemperatureControl",
+           "TokenStandardizer", "code_counts", "max_stable_rate"]
