@@ -65,7 +65,12 @@ def forward_tokens(layer: nn.Module, z: Tensor) -> QuantizerOutput:
 @torch.no_grad()
 def init_from_data(layer: nn.Module, z: Tensor) -> None:
     """:meth:`DDCLQuantizer.init_from_data`: tokens ``z (..., D)`` checked, standardised as the codebook will see them
-    (with ``standardize``), then :func:`init_from_tokens`."""
+    (with ``standardize``; :meth:`softvq.norm.TokenStandardizer.standardize`: the evaluation statistics once a training
+    batch has set them, else ``z``'s own moments, as the first training batch will be standardised; no statistic
+    changes), then :func:`init_from_tokens`. With fewer than ``K`` tokens, tokens are drawn with replacement and
+    jittered by 1e-3 of their standard deviation so no two prototypes coincide. Under ``torch.distributed`` the tokens
+    are drawn from every process's ``z`` together (:func:`softvq._collectives.codes_from_tokens`): every process gets
+    the same prototypes, the ones a single process would draw from the concatenated batches."""
     flat = flatten_tokens(z, layer.dim, check_finite=True)
     if flat.shape[0] == 0 and not is_distributed():
         raise ValueError("init_from_data needs at least one token, got an empty tensor")

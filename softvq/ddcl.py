@@ -36,7 +36,7 @@ from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart
 from softvq.parts.temperature import TemperatureControl
-from softvq.parts.update import Ema, Gradient, prototype_update_of
+from softvq.parts.update import Ema, Gradient, UpdateOption
 from softvq.types import QuantizerOutput, channel_first_forward
 
 
@@ -164,32 +164,14 @@ class DDCLQuantizer(nn.Module):
     target_entropy = PartOption("temperature_control", "target_entropy")
     temperature_rate = PartOption("temperature_control", "rate")
     restart = PartOption("dead_codes", "settings")  # a Restart, or None: no restarts
-
-    @property
-    def prototype_update(self) -> Ema | Gradient:
-        """How the prototypes move: an :class:`~softvq.parts.Ema` (its decay is the ``ema`` part's) or a
-        :class:`~softvq.parts.Gradient`. Assigning one (or ``"ema"``, ...) switches; the prototypes' ``requires_grad``
-        is the caller's to set."""
-        return Ema(self.ema.decay, self._update_kind == "soft_ema") if self._gradient is None else self._gradient
-
-    @prototype_update.setter
-    def prototype_update(self, value: Ema | Gradient | str) -> None:
-        value = prototype_update_of(value, auto=Ema() if self.recipe == "auto" else Gradient())
-        self._gradient = value if isinstance(value, Gradient) else None
-        if isinstance(value, Ema):
-            self.ema.decay = value.decay
-        self._update_kind = value.kind  # "ema", "soft_ema" or "gradient": what the forward does (a Python string)
+    renorm = PartOption("standardizer", "renorm")  # training standardises with batch renormalisation
+    prototype_update = UpdateOption()  # an Ema (its decay the ema part's) or a Gradient (softvq.parts.update)
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property
     def initialized(self) -> bool:
         """False until data initialisation (``init="data"``) has run."""
         return self._initialized
-
-    @property
-    def renorm(self) -> bool:
-        """Whether training standardises with batch renormalisation (the ``renorm`` option)."""
-        return self.standardizer.renorm
 
     @property
     def restarts(self) -> int:
@@ -251,16 +233,10 @@ class DDCLQuantizer(nn.Module):
 
     @torch.no_grad()
     def init_from_data(self, z: Tensor) -> None:
-        """Set the prototypes to ``K`` random tokens of ``z (..., D)``, the tokens as the layer takes them (the
-        encoder's output): with ``standardize`` they are first standardised as the codebook will see them
-        (:meth:`softvq.norm.TokenStandardizer.standardize`: the evaluation statistics once a training batch has set
-        them, else ``z``'s own moments, as the first training batch will be standardised; no statistic changes).
-
-        With fewer than ``K`` tokens, tokens are drawn with replacement and jittered by 1e-3 of their standard
-        deviation so no two prototypes coincide. Under ``torch.distributed`` the tokens are drawn from every process's
-        ``z`` together (:func:`softvq._collectives.codes_from_tokens`): every process gets the same prototypes, the
-        ones a single process would draw from the concatenated batches.
-        """
+        """Set the prototypes to ``K`` random tokens of ``z (..., D)``, the encoder's output, standardised as the
+        codebook will see them (no statistic changes); fewer than ``K`` tokens are drawn with replacement and jittered,
+        and under ``torch.distributed`` every process draws the same ones from all processes' ``z``
+        (:func:`softvq._ddcl_forward.init_from_data`)."""
         init_from_data(self, z)  # softvq._ddcl_forward
 
     # ---- forward ----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 from softvq._checks import check_bool, check_choice, check_float, check_unit
 
@@ -77,3 +77,21 @@ def prototype_update_of(value: object, auto: Ema | Gradient) -> Ema | Gradient:
                          f"Gradient's (term, weight)")
     raise ValueError(f"prototype_update must be 'auto', 'ema', 'soft_ema', 'gradient', a softvq.parts.Ema or "
                      f"Gradient, or a mapping of one's fields, got {value!r}")
+
+
+class UpdateOption:
+    """A layer's ``prototype_update`` attribute: an :class:`Ema` whose decay is the layer's ``ema`` part's (one place),
+    or the :class:`Gradient` it was given. Assigning one (or ``"ema"``, ... ; ``"auto"``: the layer recipe's) switches
+    what the forward does; the prototypes' ``requires_grad`` is the caller's to set."""
+
+    def __get__(self, layer: Any, owner: type) -> Any:
+        if layer is None:
+            return self
+        return Ema(layer.ema.decay, layer._update_kind == "soft_ema") if layer._gradient is None else layer._gradient
+
+    def __set__(self, layer: Any, value: object) -> None:
+        value = prototype_update_of(value, auto=Ema() if layer.recipe == "auto" else Gradient())
+        layer._gradient = value if isinstance(value, Gradient) else None
+        if isinstance(value, Ema):
+            layer.ema.decay = value.decay
+        layer._update_kind = value.kind  # "ema", "soft_ema" or "gradient": what the forward does (a Python string)
