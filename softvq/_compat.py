@@ -125,6 +125,15 @@ def _update_of_flat(get: Any, kind: object) -> object:
     return kind
 
 
+def _entropy_of_flat(get: Any, rate: object) -> object:
+    """``target_entropy`` for a record's target (``get("target_entropy", "auto")``) and the former ``temperature_rate``
+    beside it: an :class:`softvq.parts.EntropyControl` (as a mapping) where the rate was not the default and acted (a
+    control was on: not ``None``, nor the plain recipe's ``"auto"``); else the target as it was."""
+    target = get("target_entropy", "auto")
+    off = target is None or (target == "auto" and get("recipe", "auto") != "auto")
+    return target if off or float(rate) == 0.01 else {"target": target, "rate": float(rate)}
+
+
 def _init_of_flat(init: object, scale: object) -> dict[str, Any]:
     """``{"init": ...}`` for a record's ``init`` and the former ``init_scale`` beside it: ``"normal"`` with its scale
     is a :class:`softvq.parts.NormalInit` (as a mapping); ``"data"`` had no use for the scale."""
@@ -173,9 +182,12 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
         for name in _FLAT_UPDATE:
             out.pop(name, None)
         out["prototype_update"] = update
+    if quantizer in ("ddcl", "rddcl") and "temperature_rate" in out:
+        out["target_entropy"] = _entropy_of_flat(out.get, out.pop("temperature_rate"))
     if quantizer in ("ddcl", "rddcl") and "init_scale" in out:
         out.update(_init_of_flat(out.get("init", "data"), out.pop("init_scale")))
-    for name in ("restart", "init", "prototype_update"):  # plain types only: hyperparameters load with weights_only
+    # plain types only: a checkpoint's hyperparameters load with weights_only
+    for name in ("restart", "init", "prototype_update", "target_entropy"):
         if is_dataclass(out.get(name)):
             out[name] = asdict(out[name])
     return out
@@ -217,6 +229,13 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
                 out.pop(f"{section}.{name}", None)
             out.update({f"{section}.prototype_update.{k}": v for k, v in update.items()} if isinstance(update, dict)
                        else {f"{section}.prototype_update": update})
+    for section, quantizer in sections:
+        if quantizer in ("ddcl", "rddcl") and f"{section}.temperature_rate" in out:
+            entropy = _entropy_of_flat(lambda n, d, s=section: out.get(f"{s}.{n}", d),
+                                       out.pop(f"{section}.temperature_rate"))
+            if isinstance(entropy, dict):
+                out.pop(f"{section}.target_entropy", None)
+                out.update({f"{section}.target_entropy.{k}": v for k, v in entropy.items()})
     for section, quantizer in sections:
         if quantizer in ("ddcl", "rddcl") and f"{section}.init_scale" in out:
             init = _init_of_flat(out.pop(f"{section}.init", "data"), out.pop(f"{section}.init_scale"))["init"]

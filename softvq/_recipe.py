@@ -19,6 +19,7 @@ from softvq._checks import check_bool, check_choice, check_float, check_positive
 from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import Restart
+from softvq.parts.temperature import DEFAULT_RATE, EntropyControl
 from softvq.parts.update import TERMS, Ema, Gradient, prototype_update_of
 
 # The options the layer holds itself; a part holds each of the others (PartOption below).
@@ -32,7 +33,7 @@ def _is_auto(value: object) -> bool:
 
 def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize: bool | str,
             output_scale: str | float, hard_output: bool | str, prototype_update: object,
-            target_entropy: float | str | None, restart: object) -> dict[str, Any]:
+            target_entropy: object, restart: object) -> dict[str, Any]:
     """The options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the recipe's, checked.
     ``"auto"`` means the recipe's value and ``None`` means off, wherever an option takes them (``target_entropy=None``:
     a fixed temperature); an option with nothing to switch off refuses ``None``. The options a part checks itself (the
@@ -47,7 +48,11 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         output_scale = check_choice("output_scale", output_scale, ("input", "standardized"))
     else:  # a number: the standardised code times it
         output_scale = check_float("output_scale", output_scale)
-    if _is_auto(target_entropy):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
+    target_entropy, rate = EntropyControl.of(target_entropy), DEFAULT_RATE
+    if isinstance(target_entropy, EntropyControl):  # a target with a gain of its own
+        target_entropy, rate = target_entropy.target, target_entropy.rate
+        target_entropy = 0.5 * math.log(num_codes) if _is_auto(target_entropy) else target_entropy
+    elif _is_auto(target_entropy):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
         target_entropy = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
     start: float | None = None if _is_auto(temperature) else temperature  # None: calibrated on the first batch
     if start is None and target_entropy is None:
@@ -58,6 +63,7 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         "hard_output": check_bool("hard_output", auto if _is_auto(hard_output) else hard_output),
         "prototype_update": prototype_update_of(prototype_update, auto=Ema() if auto else Gradient()),
         "target_entropy": target_entropy,
+        "temperature_rate": rate,
         "temperature": start,
         "restart": (Restart() if auto else None) if _is_auto(restart) else Restart.of(restart),
     }
@@ -66,7 +72,7 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
 def check_options(given: dict[str, Any]) -> dict[str, Any]:
     """``DDCLQuantizer``'s options (``given``: every argument of its constructor, as passed) checked, with the recipe's
     values resolved (:func:`resolve`): what the layer and its parts are built from. The parts check the options they
-    own themselves (``renorm_clip``, ``temperature_rate``, ``restart``'s fields, ...), when they are built."""
+    own themselves (``renorm_clip``, the entropy control's range, ``restart``'s fields, ...), when they are built."""
     o = dict(given)
     o["num_codes"] = check_positive_int("num_codes", o["num_codes"])
     o["dim"] = check_positive_int("dim", o["dim"])
@@ -106,8 +112,6 @@ INERT = (
      "it is how the layer's standardisation trains, and there is none"),
     ("renorm_clip", "renorm", lambda s: not (s.standardize and s.renorm),
      "it clips batch renormalisation's corrections, which only renorm=True (with standardize) applies"),
-    ("temperature_rate", "target_entropy", lambda s: s.target_entropy is None,
-     "it is the gain of the entropy control, which target_entropy=None turns off"),
     ("commitment_term", "commitment_weight", lambda s: s.commitment_weight == 0,
      "a commitment weight of 0 drops the term"),
 )

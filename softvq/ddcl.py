@@ -35,7 +35,7 @@ from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart
-from softvq.parts.temperature import TemperatureControl
+from softvq.parts.temperature import EntropyControl, TemperatureControl
 from softvq.parts.update import Ema, Gradient, UpdateOption
 from softvq.types import QuantizerOutput, channel_first_forward
 
@@ -71,9 +71,9 @@ class DDCLQuantizer(nn.Module):
             training batch to ``target_entropy`` (1.0 for ``recipe="plain"``). Assigning ``quantizer.temperature``
             switches the entropy control off (:meth:`set_temperature`).
         recipe: ``"auto"`` or ``"plain"``.
-        target_entropy: the H(Q) in nats the control holds; ``None``: ``T`` fixed; ``"auto"``: ``log(K) / 2`` (the
-            entropy of sqrt(K) prototypes sharing a token evenly), ``None`` for ``recipe="plain"``.
-        temperature_rate: the control's gain per step (:class:`softvq.parts.TemperatureControl`).
+        target_entropy: the H(Q) in nats the control holds (its gain 0.01 per step; a
+            :class:`softvq.parts.EntropyControl` ``(target, rate)`` for another); ``None``: ``T`` fixed; ``"auto"``:
+            ``log(K) / 2`` (the entropy of sqrt(K) prototypes sharing a token evenly), ``None`` for ``recipe="plain"``.
         standardize: standardise tokens inside the layer (``"auto"``: the recipe's, on for ``recipe="auto"``).
         output_scale: with ``standardize``, codes in the standardised space (``"standardized"``: unit variance per
             dimension), on the input's scale (``"input"``: ``code * std + mean``) or times a number ``s``
@@ -119,8 +119,7 @@ class DDCLQuantizer(nn.Module):
         temperature: float | Literal["auto"] = "auto",
         *,
         recipe: Literal["auto", "plain"] = "auto",
-        target_entropy: float | Literal["auto"] | None = "auto",
-        temperature_rate: float = 0.01,
+        target_entropy: float | Literal["auto"] | EntropyControl | None = "auto",
         standardize: bool | Literal["auto"] = "auto",
         output_scale: Literal["input", "standardized"] | float = "standardized",
         renorm: bool = True,
@@ -144,7 +143,7 @@ class DDCLQuantizer(nn.Module):
         # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its options and state.
         self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=renorm_clip)
         self.temperature_control = TemperatureControl(num_codes, o["temperature"], o["target_entropy"],
-                                                      temperature_rate)  # T lives there
+                                                      o["temperature_rate"])  # T lives there
         self.dead_codes = DeadCodeRestart(num_codes, threshold=0.0)  # no restarts unless restart sets them
         self.dead_codes.settings = o["restart"]
         scale = 1.0 if o["init"] == "data" else o["init"].scale

@@ -173,15 +173,16 @@ def test_a_zero_initialised_encoder_output_trains():
 
 
 def test_the_temperature_rate_is_bounded_where_the_control_is_stable():
-    from softvq.parts.temperature import max_stable_rate, max_varentropy
+    from softvq.parts.temperature import EntropyControl, max_stable_rate, max_varentropy
     # the bound's varentropy against a brute-force search over two-level and random distributions on 4 codes
     qs = torch.distributions.Dirichlet(torch.full((4,), 0.3)).sample((20000,)).double()
     varentropy = (qs * (-qs.clamp_min(1e-300).log()).square()).sum(1) - (qs * -qs.clamp_min(1e-300).log()).sum(1) ** 2
     assert float(varentropy.max()) <= max_varentropy(4) + 1e-9 and float(varentropy.max()) > 0.9 * max_varentropy(4)
-    with pytest.raises(ValueError, match=r"temperature_rate=100 is too large .* below .* = 0.187"):
-        softvq.DDCLQuantizer(512, 8, temperature_rate=100)
+    with pytest.raises(ValueError, match=r"temperature_rate=100(\.0)? is too large .* below .* = 0.187"):
+        softvq.DDCLQuantizer(512, 8, target_entropy=EntropyControl(rate=100))
     torch.manual_seed(0)
-    layer = softvq.DDCLQuantizer(64, 4, temperature_rate=0.99 * max_stable_rate(64), restart=None).train()
+    layer = softvq.DDCLQuantizer(64, 4, target_entropy=EntropyControl(rate=0.99 * max_stable_rate(64)),
+                                 restart=None).train()
     z = torch.randn(1024, 4)
     layer(z)
     layer.set_temperature(layer.temperature * 30, keep_control=True)  # far from the target: H near log K

@@ -141,3 +141,21 @@ def test_a_records_flat_update_options_become_the_prototype_update_they_meant(fl
     layer = softvq.DDCLQuantizer(4, 2, **upgraded)
     assert layer.prototype_update == (softvq.parts.Ema(**update) if "decay" in update else
                                       softvq.parts.Gradient(**update))
+
+
+@pytest.mark.parametrize(("flat", "target_entropy"), [
+    ({"target_entropy": 2.0, "temperature_rate": 0.05}, {"target": 2.0, "rate": 0.05}),
+    ({"target_entropy": 2.0, "temperature_rate": 0.01}, 2.0),  # the default gain: the target alone
+    ({"target_entropy": None, "temperature_rate": 0.05}, None),  # no control: the gain did nothing
+    ({"recipe": "plain", "temperature_rate": 0.05}, "auto"),  # the plain recipe's "auto" is no control either
+    ({"temperature_rate": 0.05}, {"target": "auto", "rate": 0.05}),
+])
+def test_a_records_temperature_rate_becomes_the_entropy_control_it_meant(flat, target_entropy):
+    upgraded = softvq._compat.upgrade_quantizer_kwargs("ddcl", flat)
+    assert upgraded.get("target_entropy", "auto") == target_entropy and "temperature_rate" not in upgraded
+    dotted = softvq._compat.upgrade_settings(config.flat({"quantizer": ["ddcl"], "ddcl": flat}))
+    fields = {k.rsplit(".", 1)[1]: v for k, v in dotted.items() if k.startswith("ddcl.target_entropy.")}
+    assert (fields or dotted.get("ddcl.target_entropy", "auto")) == target_entropy
+    layer = softvq.DDCLQuantizer(64, 2, temperature="auto" if target_entropy else 1.0, **upgraded)
+    rate_acted = isinstance(target_entropy, dict)
+    assert layer.temperature_rate == (0.05 if rate_acted else 0.01)

@@ -202,7 +202,6 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
 @pytest.mark.parametrize("kwargs,other", [
     ({"standardize": False, "output_scale": "input"}, "standardize"),
     ({"renorm": False, "renorm_clip": (1.5, 0.5)}, "renorm"),
-    ({"target_entropy": None, "temperature_rate": 0.05}, "target_entropy"),
     ({"commitment_term": "free_energy"}, "commitment_weight"),
 ])
 def test_an_option_without_effect_in_its_combination_is_refused_naming_both(kwargs, other):

@@ -33,6 +33,7 @@ from softvq.cli.common import Hardware
 from softvq.cli.parsing import command_parser
 from softvq.data import CIFAR10DataModule
 from softvq.models import QUANTIZERS, RESIDUAL_QUANTIZERS, VQVAE
+from softvq.parts.temperature import DEFAULT_RATE
 
 QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "rddcl": ResidualDDCL, "rhard": ResidualHardVQ}
 # Arguments the trainer sets itself: the code count and dimension come from --model (and a residual stack's levels,
@@ -193,8 +194,11 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     model_section = _resolved(cfg.model.as_dict(), model)
     model_section["target_entropy"] = model.target_entropy
     # "quantizer" as --quantizer takes it (a list), so that the file is a config that reproduces this run alone
+    layer_section = _resolved(section, layer)
+    if "target_entropy" in layer_section and getattr(layer, "temperature_rate", DEFAULT_RATE) != DEFAULT_RATE:
+        layer_section["target_entropy"] = {"target": layer.target_entropy, "rate": layer.temperature_rate}
     config = {"quantizer": [quantizer], **asdict(run_options(cfg)), "data": cfg.data.as_dict(), "model": model_section,
-              quantizer: _resolved(section, layer), "trainer": asdict(hardware(cfg))}
+              quantizer: layer_section, "trainer": asdict(hardware(cfg))}
     return json.loads(json.dumps(config, default=str))
 
 

@@ -6,6 +6,7 @@
 - :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use; its
   settings, :class:`Restart`, are the layers' ``restart`` option.
 - :class:`NormalInit` — prototypes drawn from a normal distribution, the ``init`` option's alternative to ``"data"``.
+- :class:`EntropyControl` — an entropy target with a gain of its own, as ``target_entropy`` takes it.
 - :class:`Ema` / :class:`Gradient` — how the prototypes move, the ``prototype_update`` option: by the layer's EMA step,
   or by the optimizer on a term of the loss.
 
@@ -17,8 +18,8 @@ from softvq.norm import TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
-from softvq.parts.temperature import TemperatureControl, max_stable_rate
+from softvq.parts.temperature import EntropyControl, TemperatureControl, max_stable_rate
 from softvq.parts.update import Ema, Gradient
 
-__all__ = ["DeadCodeRestart", "Ema", "EmaPrototypes", "Gradient", "NormalInit", "Restart", "TemperatureControl",
-           "TokenStandardizer", "code_counts", "max_stable_rate"]
+__all__ = ["DeadCodeRestart", "Ema", "EmaPrototypes", "EntropyControl", "Gradient", "NormalInit", "Restart",
+           "TemperatureControl", "TokenStandardizer", "code_counts", "max_stable_rate"]

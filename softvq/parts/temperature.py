@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +63,40 @@ def max_stable_rate(num_codes: int) -> float:
     return math.inf if v == 0 else 2.0 / v
 
 
+DEFAULT_RATE = 0.01  # the entropy control's gain per step unless one is given
+
+
+@dataclass(frozen=True)
+class EntropyControl:
+    """An entropy target with a gain of its own, as :class:`softvq.DDCLQuantizer`'s ``target_entropy`` takes it when
+    the default gain (0.01 per step) will not do: ``target_entropy=EntropyControl(4.0, rate=0.05)``. A number alone is
+    ``EntropyControl(number)``.
+
+    Args:
+        target: the H(Q) in nats to hold, or ``"auto"``: ``log(K) / 2``.
+        rate: the control's gain per step (``T <- T exp(rate (target - H))``), below :func:`max_stable_rate` ``(K)``.
+    """
+
+    target: float | Literal["auto"] = "auto"
+    rate: float = DEFAULT_RATE
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.target, str) and self.target == "auto"):
+            object.__setattr__(self, "target", check_float("target_entropy.target", self.target))
+        object.__setattr__(self, "rate", check_float("target_entropy.rate", self.rate))
+
+    @classmethod
+    def of(cls, value: object) -> Any:
+        """A mapping of the fields (a config file's) as an :class:`EntropyControl`; anything else as it is."""
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"target_entropy: unknown field(s) {sorted(unknown)}; EntropyControl takes target and "
+                                 f"rate")
+            return cls(**value)
+        return value
+
+
 class TemperatureControl(nn.Module):
     """The temperature ``T`` of Boltzmann assignments ``q ∝ exp(-d / T)`` over ``num_codes`` codes, and the control
     that holds their mean entropy H(Q) at ``target_entropy``.
@@ -84,7 +120,7 @@ class TemperatureControl(nn.Module):
     """
 
     def __init__(self, num_codes: int, temperature: float | None = None, target_entropy: float | None = None,
-                 rate: float = 0.01) -> None:
+                 rate: float = DEFAULT_RATE) -> None:
         super().__init__()
         self.num_codes = check_positive_int("num_codes", num_codes)
         if target_entropy is not None and num_codes == 1:
