@@ -125,6 +125,14 @@ def _update_of_flat(get: Any, kind: object) -> object:
     return kind
 
 
+def _commitment_of_flat(weight: object, term: object) -> object:
+    """``commitment_weight`` for a record's weight and the former ``commitment_term`` beside it: a
+    :class:`softvq.parts.Commitment` (as a mapping) for a term other than ``"hard"`` with a weight; else the weight (a
+    weight of 0 had no term: "l_ols", the former default, was recorded there)."""
+    return {"weight": float(weight), "term": term} if isinstance(weight, int | float) and weight > 0 and \
+        term != "hard" else weight
+
+
 def _entropy_of_flat(get: Any, rate: object) -> object:
     """``target_entropy`` for a record's target (``get("target_entropy", "auto")``) and the former ``temperature_rate``
     beside it: an :class:`softvq.parts.EntropyControl` (as a mapping) where the rate was not the default and acted (a
@@ -182,12 +190,14 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
         for name in _FLAT_UPDATE:
             out.pop(name, None)
         out["prototype_update"] = update
+    if quantizer in ("ddcl", "rddcl") and "commitment_term" in out:
+        out["commitment_weight"] = _commitment_of_flat(out.get("commitment_weight", 0.0), out.pop("commitment_term"))
     if quantizer in ("ddcl", "rddcl") and "temperature_rate" in out:
         out["target_entropy"] = _entropy_of_flat(out.get, out.pop("temperature_rate"))
     if quantizer in ("ddcl", "rddcl") and "init_scale" in out:
         out.update(_init_of_flat(out.get("init", "data"), out.pop("init_scale")))
     # plain types only: a checkpoint's hyperparameters load with weights_only
-    for name in ("restart", "init", "prototype_update", "target_entropy"):
+    for name in ("restart", "init", "prototype_update", "target_entropy", "commitment_weight"):
         if is_dataclass(out.get(name)):
             out[name] = asdict(out[name])
     return out
@@ -229,6 +239,14 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
                 out.pop(f"{section}.{name}", None)
             out.update({f"{section}.prototype_update.{k}": v for k, v in update.items()} if isinstance(update, dict)
                        else {f"{section}.prototype_update": update})
+    for section, quantizer in sections:
+        if quantizer in ("ddcl", "rddcl") and f"{section}.commitment_term" in out:
+            commitment = _commitment_of_flat(out.pop(f"{section}.commitment_weight", 0.0),
+                                             out.pop(f"{section}.commitment_term"))
+            if isinstance(commitment, dict):
+                out.update({f"{section}.commitment_weight.{k}": v for k, v in commitment.items()})
+            else:
+                out[f"{section}.commitment_weight"] = commitment
     for section, quantizer in sections:
         if quantizer in ("ddcl", "rddcl") and f"{section}.temperature_rate" in out:
             entropy = _entropy_of_flat(lambda n, d, s=section: out.get(f"{s}.{n}", d),

@@ -20,7 +20,7 @@ from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import Restart
 from softvq.parts.temperature import DEFAULT_RATE, EntropyControl
-from softvq.parts.update import TERMS, Ema, Gradient, prototype_update_of
+from softvq.parts.update import Commitment, Ema, Gradient, prototype_update_of
 
 # The options the layer holds itself; a part holds each of the others (PartOption below).
 LAYER_OPTIONS = ("num_codes", "dim", "recipe", "distance", "commitment_term", "commitment_weight", "init",
@@ -78,8 +78,9 @@ def check_options(given: dict[str, Any]) -> dict[str, Any]:
     o["dim"] = check_positive_int("dim", o["dim"])
     o["recipe"] = check_choice("recipe", o["recipe"], ("auto", "plain"))
     o["distance"] = check_choice("distance", o["distance"], ("euclidean", "cosine"))
-    o["commitment_term"] = check_choice("commitment_term", o["commitment_term"], (*TERMS, "hard"))
-    o["commitment_weight"] = check_float("commitment_weight", o["commitment_weight"], allow_zero=True)
+    commitment = Commitment.of(o["commitment_weight"])  # a number: the weight of the "hard" term
+    o["commitment_weight"], o["commitment_term"] = (commitment.weight, commitment.term) if isinstance(
+        commitment, Commitment) else (check_float("commitment_weight", commitment, allow_zero=True), "hard")
     o["init"] = NormalInit.of(o["init"])
     o["check_finite"] = check_bool("check_finite", o["check_finite"])
     o["top_k"] = None if o["top_k"] is None else check_positive_int("top_k", o["top_k"])
@@ -112,15 +113,13 @@ INERT = (
      "it is how the layer's standardisation trains, and there is none"),
     ("renorm_clip", "renorm", lambda s: not (s.standardize and s.renorm),
      "it clips batch renormalisation's corrections, which only renorm=True (with standardize) applies"),
-    ("commitment_term", "commitment_weight", lambda s: s.commitment_weight == 0,
-     "a commitment weight of 0 drops the term"),
 )
 
 # Values an option had as its default in earlier releases, which every configuration and checkpoint saved then
-# records: inert there, they load and replay as the default does (commitment_term was "l_ols" until the hard
-# commitment measured better on validation; renorm was False until clipped batch renormalisation did, and its
-# clip was Ioffe's (3, 5) until the tight one measured level in a foreign model).
-FORMER_DEFAULTS = {"commitment_term": ("l_ols",), "renorm": (False,), "renorm_clip": ((3.0, 5.0),)}
+# records: inert there, they load and replay as the default does (renorm was False until clipped batch
+# renormalisation measured better on validation, and its clip was Ioffe's (3, 5) until the tight one measured level in
+# a foreign model).
+FORMER_DEFAULTS = {"renorm": (False,), "renorm_clip": ((3.0, 5.0),)}
 
 
 def inert_options(layer: nn.Module) -> set[str]:

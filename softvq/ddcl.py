@@ -28,7 +28,6 @@ from softvq._compat import ddcl_extra_state, load_ddcl_extra_state, upgrade_ddcl
 from softvq._ddcl_forward import evaluation_codes, forward_tokens, init_from_data
 from softvq._precision import apply_keeping_precision
 from softvq._recipe import LAYER_OPTIONS, PartOption, check_options, inert_options, options_repr, refuse_inert_options
-from softvq._recipe import TERMS as _TERMS  # noqa: F401 (importable from here)
 from softvq._replay import ForwardRecords
 from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
 from softvq.norm import TokenStandardizer
@@ -36,7 +35,8 @@ from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart
 from softvq.parts.temperature import EntropyControl, TemperatureControl
-from softvq.parts.update import Ema, Gradient, UpdateOption
+from softvq.parts.update import TERMS as _TERMS  # noqa: F401 (importable from here)
+from softvq.parts.update import Commitment, Ema, Gradient, UpdateOption
 from softvq.types import QuantizerOutput, channel_first_forward
 
 
@@ -89,11 +89,10 @@ class DDCLQuantizer(nn.Module):
         hard_output: output the argmax prototype with the soft centroid's gradient (``"auto"``: on for
             ``recipe="auto"``).
         distance: ``"euclidean"`` or ``"cosine"`` (tokens and prototypes L2-normalised; ``d = 2 - 2 cos``).
-        commitment_term: the term that pulls the encoder to the codebook: ``"hard"`` (``||z - sg[p_argmax]||^2``,
-            VQ-VAE's), ``"l_ols"`` (to the soft centroid), ``"l_q"`` or ``"free_energy"`` (docs/design.md,
-            "Collapse-free defaults").
-        commitment_weight: its weight (``>= 0``; 0: committing to the soft centroid is a mean-shift step that pulled
-            the tokens into few modes).
+        commitment_weight: the weight (``>= 0``; 0: none) of VQ-VAE's commitment of each token to its argmax code,
+            ``||z - sg[p_argmax]||^2``, or a :class:`softvq.parts.Commitment` ``(weight, term)`` for another term
+            (``"l_ols"``, to the soft centroid: at weight 0.25 a mean-shift step that pulled the tokens into few modes;
+            docs/design.md, "Collapse-free defaults").
         init: ``"data"``: random tokens of the first training batch (:meth:`init_from_data`); a
             :class:`softvq.parts.NormalInit` ``(scale)``: ``N(0, scale^2)`` (``"normal"``: ``NormalInit()``).
         restart: dead-code restart (:class:`softvq.parts.Restart`: a prototype that wins fewer than ``threshold`` tokens
@@ -127,8 +126,7 @@ class DDCLQuantizer(nn.Module):
         prototype_update: Literal["auto", "ema", "soft_ema", "gradient"] | Ema | Gradient = "auto",
         hard_output: bool | Literal["auto"] = "auto",
         distance: Literal["euclidean", "cosine"] = "euclidean",
-        commitment_term: Literal["hard", "l_q", "l_ols", "free_energy"] = "hard",
-        commitment_weight: float = 0.0,
+        commitment_weight: float | Commitment = 0.0,
         init: Literal["data", "normal"] | NormalInit = "data",
         restart: Restart | Literal["auto"] | None = "auto",
         top_k: int | None = None,

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from softvq._checks import check_bool, check_finite_state
 from softvq._precision import compute_dtype
 from softvq.ddcl import DDCLQuantizer
-from softvq.parts.update import Gradient
+from softvq.parts.update import Commitment, Gradient
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 # The readout is the plain layer: where its defaults differ from DDCLQuantizer's.
@@ -138,8 +138,8 @@ class DDCLReadout(nn.Module):
                              f"scratch")
         readout = cls(quantizer.num_codes, quantizer.dim, temperature=quantizer.temperature,
                       distance=quantizer.distance, prototype_update=quantizer._gradient or Gradient(),
-                      commitment_term=quantizer.commitment_term,
-                      commitment_weight=quantizer.commitment_weight, init=quantizer.init,
+                      commitment_weight=quantizer.commitment_weight if quantizer.commitment_term == "hard" else
+                      Commitment(quantizer.commitment_weight, quantizer.commitment_term), init=quantizer.init,
                       restart=None if freeze else quantizer.restart,
                       check_finite=quantizer.check_finite, standardize=quantizer.standardize)
         proto = quantizer.prototypes

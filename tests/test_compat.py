@@ -159,3 +159,20 @@ def test_a_records_temperature_rate_becomes_the_entropy_control_it_meant(flat, t
     layer = softvq.DDCLQuantizer(64, 2, temperature="auto" if target_entropy else 1.0, **upgraded)
     rate_acted = isinstance(target_entropy, dict)
     assert layer.temperature_rate == (0.05 if rate_acted else 0.01)
+
+
+@pytest.mark.parametrize(("flat", "commitment"), [
+    ({"commitment_term": "l_ols", "commitment_weight": 0.0}, 0.0),  # the former default term, inert at weight 0
+    ({"commitment_term": "hard", "commitment_weight": 0.25}, 0.25),
+    ({"commitment_term": "l_ols", "commitment_weight": 0.5}, {"weight": 0.5, "term": "l_ols"}),
+    ({"commitment_term": "free_energy"}, 0.0),
+])
+def test_a_records_commitment_term_becomes_the_commitment_it_meant(flat, commitment):
+    upgraded = softvq._compat.upgrade_quantizer_kwargs("ddcl", flat)
+    assert upgraded == {"commitment_weight": commitment}
+    dotted = softvq._compat.upgrade_settings(config.flat({"quantizer": ["ddcl"], "ddcl": flat}))
+    fields = {k.rsplit(".", 1)[1]: v for k, v in dotted.items() if k.startswith("ddcl.commitment_weight.")}
+    assert (fields or dotted["ddcl.commitment_weight"]) == commitment and "ddcl.commitment_term" not in dotted
+    layer = softvq.DDCLQuantizer(8, 2, **upgraded)
+    term = flat.get("commitment_term") if isinstance(commitment, dict) else "hard"
+    assert (layer.commitment_weight, layer.commitment_term) == (flat.get("commitment_weight", 0.0), term)

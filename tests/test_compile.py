@@ -11,7 +11,7 @@ import torch
 from helpers import SyncRecorder, running_moments
 
 from softvq import DDCLQuantizer, HardVQ
-from softvq.parts import Restart
+from softvq.parts import Commitment, Restart
 
 
 def _step(layer: torch.nn.Module, z: torch.Tensor) -> None:
@@ -26,8 +26,8 @@ LAYERS = {  # (cap=None: 3 tokens a batch per code would cap a threshold of 4 at
     "ddcl_soft_ema": lambda: DDCLQuantizer(32, 8, check_finite=False, prototype_update="soft_ema"),
     "ddcl_plain": lambda: DDCLQuantizer(32, 8, recipe="plain", check_finite=False,
                                         restart=Restart(4.0, cap=None)),
-    "ddcl_cosine_l_q": lambda: DDCLQuantizer(32, 8, check_finite=False, distance="cosine", commitment_term="l_q",
-                                             commitment_weight=0.25),
+    "ddcl_cosine_l_q": lambda: DDCLQuantizer(32, 8, check_finite=False, distance="cosine",
+                                             commitment_weight=Commitment(0.25, "l_q")),
     "hard_ema": lambda: HardVQ(32, 8, ema_decay=0.99, restart=Restart(4.0, decay=0.99, cap=None), check_finite=False),
     "hard": lambda: HardVQ(32, 8, restart=Restart(4.0, decay=0.99, cap=None), check_finite=False),
 }

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from helpers import exact_cdist
 
 from softvq import DDCLQuantizer
-from softvq.ddcl import _DEFAULTS, _TERMS, Objective, _SoftCentroid
-from softvq.parts import Gradient, NormalInit, Restart
+from softvq.ddcl import _TERMS, Objective, _SoftCentroid
+from softvq.parts import Commitment, Gradient, NormalInit, Restart
 
 
 def plain(*args, **kw) -> DDCLQuantizer:
@@ -90,11 +90,10 @@ def reference_objective(z, p, temperature, distance, cb_term, cb_w, cm_term, cm_
     return mu, q, loss
 
 
-# every routing of the two terms; a commitment weight of 0 with the default term only (another term would have no
-# effect, which the constructor refuses)
+# every routing of the two terms; a commitment weight of 0 has no term (Commitment(weight, term) needs a weight)
 ROUTINGS = [(cb_term, cm_term, cb_w, cm_w)
             for cb_term, cm_term in itertools.product(_TERMS, repeat=2) for cb_w, cm_w in [(1.0, 0.25), (0.0, 0.5)]]
-ROUTINGS += [(cb_term, _DEFAULTS["commitment_term"], 0.7, 0.0) for cb_term in _TERMS]
+ROUTINGS += [(cb_term, "hard", 0.7, 0.0) for cb_term in _TERMS]
 
 
 @pytest.mark.parametrize("distance", ["euclidean", "cosine"])
@@ -102,8 +101,8 @@ ROUTINGS += [(cb_term, _DEFAULTS["commitment_term"], 0.7, 0.0) for cb_term in _T
 def test_gradients_match_reference_with_stop_gradients(distance, cb_term, cm_term, cb_w, cm_w):
     torch.manual_seed(2)
     quantizer = plain(9, 5, temperature=0.9 if distance == "euclidean" else 0.3, distance=distance,
-                              prototype_update=Gradient(cb_term, cb_w), commitment_term=cm_term,
-                              commitment_weight=cm_w, init="normal").double()
+                              prototype_update=Gradient(cb_term, cb_w),
+                              commitment_weight=Commitment(cm_w, cm_term) if cm_w else 0.0, init="normal").double()
     z = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
     g_mu = torch.randn(4, 6, 5, dtype=torch.float64)
     g_q = torch.randn(4, 6, 9, dtype=torch.float64)

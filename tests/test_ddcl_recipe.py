@@ -282,7 +282,8 @@ def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
     ({"channel_first": None}, "channel_first"),
     ({"target_entropy": 2.1}, r"log\(num_codes\)"),  # K = 8: log 8 = 2.08 nats is uniform
     ({"target_entropy": -1.0}, "target_entropy"),
-    ({"commitment_term": "soft"}, "commitment_term"),
+    ({"commitment_weight": {"weight": 0.5, "term": "soft"}}, r"commitment_weight\.term"),
+    ({"commitment_weight": {"weight": 0.0, "term": "l_ols"}}, r"commitment_weight\.weight"),
     ({"renorm": True, "renorm_clip": (1.1,)}, r"renorm_clip must be a pair"),
     ({"renorm": True, "renorm_clip": (0.9, 0.1)}, "r_max"),
     ({"renorm": True, "renorm_clip": (1.1, float("nan"))}, "renorm_clip"),

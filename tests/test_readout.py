@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from softvq import DDCLQuantizer, DDCLReadout, ReadoutOutput
-from softvq.parts import Gradient, Restart
+from softvq.parts import Commitment, Gradient, Restart
 
 K, D = 5, 4
 
@@ -70,7 +70,7 @@ def ragged(batch=3, length=7, dtype=torch.float64, seed=1) -> tuple[torch.Tensor
                                                                  ("cosine", 0.3, "l_q")])
 def test_outputs_and_terms_match_a_token_by_token_loop_float64(distance, temperature, codebook_term):
     readout = make(distance=distance, temperature=temperature, prototype_update=Gradient(codebook_term, 0.7),
-                   commitment_weight=0.3, commitment_term="l_ols")
+                   commitment_weight=Commitment(0.3, "l_ols"))
     z, mask = ragged()
     out = readout(z, mask)
     assert isinstance(out, ReadoutOutput)
@@ -104,8 +104,8 @@ def test_identity_holds_on_every_batch_and_every_row():
 
 @pytest.mark.parametrize("codebook_term", ["free_energy", "l_q"])
 def test_gradients_match_the_loop_reference_with_stop_gradients(codebook_term):
-    readout = make(temperature=0.8, prototype_update=Gradient(codebook_term, 1.0), commitment_weight=0.25,
-                   commitment_term="l_ols")
+    readout = make(temperature=0.8, prototype_update=Gradient(codebook_term, 1.0),
+                   commitment_weight=Commitment(0.25, "l_ols"))
     z, mask = ragged(batch=2, length=5, seed=3)
     z = z.nan_to_num(0.0).requires_grad_(True)
     g = torch.Generator().manual_seed(4)
@@ -318,9 +318,9 @@ def train_steps(readout: DDCLReadout, steps: int = 3, seed: int = 30) -> list:
 
 @pytest.mark.parametrize("kwargs", [
     {},
-    {"temperature": 0.4, "distance": "cosine", "commitment_term": "hard", "commitment_weight": 0.5},
-    {"init": "normal", "prototype_update": Gradient("l_q", 0.3), "commitment_term": "free_energy",
-     "commitment_weight": 0.2, "restart": Restart(1.5, decay=0.5, cap=None)},
+    {"temperature": 0.4, "distance": "cosine", "commitment_weight": Commitment(0.5, "hard")},
+    {"init": "normal", "prototype_update": Gradient("l_q", 0.3),
+     "commitment_weight": Commitment(0.2, "free_energy"), "restart": Restart(1.5, decay=0.5, cap=None)},
     {"standardize": True, "temperature": 2.0, "prototype_update": Gradient("l_ols")},
 ])
 def test_keywords_build_the_readout_from_quantizer_builds_from_an_explicit_quantizer(kwargs):

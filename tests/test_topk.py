@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from softvq import CodebookUsage, DDCLQuantizer, DDCLReadout, HierarchicalDDCL, ResidualDDCL, codebook_usage
 from softvq.models import VQVAE
-from softvq.parts import Gradient
+from softvq.parts import Commitment, Gradient
 
 
 def truncated_brute_force(z, p, temperature, k, distance="euclidean"):
@@ -38,7 +38,7 @@ def test_top_k_is_the_truncated_distribution_exactly_in_float64(distance, cb_ter
     torch.manual_seed(0)
     k, temperature = 5, 0.7 if distance == "euclidean" else 0.2
     layer = DDCLQuantizer(16, 4, temperature, recipe="plain", top_k=k, distance=distance, init="normal",
-                          prototype_update=Gradient(cb_term), commitment_term=cm_term, commitment_weight=0.3).double()
+                          prototype_update=Gradient(cb_term), commitment_weight=Commitment(0.3, cm_term)).double()
     z = torch.randn(40, 4, dtype=torch.float64, requires_grad=True)
     g_mu, g_q = torch.randn(40, 4, dtype=torch.float64), torch.randn(40, 16, dtype=torch.float64)
     out = layer(z)

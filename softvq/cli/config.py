@@ -197,6 +197,10 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     layer_section = _resolved(section, layer)
     if "target_entropy" in layer_section and getattr(layer, "temperature_rate", DEFAULT_RATE) != DEFAULT_RATE:
         layer_section["target_entropy"] = {"target": layer.target_entropy, "rate": layer.temperature_rate}
+    if "commitment_weight" in layer_section:  # the weight of the "hard" term, or {weight, term} for another term
+        term = getattr(layer, "commitment_term", "hard")
+        layer_section["commitment_weight"] = layer.commitment_weight if term == "hard" else {
+            "weight": layer.commitment_weight, "term": term}
     config = {"quantizer": [quantizer], **asdict(run_options(cfg)), "data": cfg.data.as_dict(), "model": model_section,
               quantizer: layer_section, "trainer": asdict(hardware(cfg))}
     return json.loads(json.dumps(config, default=str))
@@ -205,7 +209,7 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
 def never_changed(quantizer: str, model: VQVAE) -> set[str]:
     """Dotted keys of config.json (``<quantizer>.<option>``) and of the checkpoint's hyperparameters
     (``quantizer_kwargs.<option>``) that never count as a change when a run is resumed: the options the layer's
-    combination makes inert (e.g. ``commitment_term`` with a commitment weight of 0), whose value does nothing."""
+    combination makes inert (e.g. ``output_scale`` without standardisation), whose value does nothing."""
     layer = model._codebooks()[0]
     names = layer.inert_options() if hasattr(layer, "inert_options") else set()
     return {f"{quantizer}.{n}" for n in names} | {f"quantizer_kwargs.{n}" for n in names}

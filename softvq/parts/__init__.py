@@ -7,6 +7,7 @@
   settings, :class:`Restart`, are the layers' ``restart`` option.
 - :class:`NormalInit` — prototypes drawn from a normal distribution, the ``init`` option's alternative to ``"data"``.
 - :class:`EntropyControl` — an entropy target with a gain of its own, as ``target_entropy`` takes it.
+- :class:`Commitment` — a commitment term other than VQ-VAE's, as ``commitment_weight`` takes it.
 - :class:`Ema` / :class:`Gradient` — how the prototypes move, the ``prototype_update`` option: by the layer's EMA step,
   or by the optimizer on a term of the loss.
 
@@ -19,7 +20,7 @@ from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.parts.temperature import EntropyControl, TemperatureControl, max_stable_rate
-from softvq.parts.update import Ema, Gradient
+from softvq.parts.update import Commitment, Ema, Gradient
 
-__all__ = ["DeadCodeRestart", "Ema", "EmaPrototypes", "EntropyControl", "Gradient", "NormalInit", "Restart",
-           "TemperatureControl", "TokenStandardizer", "code_counts", "max_stable_rate"]
+__all__ = ["Commitment", "DeadCodeRestart", "Ema", "EmaPrototypes", "EntropyControl", "Gradient", "NormalInit",
+           "Restart", "TemperatureControl", "TokenStandardizer", "code_counts", "max_stable_rate"]

@@ -1,7 +1,8 @@
 """How a layer's prototypes move: :class:`Ema`, an EMA k-means step the layer takes itself
 (:class:`softvq.parts.EmaPrototypes`), or :class:`Gradient`, a term of the layer's loss that the optimizer follows.
 :class:`softvq.DDCLQuantizer`'s ``prototype_update`` option takes either (``"ema"``, ``"soft_ema"`` and ``"gradient"``
-name them with their defaults), so that the options of the other way are not there to set."""
+name them with their defaults), so that the options of the other way are not there to set. And the encoder's side of
+the loss: :class:`Commitment`, a commitment term other than VQ-VAE's, as ``commitment_weight`` takes it."""
 
 from __future__ import annotations
 
@@ -57,6 +58,37 @@ class Gradient:
     @property
     def kind(self) -> str:
         return "gradient"
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """A commitment of the encoder to the codebook by a term other than VQ-VAE's, as
+    :class:`softvq.DDCLQuantizer`'s ``commitment_weight`` takes it: ``commitment_weight=Commitment(0.25, "l_ols")``. A
+    number alone is the weight of the ``"hard"`` term (0: no commitment).
+
+    Args:
+        weight: its weight (``> 0``).
+        term: ``"hard"`` (``||z - sg[p_argmax]||^2``, VQ-VAE's), ``"l_ols"`` (to the soft centroid), ``"l_q"`` or
+            ``"free_energy"`` (docs/design.md, "Collapse-free defaults").
+    """
+
+    weight: float
+    term: Literal["hard", "l_q", "l_ols", "free_energy"] = "hard"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight", check_float("commitment_weight.weight", self.weight))
+        object.__setattr__(self, "term", check_choice("commitment_weight.term", self.term, ("hard", *TERMS)))
+
+    @classmethod
+    def of(cls, value: object) -> Any:
+        """A mapping of the fields (a config file's) as a :class:`Commitment`; anything else as it is."""
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"commitment_weight: unknown field(s) {sorted(unknown)}; Commitment takes weight and "
+                                 f"term")
+            return cls(**value)
+        return value
 
 
 _NAMED = {"ema": Ema(), "soft_ema": Ema(soft=True), "gradient": Gradient()}
