@@ -4,9 +4,10 @@ distribution (``init=NormalInit(scale)``; ``init="normal"`` is ``NormalInit()``)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from softvq._checks import check_float
+from softvq.parts._settings import from_mapping
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,6 @@ class NormalInit:
         if isinstance(value, str) and value == "normal":
             return cls()
         if isinstance(value, Mapping):
-            unknown = set(value) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ValueError(f"{name}: unknown field(s) {sorted(unknown)}; NormalInit takes scale")
-            return cls(**value)
+            return from_mapping(cls, value, name)
         raise ValueError(f"{name} must be 'data', 'normal', a softvq.parts.NormalInit or a mapping of its fields, "
                          f"got {value!r}")

@@ -10,7 +10,7 @@ waits on the CPU and ``torch.compile`` traces it whole.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from softvq._checks import check_float, check_positive_int, check_unit
 from softvq._collectives import all_reduce_sum_, random_tokens
 from softvq._precision import apply_keeping_precision
+from softvq.parts._settings import from_mapping
 
 # decay="auto": the running count remembers at least this many tokens a code wins on average (its memory,
 # 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's memory. A
@@ -64,10 +65,7 @@ class Restart:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            unknown = set(value) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ValueError(f"{name}: unknown field(s) {sorted(unknown)}; Restart takes threshold, decay and cap")
-            return cls(**value)
+            return from_mapping(cls, value, name)
         raise ValueError(f"{name} must be a softvq.parts.Restart, a mapping of its fields or None, got {value!r}")
 
 

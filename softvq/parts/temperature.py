@@ -14,7 +14,7 @@ import functools
 import math
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -25,6 +25,7 @@ from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq._kernels import squared_distances
 from softvq._precision import apply_keeping_precision
 from softvq._soft_centroid import softmax_floor
+from softvq.parts._settings import from_mapping
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,13 +89,7 @@ class EntropyControl:
     @classmethod
     def of(cls, value: object) -> Any:
         """A mapping of the fields (a config file's) as an :class:`EntropyControl`; anything else as it is."""
-        if isinstance(value, Mapping):
-            unknown = set(value) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ValueError(f"target_entropy: unknown field(s) {sorted(unknown)}; EntropyControl takes target and "
-                                 f"rate")
-            return cls(**value)
-        return value
+        return from_mapping(cls, value, "target_entropy") if isinstance(value, Mapping) else value
 
 
 class TemperatureControl(nn.Module):

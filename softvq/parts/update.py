@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from softvq._checks import check_bool, check_choice, check_float, check_unit
+from softvq.parts._settings import from_mapping
 
 TERMS = ("l_q", "l_ols", "free_energy")  # the terms of the layer's loss a codebook or commitment term may be
 
@@ -82,13 +83,7 @@ class Commitment:
     @classmethod
     def of(cls, value: object) -> Any:
         """A mapping of the fields (a config file's) as a :class:`Commitment`; anything else as it is."""
-        if isinstance(value, Mapping):
-            unknown = set(value) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ValueError(f"commitment_weight: unknown field(s) {sorted(unknown)}; Commitment takes weight and "
-                                 f"term")
-            return cls(**value)
-        return value
+        return from_mapping(cls, value, "commitment_weight") if isinstance(value, Mapping) else value
 
 
 _NAMED = {"ema": Ema(), "soft_ema": Ema(soft=True), "gradient": Gradient()}
