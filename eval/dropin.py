@@ -51,6 +51,7 @@ import softvq
 from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe
 from eval.peers.report import test_table, values
+from softvq._compat import upgrade_quantizer_kwargs
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
@@ -189,7 +190,9 @@ def _score(model: nn.Module, method: str, args: argparse.Namespace, data: CIFAR1
 
 def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
-    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **args.ddcl_kwargs),
+    # (options under their former names, as the docs quote some commands, are today's: softvq._compat)
+    ddcl_kwargs = upgrade_quantizer_kwargs("ddcl", args.ddcl_kwargs) or {}
+    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **ddcl_kwargs),
                  args.num_codes) if method == "ddcl" and args.ddcl_kwargs else None
     model = SmallAutoencoder(method, args.num_codes, num_quantizers=args.num_quantizers, quantizer=quantizer)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)

@@ -161,11 +161,24 @@ def _restart_of_flat(quantizer: object, get: Any) -> dict[str, Any] | None:
         decay, cap = get("ema_decay", 0.99 if quantizer == "rhard" else None) or 0.99, None
     return None if not threshold else {"threshold": float(threshold), "decay": decay, "cap": cap}
 
-# Settings whose default changed after config.json began to record runs without them: a run whose config.json lacks
-# the key trained with this value, not with today's default (ddcl.renorm: plain batch standardisation until clipped
-# batch renormalisation became the default; ddcl.renorm_clip: Ioffe's (3, 5) until the tight clip did), so resuming it
-# with the new default counts as a change.
-PREDATED: dict[str, Any] = {"ddcl.renorm": False, "ddcl.renorm_clip": [3.0, 5.0]}
+# The standardiser's flat options, before ``standardize`` took a softvq.parts.Standardize. A run record (config.json,
+# a checkpoint's hyperparameters) that predates ``renorm`` / ``renorm_clip`` trained with plain batch standardisation
+# and Ioffe's clip (3, 5), the defaults then (PREDATED), not with today's; building a model from such a checkpoint
+# takes today's (they act in training only).
+_FLAT_STANDARDIZE = ("output_scale", "renorm", "renorm_clip")
+PREDATED: dict[str, Any] = {"renorm": False, "renorm_clip": [3.0, 5.0]}
+
+
+def _standardize_of_flat(get: Any, standardize: object, predated: bool) -> object:
+    """``standardize`` (``False``, or a mapping of :class:`softvq.parts.Standardize`'s fields) for a record's
+    ``standardize`` (a bool or ``"auto"``: the recipe's) and the flat options beside it (``get(name, default)``; with
+    ``predated``, an absent one had its :data:`PREDATED` value)."""
+    on = standardize is True or (standardize == "auto" and get("recipe", "auto") == "auto")
+    if not on:
+        return False
+    default = PREDATED if predated else {"renorm": True, "renorm_clip": [1.1, 0.1]}
+    renorm, clip = get("renorm", default["renorm"]), get("renorm_clip", default["renorm_clip"])
+    return {"renorm_clip": list(clip) if renorm else None, "output_scale": get("output_scale", "standardized")}
 
 
 def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -190,6 +203,11 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
         for name in _FLAT_UPDATE:
             out.pop(name, None)
         out["prototype_update"] = update
+    flat_standardize = any(name in out for name in _FLAT_STANDARDIZE)
+    if quantizer == "ddcl" and not isinstance(out.get("standardize"), dict) and flat_standardize:
+        out["standardize"] = _standardize_of_flat(out.get, out.get("standardize", "auto"), predated=False)
+        for name in _FLAT_STANDARDIZE:
+            out.pop(name, None)
     if quantizer in ("ddcl", "rddcl") and "commitment_term" in out:
         out["commitment_weight"] = _commitment_of_flat(out.get("commitment_weight", 0.0), out.pop("commitment_term"))
     if quantizer in ("ddcl", "rddcl") and "temperature_rate" in out:
@@ -197,7 +215,7 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
     if quantizer in ("ddcl", "rddcl") and "init_scale" in out:
         out.update(_init_of_flat(out.get("init", "data"), out.pop("init_scale")))
     # plain types only: a checkpoint's hyperparameters load with weights_only
-    for name in ("restart", "init", "prototype_update", "target_entropy", "commitment_weight"):
+    for name in ("restart", "init", "prototype_update", "target_entropy", "commitment_weight", "standardize"):
         if is_dataclass(out.get(name)):
             out[name] = asdict(out[name])
     return out
@@ -239,6 +257,18 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
                 out.pop(f"{section}.{name}", None)
             out.update({f"{section}.prototype_update.{k}": v for k, v in update.items()} if isinstance(update, dict)
                        else {f"{section}.prototype_update": update})
+    for section, quantizer in sections:
+        old = out.get(f"{section}.standardize")  # a bool or "auto" before Standardize (today: False, or its fields)
+        flat_keys = any(f"{section}.{name}" in out for name in _FLAT_STANDARDIZE)
+        if quantizer == "ddcl" and (old is True or (old == "auto" and flat_keys)):
+            standardize = _standardize_of_flat(lambda n, d, s=section: out.get(f"{s}.{n}", d), old, predated=True)
+            for name in ("standardize", *_FLAT_STANDARDIZE):
+                out.pop(f"{section}.{name}", None)
+            out.update({f"{section}.standardize.{k}": v for k, v in standardize.items()} if standardize
+                       else {f"{section}.standardize": False})
+        elif quantizer == "ddcl" and old is False:
+            for name in _FLAT_STANDARDIZE:
+                out.pop(f"{section}.{name}", None)
     for section, quantizer in sections:
         if quantizer in ("ddcl", "rddcl") and f"{section}.commitment_term" in out:
             commitment = _commitment_of_flat(out.pop(f"{section}.commitment_weight", 0.0),

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from softvq._checks import check_bool, check_choice, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum_, is_distributed
+from softvq.norm import Standardize
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import Restart
 from softvq.parts.temperature import DEFAULT_RATE, EntropyControl
@@ -31,8 +32,8 @@ def _is_auto(value: object) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize: bool | str,
-            output_scale: str | float, hard_output: bool | str, prototype_update: object,
+def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize: object,
+            hard_output: bool | str, prototype_update: object,
             target_entropy: object, restart: object) -> dict[str, Any]:
     """The options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the recipe's, checked.
     ``"auto"`` means the recipe's value and ``None`` means off, wherever an option takes them (``target_entropy=None``:
@@ -44,10 +45,10 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         if value is None:
             raise ValueError(f"{name}=None: pass 'auto' for the recipe's value (the layer has no {name} to switch "
                              f"off)")
-    if isinstance(output_scale, str):
-        output_scale = check_choice("output_scale", output_scale, ("input", "standardized"))
-    else:  # a number: the standardised code times it
-        output_scale = check_float("output_scale", output_scale)
+    standardize = Standardize.of((Standardize() if auto else False) if _is_auto(standardize) else standardize)
+    if not isinstance(standardize, Standardize):
+        standardize = check_bool("standardize", standardize)  # False: no standardisation (True is Standardize())
+    on = standardize if isinstance(standardize, Standardize) else None
     target_entropy, rate = EntropyControl.of(target_entropy), DEFAULT_RATE
     if isinstance(target_entropy, EntropyControl):  # a target with a gain of its own
         target_entropy, rate = target_entropy.target, target_entropy.rate
@@ -58,8 +59,10 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
     if start is None and target_entropy is None:
         start = 1.0
     return {
-        "standardize": check_bool("standardize", auto if _is_auto(standardize) else standardize),
-        "output_scale": output_scale,
+        "standardize": on is not None,
+        "output_scale": on.output_scale if on else "standardized",
+        "renorm": on is not None and on.renorm_clip is not None,
+        "renorm_clip": on.renorm_clip if on and on.renorm_clip else Standardize().renorm_clip,
         "hard_output": check_bool("hard_output", auto if _is_auto(hard_output) else hard_output),
         "prototype_update": prototype_update_of(prototype_update, auto=Ema() if auto else Gradient()),
         "target_entropy": target_entropy,
@@ -86,9 +89,8 @@ def check_options(given: dict[str, Any]) -> dict[str, Any]:
     o["top_k"] = None if o["top_k"] is None else check_positive_int("top_k", o["top_k"])
     o["channel_first"] = check_bool("channel_first", o["channel_first"])
     o.update(resolve(given["recipe"] == "auto", o["num_codes"], given["temperature"],
-                     **{name: given[name] for name in ("standardize", "output_scale", "hard_output", "prototype_update",
+                     **{name: given[name] for name in ("standardize", "hard_output", "prototype_update",
                                                        "target_entropy", "restart")}))
-    o["renorm"] = check_bool("renorm", o["renorm"])
     return o
 
 
@@ -103,40 +105,6 @@ def options_repr(layer: nn.Module) -> str:
         f"restart={layer.restart}"
         + (f", top_k={layer.top_k}" if layer.top_k is not None else "")
     )
-
-
-# Options that only act in some combinations: (option, the option it depends on, when it has no effect, why).
-INERT = (
-    ("output_scale", "standardize", lambda s: not s.standardize,
-     "without standardisation the codes are on the input's scale already"),
-    ("renorm", "standardize", lambda s: not s.standardize,
-     "it is how the layer's standardisation trains, and there is none"),
-    ("renorm_clip", "renorm", lambda s: not (s.standardize and s.renorm),
-     "it clips batch renormalisation's corrections, which only renorm=True (with standardize) applies"),
-)
-
-# Values an option had as its default in earlier releases, which every configuration and checkpoint saved then
-# records: inert there, they load and replay as the default does (renorm was False until clipped batch
-# renormalisation measured better on validation, and its clip was Ioffe's (3, 5) until the tight one measured level in
-# a foreign model).
-FORMER_DEFAULTS = {"renorm": (False,), "renorm_clip": ((3.0, 5.0),)}
-
-
-def inert_options(layer: nn.Module) -> set[str]:
-    """The options that have no effect in this layer's combination, whatever their value (a resumed run may
-    differ in them from its record without changing anything)."""
-    return {name for name, _, inert, _ in INERT if inert(layer)}
-
-
-def refuse_inert_options(layer: nn.Module, given: dict[str, object], defaults: dict[str, object]) -> None:
-    """A ValueError for an option set to a value other than its default (``defaults``: the constructor's) that
-    has no effect in the combination given, naming both options. Compared with the default, not "was it passed":
-    the trainer and config files pass every option."""
-    for name, other, inert, why in INERT:
-        value = given[name]
-        if value != defaults[name] and value not in FORMER_DEFAULTS.get(name, ()) and inert(layer):
-            raise ValueError(f"{name}={value!r} has no effect with {other}={getattr(layer, other)!r} ({why}); "
-                             f"leave {name} at its default ({defaults[name]!r}) or change {other}")
 
 
 def can_start(layer: nn.Module, flat: Tensor) -> bool:

@@ -27,10 +27,10 @@ from softvq._checks import check_finite_state, check_indices
 from softvq._compat import ddcl_extra_state, load_ddcl_extra_state, upgrade_ddcl_state_dict
 from softvq._ddcl_forward import evaluation_codes, forward_tokens, init_from_data
 from softvq._precision import apply_keeping_precision
-from softvq._recipe import LAYER_OPTIONS, PartOption, check_options, inert_options, options_repr, refuse_inert_options
+from softvq._recipe import LAYER_OPTIONS, PartOption, check_options, options_repr
 from softvq._replay import ForwardRecords
 from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
-from softvq.norm import TokenStandardizer
+from softvq.norm import Standardize, TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart
@@ -55,9 +55,9 @@ class DDCLQuantizer(nn.Module):
     "Anatomy of the layer"): ``standardizer`` (tokens standardised per dimension), ``temperature_control`` (``T``,
     calibrated on the first training batch, then holding H(Q) at ``target_entropy``), ``ema`` (a k-means step) and
     ``dead_codes`` (restarts); what each does and how its default was chosen, and ``recipe="plain"``, the paper's
-    layer: docs/design.md, "The recipe inside the layer". An explicit option overrides the recipe's; one that has no
-    effect in the combination given (``output_scale`` with ``standardize=False``) is a ``ValueError`` naming both
-    options.
+    layer: docs/design.md, "The recipe inside the layer". An explicit option overrides the recipe's. A mechanism's
+    settings are one option (``restart``, ``standardize``, ``prototype_update``, ...: a settings class of
+    :mod:`softvq.parts`), so no option is left to set that does nothing.
 
     What reaches what (the codebook term: gradient-trained prototypes only; the commitment term: the encoder only):
     docs/design.md, "What reaches the encoder and what reaches the prototypes". Several calls before one backward,
@@ -74,13 +74,11 @@ class DDCLQuantizer(nn.Module):
         target_entropy: the H(Q) in nats the control holds (its gain 0.01 per step; a
             :class:`softvq.parts.EntropyControl` ``(target, rate)`` for another); ``None``: ``T`` fixed; ``"auto"``:
             ``log(K) / 2`` (the entropy of sqrt(K) prototypes sharing a token evenly), ``None`` for ``recipe="plain"``.
-        standardize: standardise tokens inside the layer (``"auto"``: the recipe's, on for ``recipe="auto"``).
-        output_scale: with ``standardize``, codes in the standardised space (``"standardized"``: unit variance per
-            dimension), on the input's scale (``"input"``: ``code * std + mean``) or times a number ``s``
-            (docs/design.md, "Training to the end").
-        renorm: train the standardiser with clipped batch renormalisation (:class:`softvq.norm.TokenStandardizer`;
-            docs/design.md, "Batch renormalisation"); ``False``: plain batch standardisation.
-        renorm_clip: ``(r_max, d_max)``, the clip of its corrections (within 10% in scale, 0.1 std in shift).
+        standardize: standardise tokens inside the layer (:class:`softvq.parts.TokenStandardizer`) as a
+            :class:`softvq.parts.Standardize` ``(renorm_clip, output_scale)`` says: clipped batch renormalisation in
+            training (``renorm_clip=None``: plain batch standardisation) and codes in the standardised space, on the
+            input's scale or times a number; ``True``: ``Standardize()``; ``False``: none; ``"auto"``: the recipe's,
+            ``Standardize()`` for ``recipe="auto"``, ``False`` for ``"plain"``.
         prototype_update: how the prototypes move: a :class:`softvq.parts.Ema` ``(decay, soft)``, moved by the layer
             (:class:`softvq.parts.EmaPrototypes`), or a :class:`softvq.parts.Gradient` ``(term, weight)``, trained by
             the optimizer on that term of the loss; ``"ema"`` (``Ema()``: a k-means step, decay 0.99), ``"soft_ema"``
@@ -119,10 +117,7 @@ class DDCLQuantizer(nn.Module):
         *,
         recipe: Literal["auto", "plain"] = "auto",
         target_entropy: float | Literal["auto"] | EntropyControl | None = "auto",
-        standardize: bool | Literal["auto"] = "auto",
-        output_scale: Literal["input", "standardized"] | float = "standardized",
-        renorm: bool = True,
-        renorm_clip: tuple[float, float] = (1.1, 0.1),
+        standardize: bool | Literal["auto"] | Standardize = "auto",
         prototype_update: Literal["auto", "ema", "soft_ema", "gradient"] | Ema | Gradient = "auto",
         hard_output: bool | Literal["auto"] = "auto",
         distance: Literal["euclidean", "cosine"] = "euclidean",
@@ -139,7 +134,7 @@ class DDCLQuantizer(nn.Module):
         for name in LAYER_OPTIONS:  # the options the layer holds itself
             setattr(self, name, o[name])
         # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its options and state.
-        self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=renorm_clip)
+        self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=o["renorm_clip"])
         self.temperature_control = TemperatureControl(num_codes, o["temperature"], o["target_entropy"],
                                                       o["temperature_rate"])  # T lives there
         self.dead_codes = DeadCodeRestart(num_codes, threshold=0.0)  # no restarts unless restart sets them
@@ -150,7 +145,6 @@ class DDCLQuantizer(nn.Module):
                                        requires_grad=update.kind == "gradient")
         self.ema = EmaPrototypes(self.prototypes, update.decay if isinstance(update, Ema) else 0.99)
         self.prototype_update = update
-        refuse_inert_options(self, {**given, "renorm_clip": self.standardizer.renorm_clip}, _DEFAULTS)
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved by get_extra_state.
         self._initialized = o["init"] != "data"
         self._warned_start = False  # a batch that could not start the codebook has been reported
@@ -192,8 +186,6 @@ class DDCLQuantizer(nn.Module):
         sticks; ``keep_control=True`` lets the control go on from there
         (:meth:`softvq.parts.TemperatureControl.set`)."""
         self.temperature_control.set(value, keep_control=keep_control, owner="DDCLQuantizer")
-
-    inert_options = inert_options  # the options without effect in this combination (softvq._recipe)
 
     def get_extra_state(self) -> dict[str, Any]:
         return ddcl_extra_state(self)  # T, initialized, restarts, version (softvq._compat)
@@ -252,6 +244,6 @@ class DDCLQuantizer(nn.Module):
     _forward_tokens = forward_tokens
 
 
-# The constructor's defaults, which an inert option is compared with (softvq._recipe.refuse_inert_options).
+# The constructor's options and defaults (``given`` in ``__init__`` is every option, as passed).
 _DEFAULTS: dict[str, Any] = {k: p.default for k, p in inspect.signature(DDCLQuantizer.__init__).parameters.items()
                               if k != "self"}

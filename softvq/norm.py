@@ -14,11 +14,60 @@ tensors, so it cannot give the same statistics across gloo processes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
 import torch
 from torch import Tensor, nn
 
-from softvq._checks import check_float, check_positive_int
+from softvq._checks import check_choice, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum, all_reduce_sum_
+from softvq.parts._settings import from_mapping
+
+
+def check_renorm_clip(value: object, name: str = "renorm_clip") -> tuple[float, float]:
+    """``(r_max, d_max)`` with ``r_max >= 1`` and ``d_max > 0``, else a ``ValueError`` naming ``name``."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair (r_max, d_max), got {value!r}")
+    r_max, d_max = (check_float(name, v) for v in value)
+    if r_max < 1.0:
+        raise ValueError(f"{name}[0] (r_max) must be >= 1, got {r_max!r}")
+    return (r_max, d_max)
+
+
+@dataclass(frozen=True)
+class Standardize:
+    """How :class:`softvq.DDCLQuantizer` standardises its tokens, as its ``standardize`` option takes it (``True``:
+    ``Standardize()``; ``False``: no standardisation).
+
+    Args:
+        renorm_clip: ``(r_max, d_max)``, the clip of batch renormalisation's corrections in training (within 10% in
+            scale, 0.1 std in shift; docs/design.md, "Batch renormalisation, clipped tight: the default"), or
+            ``None``: plain batch standardisation.
+        output_scale: codes in the standardised space (``"standardized"``: unit variance per dimension), on the
+            input's scale (``"input"``: ``code * std + mean``) or times a number
+            (docs/design.md, "Training to the end").
+    """
+
+    renorm_clip: tuple[float, float] | None = (1.1, 0.1)
+    output_scale: Literal["standardized", "input"] | float = "standardized"
+
+    def __post_init__(self) -> None:
+        if self.renorm_clip is not None:
+            object.__setattr__(self, "renorm_clip", check_renorm_clip(self.renorm_clip, "standardize.renorm_clip"))
+        scale = self.output_scale
+        scale = check_choice("standardize.output_scale", scale, ("input", "standardized")) if isinstance(scale, str) \
+            else check_float("standardize.output_scale", scale)
+        object.__setattr__(self, "output_scale", scale)
+
+    @classmethod
+    def of(cls, value: object) -> Any:
+        """``True`` as ``Standardize()``, a mapping of the fields (a config file's) as a :class:`Standardize`;
+        anything else as it is."""
+        if value is True:
+            return cls()
+        return from_mapping(cls, value, "standardize") if isinstance(value, Mapping) else value
 
 
 def batch_moments(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -120,12 +169,7 @@ class TokenStandardizer(nn.Module):
             raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
         self.eps = check_float("eps", eps)
         self.renorm = bool(renorm)
-        if not isinstance(renorm_clip, (tuple, list)) or len(renorm_clip) != 2:
-            raise ValueError(f"renorm_clip must be a pair (r_max, d_max), got {renorm_clip!r}")
-        r_max, d_max = (check_float("renorm_clip", v) for v in renorm_clip)
-        if r_max < 1.0:
-            raise ValueError(f"renorm_clip[0] (r_max) must be >= 1, got {r_max!r}")
-        self.renorm_clip = (r_max, d_max)
+        self.renorm_clip = check_renorm_clip(renorm_clip)
         self.eval_statistics = eval_statistics
         self.eval_momentum = check_float("eval_momentum", eval_momentum)
         if self.eval_momentum > 1.0:

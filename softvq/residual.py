@@ -32,7 +32,7 @@ from softvq._precision import compute_dtype
 from softvq._replay import in_backward
 from softvq.ddcl import DDCLQuantizer
 from softvq.hard_vq import HardVQ
-from softvq.norm import TokenStandardizer
+from softvq.norm import Standardize, TokenStandardizer
 from softvq.parts.restart import Restart
 from softvq.types import QuantizerOutput, channel_first_forward
 
@@ -207,13 +207,14 @@ class ResidualDDCL(ResidualQuantizer):
         scale: where the levels work. ``"shared"``: the input is standardised once at the top and every level
             quantizes and sums in that space (levels built with ``standardize=False``); the output is in that
             standardised space. ``"per_level"``: every level standardises its own residual and maps its codes back
-            to the residual's scale (``standardize=True, output_scale="input"``); the output is on the input's scale.
+            to the residual's scale (``standardize=Standardize(output_scale="input")``); the output is on the input's
+            scale.
         renorm: standardise with batch renormalisation (:class:`~softvq.norm.TokenStandardizer`): in training the
             tokens are standardised *in value* with the running moments (within ``renorm_clip`` of the batch's own),
             with the batch statistics' gradient; measured in docs/design.md, "Residual codebooks".
         renorm_clip: with ``scale="shared"``, the clip of the shared standardiser: Ioffe's ``(3, 5)``, where the
             stack was measured, not the single layer's tight ``(1.1, 0.1)`` (unmeasured in the stack). With
-            ``scale="per_level"`` each level takes the layer's ``renorm_clip`` (an option of ``ddcl_options``).
+            ``scale="per_level"`` each level renormalises with the single layer's ``(1.1, 0.1)``.
         quantize_dropout, quantize_dropout_min_levels, seed, channel_first: as :class:`ResidualQuantizer`.
         **ddcl_options: passed to every level's :class:`~softvq.DDCLQuantizer` (the layer's defaults otherwise:
             the same restart threshold and entropy target at every level, no per-level tuning).
@@ -226,14 +227,14 @@ class ResidualDDCL(ResidualQuantizer):
                  channel_first: bool = False, **ddcl_options: Any) -> None:
         check_positive_int("num_quantizers", num_quantizers)
         self.scale = check_choice("scale", scale, ("shared", "per_level"))
-        for name in ("standardize", "output_scale", "channel_first"):
+        for name in ("standardize", "channel_first"):
             if name in ddcl_options:
                 raise ValueError(f"{name} is set by ResidualDDCL (scale={scale!r}); do not pass it to the levels")
-        level_scale = {"standardize": False} if scale == "shared" else {"standardize": True, "output_scale": "input"}
-        levels = [DDCLQuantizer(num_codes, dim, **level_scale, **ddcl_options) for _ in range(num_quantizers)]
-        if scale == "per_level":
-            for level in levels:
-                level.standardizer.renorm = bool(renorm)
+        # per level: each level standardises its residual (renormalised with the single layer's clip) and returns
+        # codes on the residual's scale
+        clip = Standardize().renorm_clip if renorm else None
+        level_scale = False if scale == "shared" else Standardize(clip, "input")
+        levels = [DDCLQuantizer(num_codes, dim, standardize=level_scale, **ddcl_options) for _ in range(num_quantizers)]
         super().__init__(levels, standardize=scale == "shared", quantize_dropout=quantize_dropout,
                          quantize_dropout_min_levels=quantize_dropout_min_levels, seed=seed,
                          channel_first=channel_first, renorm=bool(renorm) and scale == "shared",

@@ -56,7 +56,8 @@ def test_saved_config_is_resolved_and_reproduces_the_run(tiny_cifar, tmp_path):
                             *TINY]) == 0
     saved = json.loads((out / "config.json").read_text())
     # nulls that stood for "the recipe's value" are the values the layer chose
-    assert saved["ddcl"]["standardize"] is True and saved["ddcl"]["hard_output"] is True
+    assert saved["ddcl"]["standardize"] == {"renorm_clip": [1.1, 0.1], "output_scale": "standardized"}
+    assert saved["ddcl"]["hard_output"] is True
     assert saved["ddcl"]["prototype_update"] == {"decay": 0.99, "soft": False}  # the recipe's Ema, field by field
     assert saved["model"]["latent_norm"] == "none"
     assert saved["ddcl"]["target_entropy"] == pytest.approx(0.5 * __import__("math").log(8))

@@ -176,3 +176,29 @@ def test_a_records_commitment_term_becomes_the_commitment_it_meant(flat, commitm
     layer = softvq.DDCLQuantizer(8, 2, **upgraded)
     term = flat.get("commitment_term") if isinstance(commitment, dict) else "hard"
     assert (layer.commitment_weight, layer.commitment_term) == (flat.get("commitment_weight", 0.0), term)
+
+
+@pytest.mark.parametrize(("flat", "standardize"), [
+    ({"standardize": True, "renorm": True, "renorm_clip": [1.1, 0.1], "output_scale": "standardized"},
+     {"renorm_clip": [1.1, 0.1], "output_scale": "standardized"}),
+    ({"standardize": True, "renorm": False, "renorm_clip": [1.1, 0.1], "output_scale": "input"},
+     {"renorm_clip": None, "output_scale": "input"}),
+    ({"standardize": False, "renorm": True, "output_scale": "standardized"}, False),
+    ({"recipe": "plain", "standardize": "auto", "output_scale": 0.2}, False),
+])
+def test_a_records_flat_standardiser_options_become_the_standardize_they_meant(flat, standardize):
+    upgraded = softvq._compat.upgrade_quantizer_kwargs("ddcl", flat)
+    assert upgraded["standardize"] == standardize
+    assert not {"renorm", "renorm_clip", "output_scale"} & set(upgraded)
+    dotted = softvq._compat.upgrade_settings(config.flat({"quantizer": ["ddcl"], "ddcl": flat}))
+    fields = {k.rsplit(".", 1)[1]: v for k, v in dotted.items() if k.startswith("ddcl.standardize.")}
+    assert (fields or dotted["ddcl.standardize"]) == standardize
+    layer = softvq.DDCLQuantizer(8, 2, **upgraded)
+    assert layer.standardize == bool(standardize)
+
+
+def test_a_run_record_that_predates_renorm_trained_with_plain_batch_standardisation():
+    """config.json began recording ddcl.renorm / ddcl.renorm_clip after runs without them: those trained with plain
+    batch standardisation (and Ioffe's clip), the defaults then, so they read as Standardize(renorm_clip=None)."""
+    dotted = softvq._compat.upgrade_settings({"quantizer": ["ddcl"], "ddcl.standardize": True})
+    assert dotted["ddcl.standardize.renorm_clip"] is None and dotted["ddcl.standardize.output_scale"] == "standardized"

@@ -11,7 +11,7 @@ import torch
 from helpers import running_moments
 
 from softvq import DDCLQuantizer
-from softvq.parts import Ema, Gradient, Restart
+from softvq.parts import Ema, Gradient, Restart, Standardize
 
 
 def reference(z: torch.Tensor, p: torch.Tensor, temperature: float, standardize: bool, hard: bool,
@@ -58,7 +58,7 @@ def layer(k=6, dim=3, **kw) -> DDCLQuantizer:
 @pytest.mark.parametrize("standardize,scale,renorm", [(False, "standardized", True), (True, "standardized", True),
                                                       (True, "input", True), (True, "standardized", False)])
 def test_hard_output_is_the_code_and_its_gradient_the_soft_centroid_jacobian(standardize, scale, renorm):
-    quantizer = layer(standardize=standardize, output_scale=scale, renorm=renorm)  # recipe auto: hard output on
+    quantizer = layer(standardize=standardize and Standardize((1.1, 0.1) if renorm else None, scale))  # hard output on
     assert quantizer.hard_output
     z = (torch.randn(20, 3, dtype=torch.float64) * 2 + 0.5).requires_grad_(True)
     weights = torch.randn(20, 3, dtype=torch.float64)
@@ -92,7 +92,7 @@ def test_hard_output_jacobian_per_token_is_two_over_t_times_the_assignment_covar
 
 @pytest.mark.parametrize("renorm", [True, False])
 def test_in_layer_standardisation_matches_float64_by_hand(renorm):
-    quantizer = layer(standardize=True, output_scale="input", renorm=renorm)
+    quantizer = layer(standardize=Standardize((1.1, 0.1) if renorm else None, "input"))
     sd = quantizer.standardizer
     batches = [torch.randn(30, 3, dtype=torch.float64) * torch.tensor([0.01, 2.0, 5.0], dtype=torch.float64) + 3 * k
                for k in range(4)]  # a drifting encoder: the renormalisation clips bind from the second batch on
@@ -188,8 +188,8 @@ def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
 
 
 def test_channel_first_equals_permuted_channel_last():
-    first = layer(k=8, dim=4, standardize=True, channel_first=True, output_scale="input")
-    last = layer(k=8, dim=4, standardize=True, output_scale="input")
+    first = layer(k=8, dim=4, standardize=Standardize(output_scale="input"), channel_first=True)
+    last = layer(k=8, dim=4, standardize=Standardize(output_scale="input"))
     x = torch.randn(2, 4, 3, 5, dtype=torch.float64, requires_grad=True)
     y = x.detach().permute(0, 2, 3, 1).clone().requires_grad_(True)
     a, b = first(x), last(y)
@@ -284,9 +284,11 @@ def test_state_dict_from_before_the_recipe_loads_as_the_plain_layer():
     ({"target_entropy": -1.0}, "target_entropy"),
     ({"commitment_weight": {"weight": 0.5, "term": "soft"}}, r"commitment_weight\.term"),
     ({"commitment_weight": {"weight": 0.0, "term": "l_ols"}}, r"commitment_weight\.weight"),
-    ({"renorm": True, "renorm_clip": (1.1,)}, r"renorm_clip must be a pair"),
-    ({"renorm": True, "renorm_clip": (0.9, 0.1)}, "r_max"),
-    ({"renorm": True, "renorm_clip": (1.1, float("nan"))}, "renorm_clip"),
+    ({"standardize": {"renorm_clip": (1.1,)}}, r"standardize\.renorm_clip must be a pair"),
+    ({"standardize": {"renorm_clip": (0.9, 0.1)}}, "r_max"),
+    ({"standardize": {"renorm_clip": (1.1, float("nan"))}}, "renorm_clip"),
+    ({"standardize": {"output_scale": "raw"}}, r"standardize\.output_scale"),
+    ({"standardize": {"renorm": False}}, r"unknown field\(s\) \['renorm'\]"),
 ])
 def test_invalid_recipe_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -340,7 +342,7 @@ def test_the_layers_renorm_option_assigns_training_tokens_as_evaluation_standard
     running statistics (just moved by that batch), the ones evaluation uses, checked against brute-force distances
     to the prototypes the step read."""
     torch.manual_seed(0)
-    layer = DDCLQuantizer(16, 3, renorm=True, renorm_clip=(3.0, 5.0), restart=None).double()  # no clip binds
+    layer = DDCLQuantizer(16, 3, standardize=Standardize((3.0, 5.0)), restart=None).double()  # no clip binds
     assert layer.standardizer.renorm
     layer(torch.randn(200, 3, dtype=torch.float64))  # the first batch draws the prototypes from its tokens
     for step in range(1, 6):
@@ -370,7 +372,7 @@ def test_auto_usage_decay_at_its_floor_trains_bit_for_bit_as_a_decay_of_0_9():
 def test_a_numeric_output_scale_multiplies_the_standardised_code_and_its_gradient():
     """``output_scale=s``: the standardised layer's output and input gradient times ``s``, bit for bit in value; in
     evaluation the output is still the decode of the indices (``codebook`` scaled alike)."""
-    base, scaled = layer(standardize=True), layer(standardize=True, output_scale=0.2)
+    base, scaled = layer(standardize=True), layer(standardize=Standardize(output_scale=0.2))
     scaled.load_state_dict(base.state_dict())
     z = torch.randn(20, 3, dtype=torch.float64) * 3 + 1
     w = torch.randn(20, 3, dtype=torch.float64)
@@ -386,4 +388,4 @@ def test_a_numeric_output_scale_multiplies_the_standardised_code_and_its_gradien
     assert torch.equal(out.quantized, scaled.decode_indices(out.indices))
     torch.testing.assert_close(scaled.codebook, 0.2 * scaled.prototypes.detach(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="output_scale"):
-        layer(output_scale=-1.0)
+        layer(standardize={"output_scale": -1.0})

@@ -10,6 +10,7 @@ import torch
 
 from eval.long_run import probe
 from softvq import DDCLQuantizer
+from softvq.parts import Standardize
 
 TINY = ["--epochs", "1", "--train-subset", "64", "--val-size", "32", "--batch-size", "16", "--num-codes", "16",
         "--val-images", "16", "--num-workers", "0"]
@@ -58,9 +59,9 @@ def test_scoring_every_step_leaves_the_run_bit_for_bit_and_scores_the_hard_codes
 def test_straight_through_gives_the_identity_plus_or_without_the_soft_centroid_jacobian(gradient):
     torch.manual_seed(0)
     layer = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, restart=None, init="normal",
-                          renorm=False).double()
+                          standardize=Standardize(renorm_clip=None)).double()
     plain = DDCLQuantizer(6, 3, temperature=0.8, target_entropy=None, restart=None, init="normal",
-                          renorm=False).double()
+                          standardize=Standardize(renorm_clip=None)).double()
     plain.load_state_dict(layer.state_dict())
     wrapped = probe.GradientProbe(layer, gradient)
     z = torch.randn(20, 3, dtype=torch.float64)

@@ -111,16 +111,18 @@ def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_opt
 
     dropin.softvq.DDCLQuantizer = spy
     try:
-        probe = dropin.main([*argv, "--split", "validation", "--val-size", "24", "--ddcl-kwargs", '{"renorm": true}',
+        probe = dropin.main([*argv, "--split", "validation", "--val-size", "24", "--ddcl-kwargs",
+                             '{"standardize": {"renorm_clip": null}}',
                              "--out", str(tmp_path / "val")])
         report = dropin.main([*argv, "--out", str(tmp_path / "test")])
     finally:
         dropin.softvq.DDCLQuantizer = original
     (run,), (test_run,) = probe["runs"], report["runs"]
     assert run["test"]["images"] == 24 and test_run["test"]["images"] == 50  # the held-out images, then the test split
-    assert run["settings"]["ddcl_kwargs"] == {"renorm": True} and run["settings"]["split"] == "validation"
+    assert run["settings"]["ddcl_kwargs"] == {"standardize": {"renorm_clip": None}}
+    assert run["settings"]["split"] == "validation"
     assert "split" not in test_run["settings"] and "ddcl_kwargs" not in test_run["settings"]
-    assert built[0]["renorm"] is True and "renorm" not in built[-1]
+    assert built[0]["standardize"] == {"renorm_clip": None} and "standardize" not in built[-1]
     val_text, test_text = ((tmp_path / split / "report.md").read_text() for split in ("val", "test"))
     assert "validation split (24 held-out training images" in val_text
     assert "val util %" in val_text and "test util %" not in val_text and "test util %" in test_text

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from softvq import DDCLQuantizer, DDCLReadout, ReadoutOutput
-from softvq.parts import Commitment, Gradient, Restart
+from softvq.parts import Commitment, Gradient, Restart, Standardize
 
 K, D = 5, 4
 
@@ -362,8 +362,8 @@ def test_the_readout_defaults_are_the_plain_layer_at_temperature_1():
 def test_recipe_keywords_act_in_the_inner_quantizer_on_the_real_tokens_only():
     """EMA prototypes, the entropy-controlled temperature, standardisation and restarts, forwarded: the readout's
     quantizer ends each step in the state of a DDCLQuantizer fed only the real tokens."""
-    kwargs = {"prototype_update": "ema", "target_entropy": 0.9, "temperature": "auto", "standardize": True,
-              "output_scale": "input", "restart": Restart(0.5)}
+    kwargs = {"prototype_update": "ema", "target_entropy": 0.9, "temperature": "auto",
+              "standardize": Standardize(output_scale="input"), "restart": Restart(0.5)}
     torch.manual_seed(23)
     readout = DDCLReadout(K, D, **kwargs).double()
     torch.manual_seed(23)

@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from softvq import DDCLQuantizer, HardVQ
+from softvq._compat import upgrade_quantizer_kwargs
 from softvq.parts import Ema, Restart
 
 
@@ -199,25 +200,14 @@ def test_the_documented_default_threshold_written_out_behaves_as_the_default():
     assert runs["uncapped"].restarts > 5 * runs["default"].restarts  # 5,596 against 528 when it was the default
 
 
-@pytest.mark.parametrize("kwargs,other", [
-    ({"standardize": False, "output_scale": "input"}, "standardize"),
-    ({"renorm": False, "renorm_clip": (1.5, 0.5)}, "renorm"),
-])
-def test_an_option_without_effect_in_its_combination_is_refused_naming_both(kwargs, other):
-    name = [k for k in kwargs if k not in ("standardize", "prototype_update", "target_entropy",
-                                           "renorm")][0]
-    with pytest.raises(ValueError, match=rf"^{name}=.* has no effect with {other}="):
-        DDCLQuantizer(8, 4, **kwargs)
-    DDCLQuantizer(8, 4, **{k: v for k, v in kwargs.items() if k != name})  # the same without it is fine
-
-
-def test_renorm_is_accepted_at_either_value_without_standardisation_and_changes_nothing():
-    """renorm=True became the default and False was the default before: without standardisation neither is refused
-    (a configuration saved then still builds) and both give the same layer, step for step."""
+def test_renorm_at_either_value_without_standardisation_builds_the_same_layer_step_for_step():
+    """renorm=True became the default and False was the default before: a configuration saved with either and
+    standardize=False (upgraded by softvq._compat) builds the same layer, step for step."""
     outs = []
     for renorm in (True, False):
         torch.manual_seed(0)
-        layer = DDCLQuantizer(8, 4, standardize=False, renorm=renorm).double()
+        kwargs = upgrade_quantizer_kwargs("ddcl", {"standardize": False, "renorm": renorm})
+        layer = DDCLQuantizer(8, 4, **kwargs).double()
         z = torch.randn(64, 4, dtype=torch.float64)
         outs.append([layer(z).quantized, layer(z + 0.1).quantized, layer.prototypes.detach().clone()])
     for a, b in zip(*outs, strict=True):
@@ -336,23 +326,25 @@ def test_a_run_saved_with_the_former_defaults_resumes_and_its_checkpoint_loads(t
     train_vqvae.main([*tiny, "--out", str(out), "--epochs", "1"])
     config = json.loads((out / "config.json").read_text())
     config["ddcl"]["commitment_term"] = "l_ols"
-    del config["ddcl"]["restart"], config["ddcl"]["renorm"]  # the flat options of the time, without a cap
-    config["ddcl"].update(dead_code_threshold="auto", dead_code_decay=0.9)  # 0.9: the former default
+    del config["ddcl"]["restart"], config["ddcl"]["standardize"]  # the flat options of the time: no cap, no renorm
+    config["ddcl"].update(dead_code_threshold="auto", dead_code_decay=0.9,  # 0.9: the former default
+                          standardize=True, output_scale="standardized")
     (out / "config.json").write_text(json.dumps(config))
     ckpt_path = out / "checkpoints" / "last.ckpt"
     ckpt = torch.load(ckpt_path, weights_only=True)
     kwargs = ckpt["hyper_parameters"]["quantizer_kwargs"]
     kwargs["commitment_term"] = "l_ols"
-    del kwargs["restart"], kwargs["renorm"]
-    kwargs.update(dead_code_threshold="auto", dead_code_decay=0.9)
+    del kwargs["restart"]
+    kwargs.update(dead_code_threshold="auto", dead_code_decay=0.9, output_scale="standardized")
     torch.save(ckpt, ckpt_path)
     assert load_vqvae(ckpt_path).quantizer.commitment_term == "hard"  # "l_ols" at weight 0 had no term to keep
     with pytest.raises(ValueError, match=r"commitment_weight: (checkpoint|run) 0\.0 vs now 0\.5"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.commitment_weight", "0.5"])
     with pytest.raises(ValueError, match=r"restart\.decay: (checkpoint|run) 0\.9 vs now 'auto'"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume"])
-    with pytest.raises(ValueError, match=r"--ddcl\.renorm: run False vs now True"):
+    with pytest.raises(ValueError, match=r"--ddcl\.standardize\.renorm_clip: run None vs now \[1\.1, 0\.1\]"):
         train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.restart.decay", "0.9"])
-    rows = train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume", "--ddcl.renorm", "false",
+    rows = train_vqvae.main([*tiny, "--out", str(out), "--epochs", "2", "--resume",
+                             "--ddcl.standardize.renorm_clip", "null",
                              "--ddcl.restart.decay", "0.9"])["ddcl"]
     assert [r["epoch"] for r in rows] == [1, 2]

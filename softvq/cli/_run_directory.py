@@ -35,7 +35,7 @@ STALE = ("history.jsonl", INVOCATIONS, "config.json", "checkpoints", "tb", "reco
 def check_checkpoint(path: Path, model: dict[str, Any], ignore: set[str] = frozenset()) -> dict[str, Any]:
     """A readable Lightning checkpoint (loaded with ``weights_only=True``: nothing in it runs) whose model
     hyperparameters match ``model`` (the VQVAE's constructor arguments; ``ignore``: keys that do not count,
-    :func:`~softvq.cli.config.never_changed`); returns it, else a clear error with the per-key differences."""
+    none by default); returns it, else a clear error with the per-key differences."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
     ckpt = load_torch_file(path, "checkpoint")  # UnsafeCheckpointError / ValueError naming the file
@@ -53,7 +53,7 @@ def check_checkpoint(path: Path, model: dict[str, Any], ignore: set[str] = froze
 def resume_changes(run: dict[str, Any], out: Path, ignore: set[str] = frozenset()) -> dict[str, list[Any]]:
     """The settings that differ from the run's config.json, ``{dotted key: [recorded, now]}``; only
     :data:`~softvq.cli.config.RESUME_SAFE` ones may. A run without config.json (resumed from a checkpoint file into a
-    new --out) has none to compare. Not counted: the keys in ``ignore`` (options inert in the run's combination) and
+    new --out) has none to compare. Not counted: the keys in ``ignore`` and
     options newer than the run's config.json left at their defaults.
 
     Raises:

@@ -28,7 +28,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from softvq import DDCLQuantizer, HardVQ, ResidualDDCL, ResidualHardVQ
 from softvq._checks import check_non_negative_int, check_positive_int
-from softvq._compat import PREDATED, upgrade_settings
+from softvq._compat import upgrade_settings
 from softvq.cli.common import Hardware
 from softvq.cli.parsing import command_parser
 from softvq.data import CIFAR10DataModule
@@ -39,7 +39,7 @@ QUANTIZER_CLASSES = {"ddcl": DDCLQuantizer, "hard": HardVQ, "rddcl": ResidualDDC
 # Arguments the trainer sets itself: the code count and dimension come from --model (and a residual stack's levels,
 # --model.num_quantizers), the layout from the VQ-VAE; ResidualDDCL sets its levels' scale options itself.
 LAYER_SKIP = {"num_codes", "dim", "channel_first", "num_quantizers"}
-RESIDUAL_SKIP = {"standardize", "output_scale"}
+RESIDUAL_SKIP = {"standardize"}
 # What may differ when a run is resumed (dotted keys of config.json): they extend it (epochs), say where the run and the
 # same data are (a moved directory) or how to run it, and change no result (docs/training.md, "Run directories").
 RESUME_SAFE = ("epochs", "out", "data.data_root", "data.download", "data.num_workers",
@@ -197,6 +197,10 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     layer_section = _resolved(section, layer)
     if "target_entropy" in layer_section and getattr(layer, "temperature_rate", DEFAULT_RATE) != DEFAULT_RATE:
         layer_section["target_entropy"] = {"target": layer.target_entropy, "rate": layer.temperature_rate}
+    if "standardize" in layer_section and hasattr(layer, "standardizer"):  # off, or its settings field by field
+        layer_section["standardize"] = False if not layer.standardize else {
+            "renorm_clip": list(layer.standardizer.renorm_clip) if layer.renorm else None,
+            "output_scale": layer.output_scale}
     if "commitment_weight" in layer_section:  # the weight of the "hard" term, or {weight, term} for another term
         term = getattr(layer, "commitment_term", "hard")
         layer_section["commitment_weight"] = layer.commitment_weight if term == "hard" else {
@@ -204,17 +208,6 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     config = {"quantizer": [quantizer], **asdict(run_options(cfg)), "data": cfg.data.as_dict(), "model": model_section,
               quantizer: layer_section, "trainer": asdict(hardware(cfg))}
     return json.loads(json.dumps(config, default=str))
-
-
-def never_changed(quantizer: str, model: VQVAE) -> set[str]:
-    """Dotted keys of config.json (``<quantizer>.<option>``) and of the checkpoint's hyperparameters
-    (``quantizer_kwargs.<option>``) that never count as a change when a run is resumed: the options the layer's
-    combination makes inert (e.g. ``output_scale`` without standardisation), whose value does nothing."""
-    layer = model._codebooks()[0]
-    names = layer.inert_options() if hasattr(layer, "inert_options") else set()
-    return {f"{quantizer}.{n}" for n in names} | {f"quantizer_kwargs.{n}" for n in names}
-
-
 
 
 def default_values() -> dict[str, Any]:
@@ -237,11 +230,9 @@ def config_changes(recorded: dict[str, Any], now: dict[str, Any], ignore: set[st
                    defaults: dict[str, Any] | None = None) -> dict[str, list[Any]]:
     """``{dotted key: [recorded, now]}`` for every setting that differs between two resolved configurations, except
     the keys in ``ignore`` and, with ``defaults`` (:func:`default_values`), a key the record does not have (an option
-    newer than the run) whose value now is its default; with ``defaults``, a record without a
-    :data:`softvq._compat.PREDATED` key counts as having that key's value then. A record's former option names are
-    today's (:func:`softvq._compat.upgrade_settings`)."""
+    newer than the run) whose value now is its default. A record's former option names are today's, and a setting it
+    predates has the value it had then (:func:`softvq._compat.upgrade_settings`)."""
     a, b = upgrade_settings(flat(recorded)), flat(now)  # a record's former option names, today's (softvq._compat)
-    a.update({k: v for k, v in PREDATED.items() if k in b and k not in a and defaults is not None})
     newer = {k for k in b.keys() - a.keys() if defaults is not None and k in defaults and _same(b[k], defaults[k])}
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys())
             if k not in ignore and k not in newer and not _same(a.get(k), b.get(k))}

@@ -111,9 +111,8 @@ def train_one(cfg: Namespace, quantizer: str, out: Path, stop: GracefulStop | No
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = VQVAE(**model_args)  # invalid settings fail here, in the constructor that owns them
     run = config.resolved_config(cfg, quantizer, model)
-    inert = config.never_changed(quantizer, model)
-    ckpt_path, ckpt = resume_point(cfg, out, model_args, inert)
-    changed = resume_changes(run, out, inert) if cfg.resume is not None else {}
+    ckpt_path, ckpt = resume_point(cfg, out, model_args)
+    changed = resume_changes(run, out) if cfg.resume is not None else {}
     data = CIFAR10DataModule(**config.data_kwargs(cfg))
     data.prepare_data()
     data.setup("fit")  # bad or missing data, and train/ and test/ with other classes, fail here, before any write

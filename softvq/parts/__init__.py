@@ -1,6 +1,7 @@
 """The mechanisms a codebook layer is composed of, one ``nn.Module`` each, with its options, state and tests.
 
-- :class:`TokenStandardizer` — tokens standardised per dimension inside the layer (:mod:`softvq.norm`).
+- :class:`TokenStandardizer` — tokens standardised per dimension inside the layer (:mod:`softvq.norm`); its
+  settings, :class:`Standardize`, are the ``standardize`` option.
 - :class:`TemperatureControl` — the Boltzmann temperature: calibrated to an entropy target, then held there.
 - :class:`EmaPrototypes` — the codebook moved by an EMA k-means step (hard or soft responsibilities).
 - :class:`DeadCodeRestart` — the running usage per code and the restart of codes that fell out of use; its
@@ -15,7 +16,7 @@
 docs/design.md, "Anatomy of the layer".
 """
 
-from softvq.norm import TokenStandardizer
+from softvq.norm import Standardize, TokenStandardizer
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
@@ -23,4 +24,4 @@ from softvq.parts.temperature import EntropyControl, TemperatureControl, max_sta
 from softvq.parts.update import Commitment, Ema, Gradient
 
 __all__ = ["Commitment", "DeadCodeRestart", "Ema", "EmaPrototypes", "EntropyControl", "Gradient", "NormalInit",
-           "Restart", "TemperatureControl", "TokenStandardizer", "code_counts", "max_stable_rate"]
+           "Restart", "Standardize", "TemperatureControl", "TokenStandardizer", "code_counts", "max_stable_rate"]
