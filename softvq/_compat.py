@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from softvq._checks import check_float
+from softvq.norm import Standardize
+from softvq.parts.temperature import DEFAULT_RATE
 
 # former top-level buffer name -> its place in today's parts (both layers' former vocabularies)
 _RENAMED = {
@@ -139,7 +141,7 @@ def _entropy_of_flat(get: Any, rate: object) -> object:
     control was on: not ``None``, nor the plain recipe's ``"auto"``); else the target as it was."""
     target = get("target_entropy", "auto")
     off = target is None or (target == "auto" and get("recipe", "auto") != "auto")
-    return target if off or float(rate) == 0.01 else {"target": target, "rate": float(rate)}
+    return target if off or float(rate) == DEFAULT_RATE else {"target": target, "rate": float(rate)}
 
 
 def _init_of_flat(init: object, scale: object) -> dict[str, Any]:
@@ -176,17 +178,18 @@ def _standardize_of_flat(get: Any, standardize: object, predated: bool) -> objec
     on = standardize is True or (standardize == "auto" and get("recipe", "auto") == "auto")
     if not on:
         return False
-    default = PREDATED if predated else {"renorm": True, "renorm_clip": [1.1, 0.1]}
+    default = PREDATED if predated else {"renorm": True, "renorm_clip": list(Standardize().renorm_clip)}
     renorm, clip = get("renorm", default["renorm"]), get("renorm_clip", default["renorm_clip"])
     return {"renorm_clip": list(clip) if renorm else None, "output_scale": get("output_scale", "standardized")}
 
 
-def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``kwargs`` of quantizer ``quantizer`` (its name, e.g. ``"hard"``) with former option names renamed and DDCL's
-    former ``None`` for "the recipe's value" as ``"auto"``."""
-    if not kwargs:
-        return kwargs
-    out = dict(kwargs)
+def _upgrade_options(quantizer: object, out: dict[str, Any], predated: bool) -> dict[str, Any]:
+    """The options of one quantizer ``quantizer`` (its name, e.g. ``"hard"``), today's: former names renamed, DDCL's
+    former ``None`` for "the recipe's value" as ``"auto"``, and the flat options that one option replaced (restart,
+    prototype update, standardisation, commitment, entropy control, initialisation) as that option, a mapping of its
+    fields where it has them. ``predated``: a run record, whose absent standardiser options had their former defaults
+    (:data:`PREDATED`). ``out`` is changed in place and returned."""
+    ddcl = quantizer in ("ddcl", "rddcl")
     for quantizers, old, new in _RENAMED_OPTIONS:
         if quantizer in quantizers and old in out and new not in out:
             out[new] = out.pop(old)
@@ -194,101 +197,53 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
     if quantizer in quantizers:
         out.update({name: "auto" for name in names if name in out and out[name] is None})
     if "restart" not in out and any(name in out for name in _FLAT_RESTART):
-        restart = _restart_of_flat(quantizer, out.get)
-        for name in _FLAT_RESTART:
-            out.pop(name, None)
-        out["restart"] = restart
-    if quantizer in ("ddcl", "rddcl") and any(name in out for name in _FLAT_UPDATE):
-        update = _update_of_flat(out.get, out.get("prototype_update", "auto"))
-        for name in _FLAT_UPDATE:
-            out.pop(name, None)
-        out["prototype_update"] = update
-    flat_standardize = any(name in out for name in _FLAT_STANDARDIZE)
-    if quantizer == "ddcl" and not isinstance(out.get("standardize"), dict) and flat_standardize:
-        out["standardize"] = _standardize_of_flat(out.get, out.get("standardize", "auto"), predated=False)
-        for name in _FLAT_STANDARDIZE:
-            out.pop(name, None)
-    if quantizer in ("ddcl", "rddcl") and "commitment_term" in out:
-        out["commitment_weight"] = _commitment_of_flat(out.get("commitment_weight", 0.0), out.pop("commitment_term"))
-    if quantizer in ("ddcl", "rddcl") and "temperature_rate" in out:
-        out["target_entropy"] = _entropy_of_flat(out.get, out.pop("temperature_rate"))
-    if quantizer in ("ddcl", "rddcl") and "init_scale" in out:
-        out.update(_init_of_flat(out.get("init", "data"), out.pop("init_scale")))
-    # plain types only: a checkpoint's hyperparameters load with weights_only
-    for name in ("restart", "init", "prototype_update", "target_entropy", "commitment_weight", "standardize"):
-        if is_dataclass(out.get(name)):
-            out[name] = asdict(out[name])
+        out["restart"] = _restart_of_flat(quantizer, out.get)
+    if ddcl and any(name in out for name in _FLAT_UPDATE):
+        out["prototype_update"] = _update_of_flat(out.get, out.get("prototype_update", "auto"))
+    standardize = out.get("standardize", "auto")
+    flat_standardize = any(name in out for name in _FLAT_STANDARDIZE) and not isinstance(standardize, dict)
+    if quantizer == "ddcl" and (flat_standardize or (predated and standardize is True)):
+        out["standardize"] = _standardize_of_flat(out.get, standardize, predated)
+    if ddcl and "commitment_term" in out:
+        out["commitment_weight"] = _commitment_of_flat(out.get("commitment_weight", 0.0), out["commitment_term"])
+    if ddcl and "temperature_rate" in out:
+        entropy = _entropy_of_flat(out.get, out["temperature_rate"])
+        if isinstance(entropy, dict):  # else the target, as recorded, is the whole setting
+            out["target_entropy"] = entropy
+    if ddcl and "init_scale" in out:
+        out.update(_init_of_flat(out.get("init", "data"), out["init_scale"]))
+    for name in (*_FLAT_RESTART, *(_FLAT_UPDATE if ddcl else ()), *(_FLAT_STANDARDIZE if quantizer == "ddcl" else ()),
+                 *(("commitment_term", "temperature_rate", "init_scale") if ddcl else ())):
+        out.pop(name, None)
     return out
 
 
+def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``kwargs`` of quantizer ``quantizer`` (its name, e.g. ``"hard"``) in today's options (:func:`_upgrade_options`),
+    settings classes as plain mappings (a checkpoint's hyperparameters load with ``weights_only``)."""
+    if not kwargs:
+        return kwargs
+    out = _upgrade_options(quantizer, dict(kwargs), predated=False)
+    return {name: asdict(value) if is_dataclass(value) else value for name, value in out.items()}
+
+
 def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
-    """Recorded settings as dotted keys (a run's config.json, or a checkpoint's hyperparameters) with former option
-    names renamed (``hard.beta`` becomes ``hard.commitment_weight``, and ``quantizer_kwargs.beta`` likewise when the
-    record's quantizer is one that had it) and DDCL's former ``None`` for "the recipe's value" read as ``"auto"``."""
+    """Recorded settings as dotted keys (a run's config.json, or a checkpoint's hyperparameters) in today's options:
+    each quantizer's section (``hard.beta`` becomes ``hard.commitment_weight``, and ``quantizer_kwargs.beta`` likewise
+    when the record's quantizer is one that had it) upgraded as :func:`_upgrade_options` does, an option that became a
+    settings class recorded field by field (``ddcl.restart.threshold``)."""
     out = dict(flat)
     named = out.get("quantizer")
     named = set(named) if isinstance(named, list) else {named}
-    for quantizers, old, new in _RENAMED_OPTIONS:
-        sections = list(quantizers) + (["quantizer_kwargs"] if named & set(quantizers) else [])
-        for section in sections:
-            if f"{section}.{old}" in out and f"{section}.{new}" not in out:
-                out[f"{section}.{new}"] = out.pop(f"{section}.{old}")
-    quantizers, names = _AUTO_WAS_NONE
-    for section in [*quantizers, *(["quantizer_kwargs"] if named & set(quantizers) else [])]:
-        keys = [f"{section}.{n}" for n in names]
-        out.update({key: "auto" for key in keys if key in out and out[key] is None})
-    sections = [(q, q) for q in ("ddcl", "rddcl", "hard", "rhard")]
-    sections += [("quantizer_kwargs", q) for q in named if q in ("ddcl", "rddcl", "hard", "rhard")]
-    for section, quantizer in sections:
-        if not any(f"{section}.{name}" in out for name in _FLAT_RESTART):
-            continue
-        restart = _restart_of_flat(quantizer, lambda n, d, s=section: out.get(f"{s}.{n}", d))
-        for name in _FLAT_RESTART:
-            out.pop(f"{section}.{name}", None)
-        if restart is None:
-            out[f"{section}.restart"] = None
-        else:
-            out.update({f"{section}.restart.{field}": value for field, value in restart.items()})
-    for section, quantizer in sections:
-        if quantizer in ("ddcl", "rddcl") and any(f"{section}.{name}" in out for name in _FLAT_UPDATE):
-            update = _update_of_flat(lambda n, d, s=section: out.get(f"{s}.{n}", d),
-                                     out.pop(f"{section}.prototype_update", "auto"))
-            for name in _FLAT_UPDATE:
-                out.pop(f"{section}.{name}", None)
-            out.update({f"{section}.prototype_update.{k}": v for k, v in update.items()} if isinstance(update, dict)
-                       else {f"{section}.prototype_update": update})
-    for section, quantizer in sections:
-        old = out.get(f"{section}.standardize")  # a bool or "auto" before Standardize (today: False, or its fields)
-        flat_keys = any(f"{section}.{name}" in out for name in _FLAT_STANDARDIZE)
-        if quantizer == "ddcl" and (old is True or (old == "auto" and flat_keys)):
-            standardize = _standardize_of_flat(lambda n, d, s=section: out.get(f"{s}.{n}", d), old, predated=True)
-            for name in ("standardize", *_FLAT_STANDARDIZE):
-                out.pop(f"{section}.{name}", None)
-            out.update({f"{section}.standardize.{k}": v for k, v in standardize.items()} if standardize
-                       else {f"{section}.standardize": False})
-        elif quantizer == "ddcl" and old is False:
-            for name in _FLAT_STANDARDIZE:
-                out.pop(f"{section}.{name}", None)
-    for section, quantizer in sections:
-        if quantizer in ("ddcl", "rddcl") and f"{section}.commitment_term" in out:
-            commitment = _commitment_of_flat(out.pop(f"{section}.commitment_weight", 0.0),
-                                             out.pop(f"{section}.commitment_term"))
-            if isinstance(commitment, dict):
-                out.update({f"{section}.commitment_weight.{k}": v for k, v in commitment.items()})
+    quantizers = ("ddcl", "rddcl", "hard", "rhard")
+    for section, quantizer in [*((q, q) for q in quantizers), *(("quantizer_kwargs", q) for q in named
+                                                               if q in quantizers)]:
+        prefix = f"{section}."
+        keys = [key for key in out if key.startswith(prefix)]
+        options = _upgrade_options(quantizer, {key[len(prefix):]: out.pop(key) for key in keys}, predated=True)
+        for name, value in options.items():
+            if isinstance(value, dict):  # a settings class's fields (a dotted record holds no other mapping)
+                out.update({f"{prefix}{name}.{field}": v for field, v in value.items()})
             else:
-                out[f"{section}.commitment_weight"] = commitment
-    for section, quantizer in sections:
-        if quantizer in ("ddcl", "rddcl") and f"{section}.temperature_rate" in out:
-            entropy = _entropy_of_flat(lambda n, d, s=section: out.get(f"{s}.{n}", d),
-                                       out.pop(f"{section}.temperature_rate"))
-            if isinstance(entropy, dict):
-                out.pop(f"{section}.target_entropy", None)
-                out.update({f"{section}.target_entropy.{k}": v for k, v in entropy.items()})
-    for section, quantizer in sections:
-        if quantizer in ("ddcl", "rddcl") and f"{section}.init_scale" in out:
-            init = _init_of_flat(out.pop(f"{section}.init", "data"), out.pop(f"{section}.init_scale"))["init"]
-            if isinstance(init, dict):
-                out[f"{section}.init.scale"] = init["scale"]
-            else:
-                out[f"{section}.init"] = init
+                out[f"{prefix}{name}"] = value
     return out
