@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -261,6 +262,21 @@ def test_entropy_controlled_temperature_follows_the_measured_entropy(recwarn):
         VQVAE("ddcl", target_entropy=1.0, **SMALL)
     with pytest.raises(ValueError, match="target_entropy"):
         VQVAE("hard", target_entropy=1.0, **SMALL)
+
+
+def test_plain_layer_with_its_own_target_keeps_its_temperature_to_itself():
+    # recipe="plain" with a target of its own: the model-side "auto" target (2.5 nats) must not also set T
+    torch.manual_seed(3)
+    model = VQVAE("ddcl", quantizer_kwargs={"recipe": "plain", "target_entropy": 2.0, "temperature": 0.5}, **SMALL)
+    assert model.target_entropy is None and model.quantizer.target_entropy == 2.0
+    assert VQVAE("ddcl", quantizer_kwargs={"recipe": "plain"}, **SMALL).target_entropy == 2.5  # no target: the model's
+    x = torch.rand(4, 3, 32, 32)
+    alone = copy.deepcopy(model)
+    alone.train()
+    alone(x)  # the layer's own control, once
+    model.training_step((x, torch.zeros(4)), 0)
+    assert model.quantizer.temperature != 0.5
+    assert model.quantizer.temperature == pytest.approx(alone.quantizer.temperature, rel=1e-6)
 
 
 def test_adapt_temperature_known_values_and_errors():

@@ -68,11 +68,13 @@ def layer_controls_temperature(model: nn.Module) -> bool:
 
 def target_entropy(model: nn.Module) -> float | None:
     """:attr:`VQVAE.target_entropy`: the model-side target, ``"auto"`` resolved (``DDCL_TARGET_ENTROPY`` for plain DDCL
-    layers with a constant schedule, else ``None``)."""
+    layers with a constant schedule that hold no target of their own, else ``None``)."""
     if model._target_entropy != "auto":
         return model._target_entropy
     plain = all(getattr(layer, "recipe", None) == "plain" for layer in model._codebooks())
-    auto = model.hparams.get("quantizer") == "ddcl" and model.temperature_schedule == "constant" and plain
+    # a plain layer given its own target (quantizer_kwargs={"recipe": "plain", "target_entropy": ...}) holds T itself
+    auto = (model.hparams.get("quantizer") == "ddcl" and model.temperature_schedule == "constant" and plain
+            and not layer_controls_temperature(model))
     return DDCL_TARGET_ENTROPY if auto else None
 
 
