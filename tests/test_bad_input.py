@@ -311,10 +311,21 @@ def test_truncated_archive_in_the_data_module(tmp_path, tiny_cifar, monkeypatch)
      "probs must be assignment probabilities in [0, 1]; 1 entries are not (e.g. nan)"),
     (lambda: softvq.CodebookUsage(4).update(torch.tensor([1]), torch.tensor([[-0.5, 1.5, 0, 0]])),
      "probs must be assignment probabilities in [0, 1]; 2 entries are not (e.g. -0.5)"),
+    (lambda: softvq.CodebookUsage(4).update(torch.tensor([0, 1]), torch.tensor([[1.0, 0, 0, 0], [0, 1.5, 0, 0]])),
+     "probs must be assignment probabilities in [0, 1]; 1 entries are not (e.g. 1.5)"),
+    (lambda: softvq.CodebookUsage(4).update(torch.tensor([0]), torch.tensor([[float("inf"), 0, 0, 0]])),
+     "probs must be assignment probabilities in [0, 1]; 1 entries are not (e.g. inf)"),
 ])
 def test_bad_api_input_by_message(make, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make()
+
+
+def test_probabilities_at_the_ends_of_the_range_are_accepted():
+    probs = torch.tensor([[1.0 + 5e-6, 0, 0, 0], [0, 0.25, 0.75, 0]], dtype=torch.float64)
+    usage = softvq.CodebookUsage(4)
+    usage.update(torch.tensor([0, 2]), probs)
+    assert usage.compute()["utilization"] == pytest.approx(0.5)
 
 
 def test_numpy_integers_are_accepted_as_plain_ints():
