@@ -10,6 +10,10 @@ Methods (each configured as its own documentation recommends, wrapped by :class:
 softvq layer; ``--methods`` picks some):
     ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto")
     hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
+    hard_ema_cap  the same with the restart threshold capped at a quarter of the mean tokens per code per batch
+                (``Restart(1.0, decay=0.99, cap=0.25)``, the cap of ``softvq.Restart``'s defaults): from K = N / 4 on
+                (2,048 codes at 8,192 tokens a batch) the uncapped threshold of one token restarts most codes every
+                step; not in the default ``--methods``
     vqp_vq      vector-quantize-pytorch ``VectorQuantize(kmeans_init=True, threshold_ema_dead_code=2,
                 rotation_trick=True)``, the recipe its README gives against dead codes
     vqp_fsq     vector-quantize-pytorch ``FSQ(levels=[8, 8, 8])`` (512 implicit codes) with its input/output projection
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -63,6 +68,7 @@ LABELS = {
     "ddcl_h25": "softvq DDCL, former defaults (target entropy min(2.5, log K / 2) nats)",
     "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
+    "hard_ema_cap": "softvq HardVQ, EMA 0.99 + restart 1 capped at N / (4K)",
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
     "vqp_fsq": "vqp FSQ [8,8,8]",
     "vqp_simvq": "vqp SimVQ, defaults",
@@ -158,6 +164,9 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     if method == "hard_ema":
         options = upgrade_quantizer_kwargs("hard", {"ema_decay": 0.99, **extra})
         return softvq.HardVQ(num_codes, dim, **{"restart": HARD_RESTART, **options})
+    if method == "hard_ema_cap":
+        options = upgrade_quantizer_kwargs("hard", {"ema_decay": 0.99, **extra})
+        return softvq.HardVQ(num_codes, dim, **{"restart": dataclasses.replace(HARD_RESTART, cap=0.25), **options})
     vqp = _vqp()
     if method == "vqp_vq":
         options = {"kmeans_init": True, "threshold_ema_dead_code": 2, "rotation_trick": True, **extra}
