@@ -3,6 +3,7 @@ report's statistics by hand, and reuse of finished runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -240,3 +241,19 @@ def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h
     assert peers.build("ddcl_h25", 512, 64).target_entropy == 2.5
     assert peers.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))
     assert peers.build("ddcl_h25", 1, 8).target_entropy is None
+
+
+def test_the_capped_hard_peer_restarts_only_codes_below_a_quarter_of_the_mean_usage():
+    # at K = 16384 and 8,192 tokens a batch the mean code wins 0.5 tokens: the uncapped threshold of one token
+    # restarts most codes every step, the capped one only those below N / (4K) (docs/studies.md, "Long training")
+    usage = torch.tensor([0.3] * 8 + [0.05] * 4 + [0.5] * 4)  # mean 0.2875: capped threshold 0.071875
+    z = torch.randn(64, 4)
+    moved = {}
+    for method in ("hard_ema", "hard_ema_cap"):
+        layer = peers.build(method, 16, 4)
+        layer.dead_codes.usage.copy_(usage)
+        moved[method] = layer.dead_codes.restart_(layer.codebook.clone(), z)
+    assert moved["hard_ema"].all()  # every code is below one token a batch
+    assert torch.equal(moved["hard_ema_cap"], usage < 0.25 * usage.mean())
+    assert int(moved["hard_ema_cap"].sum()) == 4
+    assert peers.build("hard_ema_cap", 16, 4).dead_codes.settings == dataclasses.replace(peers.HARD_RESTART, cap=0.25)
