@@ -11,9 +11,10 @@ softvq layer; ``--methods`` picks some):
     ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto")
     hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
     hard_ema_cap  the same with the restart threshold capped at a quarter of the mean tokens per code per batch
-                (``Restart(1.0, decay=0.99, cap=0.25)``, the cap of ``softvq.Restart``'s defaults): from K = N / 4 on
-                (2,048 codes at 8,192 tokens a batch) the uncapped threshold of one token restarts most codes every
-                step; not in the default ``--methods``
+                (``Restart(1.0, decay=0.99, cap=0.25)``, the cap of ``softvq.Restart``'s defaults): the cap binds
+                from K = N / 4 (2,048 codes at 8,192 tokens a batch), and from K = N on, where the mean code wins
+                under one token a batch, the uncapped threshold restarts most codes every step; not in the default
+                ``--methods``
     vqp_vq      vector-quantize-pytorch ``VectorQuantize(kmeans_init=True, threshold_ema_dead_code=2,
                 rotation_trick=True)``, the recipe its README gives against dead codes
     vqp_fsq     vector-quantize-pytorch ``FSQ(levels=[8, 8, 8])`` (512 implicit codes) with its input/output projection
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import softvq
-from eval._hard import HARD_RESTART, HARD_RESTART_FLAGS  # noqa: F401 (importable from here)
+from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED, HARD_RESTART_FLAGS  # noqa: F401 (importable from here)
 from eval._provenance import repo_relative
 from eval.peers.report import write_report
 from softvq._compat import upgrade_quantizer_kwargs
@@ -161,12 +161,10 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
         # the default's log K / 2 held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token; the same
         # layer as the defaults up to K = (D + 1)^2 (docs/design.md, "Training to the end")
         return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
-    if method == "hard_ema":
+    if method in ("hard_ema", "hard_ema_cap"):
         options = upgrade_quantizer_kwargs("hard", {"ema_decay": 0.99, **extra})
-        return softvq.HardVQ(num_codes, dim, **{"restart": HARD_RESTART, **options})
-    if method == "hard_ema_cap":
-        options = upgrade_quantizer_kwargs("hard", {"ema_decay": 0.99, **extra})
-        return softvq.HardVQ(num_codes, dim, **{"restart": dataclasses.replace(HARD_RESTART, cap=0.25), **options})
+        restart = HARD_RESTART if method == "hard_ema" else HARD_RESTART_CAPPED
+        return softvq.HardVQ(num_codes, dim, **{"restart": restart, **options})
     vqp = _vqp()
     if method == "vqp_vq":
         options = {"kmeans_init": True, "threshold_ema_dead_code": 2, "rotation_trick": True, **extra}
