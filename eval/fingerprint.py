@@ -36,6 +36,7 @@ SIGNIFICANT = 5  # digits kept of every value hashed
 
 def _builders() -> dict[str, Callable[[], nn.Module]]:
     import softvq
+    from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED
 
     # K = 256 for DDCL: its recipe's rules that depend on K are in their K-dependent range there (the entropy target
     # log K / 2 is above the former 2.5 nats from K = 149 on; 768 tokens a batch put the usage decay 1 - N / (64 K)
@@ -43,7 +44,9 @@ def _builders() -> dict[str, Callable[[], nn.Module]]:
     builders: dict[str, Callable[[], nn.Module]] = {
         "ddcl": lambda: softvq.DDCLQuantizer(256, 8),
         "hard": lambda: softvq.HardVQ(16, 8),
-        "hard_ema": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None)),
+        "hard_ema": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, restart=HARD_RESTART),
+        # K = 256: 768 tokens a batch give 0.75 a code, so the cap (a quarter of that) is what sets the threshold
+        "hard_ema_cap": lambda: softvq.HardVQ(256, 8, ema_decay=0.99, restart=HARD_RESTART_CAPPED),
         "rddcl": lambda: softvq.ResidualDDCL(2, 256, 8),
         "rhard": lambda: softvq.ResidualHardVQ(2, 16, 8),
     }

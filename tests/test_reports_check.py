@@ -214,3 +214,19 @@ def test_the_same_numbers_under_other_names_and_in_another_order_have_the_same_f
             return OrderedDict((f"renamed_{k}", v) for k, v in reversed(list(items)))
 
     assert fingerprint.fingerprint("ddcl", Moved) == fingerprint.fingerprint("ddcl")
+
+
+def test_the_capped_hard_fingerprint_is_taken_where_the_cap_sets_the_threshold():
+    """hard_ema_cap differs from hard_ema only where a quarter of the mean tokens per code is below one token: the
+    fingerprint's layer is at such a size, so a change of the cap's rule changes it."""
+    import dataclasses
+
+    import softvq
+    from eval import fingerprint
+    from eval._hard import HARD_RESTART_CAPPED
+
+    k = fingerprint._builders()["hard_ema_cap"]().num_codes
+    assert HARD_RESTART_CAPPED.cap * 768 / k < HARD_RESTART_CAPPED.threshold  # 768 tokens a fingerprint batch
+    uncapped = dataclasses.replace(HARD_RESTART_CAPPED, cap=None)
+    assert fingerprint.fingerprint("hard_ema_cap") != fingerprint.fingerprint(
+        "hard_ema_cap", lambda: softvq.HardVQ(k, 8, ema_decay=0.99, restart=uncapped))
