@@ -1,11 +1,16 @@
 """Fingerprints of the bottlenecks' numerics: which reports a code change makes stale, and which it does not.
 
 A method's fingerprint is a hash of a fixed tiny training run of its bottleneck (six steps of a linear encoder on
-fixed tensors, one torch thread: the codes, indices, gradients and state after every step (the state's tensors
-whatever their names and order), then an evaluation pass),
-with its values rounded to 5 significant digits so that the last bits of a float sum do not count. A refactor that
-changes no number leaves every fingerprint as it was; a new default changes the fingerprints of the methods that use
-it, and only theirs.
+fixed tensors: the codes, indices, assignments, loss, gradients and state after every step (the state's tensors
+whatever their names and order), then an evaluation pass). It means the same on every machine: the run is float64
+throughout (the layer built and trained with float64 as the default dtype, its inputs drawn in float64), every tensor
+is summarised by a few float64 projections, and these are rounded to multiples of 2^-18 (:data:`GRID`), with the
+values that sit on a rounding jump handled (:class:`Run`). Measured on one AMD EPYC: the raw values differ by
+1.9e-15 at most between ``ATEN_CPU_CAPABILITY=avx2`` and ``avx512`` (and by 2.8e-7 under ``default`` before the
+draws were float64: float32 normal draws are vectorised differently), 14 orders of magnitude inside a step. A
+refactor that changes no number leaves every fingerprint as it was on every CPU, kernel set and thread count; a new
+default changes the fingerprints of the methods that use it, and only theirs. What it cannot see: a change confined
+to float32 arithmetic (a compute precision, a float32-only floor): the golden file (tests/golden) checks float32.
 
 ``reports/fingerprints.json`` holds, per report, the fingerprints of the methods its numbers come from, taken at the
 commits its runs were trained at (``python -m eval.reports --backfill-fingerprints WORKDIR`` takes them for every
@@ -19,19 +24,27 @@ names the reports whose methods' numerics changed (:func:`stale_methods`).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from eval._provenance import ROOT, portable
 
 STORE = ROOT / "reports" / "fingerprints.json"
-SIGNIFICANT = 5  # digits kept of every value hashed
+# Values are rounded to multiples of GRID (an absolute step, about 3.8e-6: the tiny run's values are of order 1 to
+# 1e3, so this keeps 6 to 9 significant digits); a value within NEAR steps (about 3.8e-11) of the rounding jump of its
+# cell has that cell's jump moved, and the move recorded with the print (:class:`Run`).
+GRID = 2.0 ** -18
+NEAR = 1e-5
+PROJECTIONS = 3  # random projections of every tensor, beside its sum of squares
 
 
 def _builders() -> dict[str, Callable[[], nn.Module]]:
@@ -47,7 +60,10 @@ def _builders() -> dict[str, Callable[[], nn.Module]]:
         "hard_ema": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, restart=HARD_RESTART),
         # K = 256: 768 tokens a batch give 0.75 a code, so the cap (a quarter of that) is what sets the threshold
         "hard_ema_cap": lambda: softvq.HardVQ(256, 8, ema_decay=0.99, restart=HARD_RESTART_CAPPED),
-        "rddcl": lambda: softvq.ResidualDDCL(2, 256, 8),
+        # K = 32: the second level starts from the first one's residuals, of which the K tokens that became codes of
+        # the first level are exactly zero; at K = 256 (of 768 tokens) it drew 80 coincident zero codes, whose ties
+        # the last bits of a matmul decide (Run); at 32 it draws none
+        "rddcl": lambda: softvq.ResidualDDCL(2, 32, 8),
         "rhard": lambda: softvq.ResidualHardVQ(2, 16, 8),
     }
     return builders
@@ -68,56 +84,173 @@ def canonical(name: str) -> str | None:
     return name if name in _builders() else None
 
 
-def _rounded(t: torch.Tensor) -> bytes:
-    t = t.detach().to(torch.float64).contiguous()
-    if not t.is_floating_point() or t.numel() == 0:
-        return t.numpy().tobytes()
-    exponent = torch.floor(torch.log10(t.abs().clamp_min(1e-30)))
-    scale = 10.0 ** (SIGNIFICANT - 1 - exponent)
-    return (torch.round(t * scale) / scale).numpy().tobytes()
+@functools.lru_cache(maxsize=64)
+def _weights(n: int) -> np.ndarray:
+    """``(PROJECTIONS, n)`` fixed projection weights for a tensor of ``n`` values, drawn in float64 (float64 normal
+    draws are the same under every kernel set; float32 ones are not) from a seed of ``n`` alone, so that a tensor's
+    summary does not depend on its name."""
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(PROJECTIONS, n, generator=g, dtype=torch.float64).numpy()
 
 
-def fingerprint(method: str, build: Callable[[], nn.Module] | None = None) -> str:
-    """The fingerprint of ``method`` (or of the bottleneck ``build()`` makes), 16 hex digits."""
-    build = build or _builders()[method]
-    threads = torch.get_num_threads()
+def _summary(t: torch.Tensor) -> np.ndarray:
+    """A tensor's numbers as ``PROJECTIONS + 1`` float64 values: its projections on fixed random directions and its
+    sum of squares (float64 sums of float64 values: their rounding, 1e-16 relative, is far below :data:`GRID`). Any
+    change of a value by more than about ``GRID`` moves a projection by more than a step."""
+    x = t.detach().cpu().to(torch.float64).reshape(-1).numpy()
+    if x.size == 0:
+        return np.zeros(PROJECTIONS + 1)
+    return np.concatenate([_weights(x.size) @ x, [x @ x]])
+
+
+Steps = list[tuple[list[np.ndarray], list[np.ndarray]]]  # per step: (ordered summaries, the state's in any order)
+
+
+# Methods whose run is cut short (then without the evaluation pass): their steps would reach coincident codes.
+# hard_ema_cap's restarts at the end of step 0 draw 179 tokens of 768 with replacement, 17 of them twice.
+_STEPS = {"hard_ema_cap": 1}
+
+
+def _check_distinct(layer: nn.Module, method: str, where: str) -> None:
+    """A RuntimeError if a codebook of ``layer`` holds coincident codes before ``where``: a token's nearest code is
+    then a tie that the last bits of a matmul decide (a BLAS kernel rounds a column at the edge of its block
+    otherwise than an inner one; measured: copies of one code at columns 10 and 255 of 256), which differ between
+    machines, and the runs part from there."""
+    for name, module in layer.named_modules():
+        codes = getattr(module, "prototypes", None)
+        if isinstance(codes, torch.Tensor) and codes.ndim == 2:
+            same = codes.shape[0] - torch.unique(codes.detach(), dim=0).shape[0]
+            if same:
+                raise RuntimeError(f"fingerprint {method}: {same} coincident code(s) in {name or 'the layer'} before "
+                                   f"{where}; their ties are decided by the last bits of a matmul, which differ "
+                                   f"between machines: shorten the run (_STEPS) or change its setting")
+
+
+def _collect(method: str, build: Callable[[], nn.Module]) -> Steps:
+    """The fixed tiny training run of the layer ``build()`` makes, summarised: per step, the summaries of what it
+    returned, the encoder's gradient and weight (in that order), then one summary per state tensor (in no order:
+    :class:`Run` sorts them), and after the steps the evaluation pass. Everything in float64: the layer is built and
+    trained with float64 as the default dtype, so that its own random draws (a normal initialisation, float32 draws
+    of which differ between PyTorch's kernel sets) are float64 ones."""
+    dtype = torch.get_default_dtype()
     state = torch.random.get_rng_state()
-    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
-        layer = build()
+        layer = build().to(torch.float64)
+        gen = torch.Generator().manual_seed(1)  # float64 draws: the same under every kernel set
         encoder = nn.Linear(8, 8)
+        with torch.no_grad():
+            encoder.weight.copy_(torch.randn(8, 8, generator=gen) / 8 ** 0.5)
+            encoder.bias.copy_(torch.randn(8, generator=gen) * 0.1)
         optimizer = torch.optim.SGD(encoder.parameters(), lr=0.05)
-        x = torch.randn(6, 768, 8) * 2 + 0.5
-        digest = hashlib.sha256()
+        x = torch.randn(6, 768, 8, generator=gen) * 2 + 0.5
+        steps: Steps = []
         layer.train()
-        for batch in x:
+        for step, batch in enumerate(x[:_STEPS.get(method, len(x))]):
+            _check_distinct(layer, method, f"step {step}")
             out = layer(encoder(batch))
             loss = (out.quantized - batch).square().mean() + out.loss
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            for t in (out.quantized, out.indices, encoder.weight.grad, encoder.weight):
-                digest.update(_rounded(t))
-            # the state whatever its keys are named or ordered (a layer composed of other parts holds the same
-            # numbers under other names): each tensor's hash, sorted
-            held = sorted(hashlib.sha256(_rounded(t)).hexdigest() for t in layer.state_dict().values()
-                          if isinstance(t, torch.Tensor))
-            digest.update("".join(held).encode())
-        layer.eval()
-        with torch.no_grad():
-            out = layer(encoder(x[0]))
-        digest.update(_rounded(out.quantized))
-        digest.update(_rounded(out.indices))
-        return digest.hexdigest()[:16]
+            shown = [out.quantized, out.indices, out.probs, out.loss, encoder.weight.grad, encoder.weight]
+            held = [_summary(t) for t in layer.state_dict().values() if isinstance(t, torch.Tensor)]
+            steps.append(([_summary(t) for t in shown], held))
+        if method not in _STEPS:
+            _check_distinct(layer, method, "the evaluation pass")
+            layer.eval()
+            with torch.no_grad():
+                out = layer(encoder(x[0]))
+            steps.append(([_summary(out.quantized), _summary(out.indices), _summary(out.probs)], []))
+        return steps
     finally:
-        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
         torch.random.set_rng_state(state)
+
+
+_MOVE = re.compile(r"(-?\d+)([+-])")
+
+
+class Run:
+    """The summaries of one fingerprint run, and its print: a hash of them rounded to multiples of :data:`GRID`.
+
+    Rounding is where a portable fingerprint can break: two machines' values differ in their last bits (float64
+    kernels of other vector widths sum in other orders: about 1e-15 here), and a value that lies on a rounding jump
+    rounds one way on one machine and the other way on another. So the print records those values: a cell ``k``
+    (the values in ``[k, k + 1)`` steps) with a value within :data:`NEAR` steps of its jump at ``k + 1/2`` has the
+    jump moved to ``k + 3/4`` (``"k+"``) or, when another value sits there, to ``k + 1/4`` (``"k-"``), and the moves
+    are written after the hash (``"0123456789abcdef@17+,-4-"``; about 1 print in 100 has one). Comparing with a stored
+    print (:meth:`matches`) rounds with its moves: each value is then at least :data:`NEAR` steps from a jump, so
+    values that agree to better than that (the same numerics on another CPU, kernel set or thread count) give the
+    same hash, and a change of more than a step gives another."""
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+        self.units = np.concatenate([s for shown, held in steps for s in (*shown, *held)]) / GRID
+
+    @classmethod
+    def of(cls, method: str, build: Callable[[], nn.Module] | None = None) -> Run:
+        return cls(_collect(method, build or _builders()[method]))
+
+    def _moves(self) -> dict[int, int]:
+        """The cells whose jump a value sits on, and where it moves (+1: to 3/4, -1: to 1/4)."""
+        cell = np.floor(self.units)
+        frac = self.units - cell
+        moves: dict[int, int] = {}
+        for k in sorted({int(c) for c in cell[np.abs(frac - 0.5) < NEAR]}):
+            here = frac[cell == k]
+            for sign in (1, -1):
+                if not (np.abs(here - (0.5 + 0.25 * sign)) < NEAR).any():
+                    moves[k] = sign
+                    break
+            else:  # three values of one cell on three candidate jumps, each within 4e-11: never seen
+                raise RuntimeError(f"fingerprint: cell {k} has values on every candidate rounding jump")
+        return moves
+
+    def _digest(self, moves: dict[int, int]) -> str:
+        def rounded(values: np.ndarray) -> np.ndarray:
+            u = np.asarray(values, dtype=np.float64) / GRID
+            k = np.floor(u)
+            jump = 0.5 + 0.25 * np.array([moves.get(int(c), 0) for c in k.ravel()]).reshape(k.shape)
+            return (k + (u - k >= jump)).astype(np.int64)
+
+        digest = hashlib.sha256()
+        for shown, held in self.steps:
+            for s in shown:
+                digest.update(rounded(s).tobytes())
+            # the state whatever its keys are named or ordered (a layer composed of other parts holds the same
+            # numbers under other names): its tensors' rounded summaries, sorted
+            digest.update(b"".join(sorted(rounded(s).tobytes() for s in held)))
+        return digest.hexdigest()[:16]
+
+    def print(self) -> str:
+        """The fingerprint to store: 16 hex digits, and the moved jumps after an ``@`` when there are any."""
+        moves = self._moves()
+        marks = ",".join(f"{k}{'+' if s > 0 else '-'}" for k, s in sorted(moves.items()))
+        return self._digest(moves) + (f"@{marks}" if marks else "")
+
+    def matches(self, stored: str) -> bool:
+        """Whether ``stored`` (a print of :meth:`print`, taken on any machine) is this run's numerics."""
+        digest, _, marks = stored.partition("@")
+        moves = {int(k): 1 if s == "+" else -1 for k, s in _MOVE.findall(marks)}
+        return self._digest(moves) == digest
+
+
+def fingerprint(method: str, build: Callable[[], nn.Module] | None = None) -> str:
+    """The fingerprint of ``method`` (or of the bottleneck ``build()`` makes): :meth:`Run.print`."""
+    return Run.of(method, build).print()
 
 
 def today(names: Sequence[str] | None = None) -> dict[str, str]:
     """Today's fingerprint of every method (or of ``names``)."""
     return {m: fingerprint(m) for m in (names or methods())}
+
+
+def runs(names: Sequence[str] | None = None) -> dict[str, Run]:
+    """Today's fingerprint run of every method (or of ``names``), to compare stored prints with
+    (:func:`stale_methods`)."""
+    return {m: Run.of(m) for m in (names or methods())}
 
 
 def load(store: Path = STORE) -> dict[str, dict[str, list[str]]]:
@@ -144,9 +277,10 @@ def add(report: str, method: str, store: Path = STORE) -> None:
     record(report, {**prints, name: [*prints.get(name, []), fingerprint(name)]}, store)
 
 
-def stale_methods(stored: dict[str, list[str]], current: dict[str, str]) -> list[str]:
-    """The methods whose numerics changed: today's fingerprint is not the one (each one) the report was made with."""
-    return sorted(m for m, prints in stored.items() if m in current and any(p != current[m] for p in prints))
+def stale_methods(stored: dict[str, list[str]], current: dict[str, Run]) -> list[str]:
+    """The methods whose numerics changed: today's run (:func:`runs`) does not match the print (each print) the report
+    was made with."""
+    return sorted(m for m, prints in stored.items() if m in current and not all(current[m].matches(p) for p in prints))
 
 
 def report_methods(report: Path) -> list[str]:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eval._provenance import ROOT, git
 
@@ -99,7 +100,7 @@ def is_ancestor(older: str, newer: str, root: Path) -> bool:
 
 
 def status(header: Header, root: Path = ROOT, prints: dict[str, list[str]] | None = None,
-           current: dict[str, str] | None = None) -> str:
+           current: dict[str, Any] | None = None) -> str:
     """``"fresh"``, ``"no header: ..."``, ``"unknown commit ..."`` or ``"stale: ..."``.
 
     With ``prints`` (the report's stored fingerprints, :mod:`eval.fingerprint`) and ``current`` (today's), the
@@ -129,10 +130,11 @@ def status(header: Header, root: Path = ROOT, prints: dict[str, list[str]] | Non
     return "fresh"
 
 
-def backfill_record_fingerprints(records: Path, work: Path) -> bool:
+def backfill_record_fingerprints(records: Path, work: Path, refresh: bool = False) -> bool:
     """Give each record in ``records`` (``runs/*.json`` of a study that logs every start of a run, as
-    :mod:`eval.long_run` does) the ``fingerprints`` of its method at the commits its run was started or resumed at;
-    whether there were such records. A record that holds them already is left as it is."""
+    :mod:`eval.long_run` does) the ``fingerprints`` of its method at the commits its run was started or resumed at
+    (each start's own ``fingerprint`` too); whether there were such records. A record that holds them already is left
+    as it is, unless ``refresh`` (the fingerprint itself changed)."""
     from eval import fingerprint
 
     found = False
@@ -143,14 +145,18 @@ def backfill_record_fingerprints(records: Path, work: Path) -> bool:
         if not name or not commits:
             continue
         found = True
-        if rec.get("fingerprints") or not all(known(c, ROOT) for c in commits):
+        if (rec.get("fingerprints") and not refresh) or not all(known(c, ROOT) for c in commits):
             continue
-        rec["fingerprints"] = sorted({fingerprint.at_commit(c, [name], work)[name] for c in dict.fromkeys(commits)})
+        at = {c: fingerprint.at_commit(c, [name], work)[name] for c in dict.fromkeys(commits)}
+        for start in rec.get("invocations", []):
+            if start.get("code"):
+                start["fingerprint"] = at[start["code"].rstrip("+")]
+        rec["fingerprints"] = sorted({p for p in at.values() if p})
         path.write_text(json.dumps(rec, indent=1) + "\n")
     return found
 
 
-def backfill_fingerprints(work: Path, store: Path | None = None) -> None:
+def backfill_fingerprints(work: Path, store: Path | None = None, refresh: bool = False) -> None:
     """Record, for every committed report with fingerprinted methods, their fingerprints at the commits on its
     ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with. A
     study whose records log the commit of every start of their run (:mod:`eval.long_run`) gets each record's own
@@ -162,7 +168,7 @@ def backfill_fingerprints(work: Path, store: Path | None = None) -> None:
     store = store or fingerprint.STORE
     for report in find_reports(ROOT):
         key = report.relative_to(ROOT).as_posix()
-        if backfill_record_fingerprints(report.parent / "runs", work):
+        if backfill_record_fingerprints(report.parent / "runs", work, refresh):
             fingerprint.record(key, report_fingerprints(report.parent / "runs", fingerprint.load(store).get(key, {})),
                                store)
             print(f"{report.relative_to(ROOT)}: per record", flush=True)
@@ -189,9 +195,12 @@ def main(argv: list[str] | None = None, root: Path = ROOT, store: Path | None = 
     mode.add_argument("--backfill-fingerprints", metavar="WORKDIR", type=Path,
                       help="record every report's fingerprints at the commits on its Code: line (git worktrees of "
                            "them under WORKDIR) in reports/fingerprints.json")
+    p.add_argument("--refresh", action="store_true",
+                   help="with --backfill-fingerprints: take every print again, also those already recorded (after a "
+                        "change of the fingerprint itself)")
     args = p.parse_args(argv)
     if args.backfill_fingerprints:
-        backfill_fingerprints(args.backfill_fingerprints)
+        backfill_fingerprints(args.backfill_fingerprints, refresh=args.refresh)
         return 0
     reports = find_reports(root)
     if not reports:
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT, store: Path | None = 
 
         stored = fingerprint.load(store or root / "reports" / "fingerprints.json")
         if stored:
-            current = fingerprint.today(sorted({m for prints in stored.values() for m in prints}))
+            current = fingerprint.runs(sorted({m for prints in stored.values() for m in prints}))
     print("| report | commit(s) | command | status |\n|---|---|---|---|")
     for path in reports:
         header = read_header(path)
