@@ -5,7 +5,8 @@ Public API:
 - :class:`DDCLQuantizer` — the DDCL soft codebook (``L_q = L_OLS + V``): with its defaults it outputs the argmax code
   with the soft centroid's gradient; ``recipe="plain"`` outputs the soft centroid itself.
 - :class:`HardVQ` — the straight-through VQ-VAE baseline (optionally EMA, dead-code restart).
-- :class:`QuantizerOutput` — the NamedTuple both return.
+- :class:`QuantizerOutput` — what both return: fields by name, and unpacked vector-quantize-pytorch's triple
+  ``(quantized, indices, loss)``.
 - :class:`HierarchicalDDCL` — stacked DDCL codebooks, level l quantizing the pooled soft centroids of level l-1, with
   per-level L_q, L_OLS, V; returns a :class:`HierarchicalOutput`.
 - :class:`DDCLReadout` — the DDCL prototypes as a readout for padded token sequences ``(B, T, D)`` (slots, one

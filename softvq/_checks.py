@@ -1,5 +1,6 @@
-"""Argument and input validation: integers, floats, flags and choices; channel-last tokens (finite, and small enough
-for their squared distances), feature maps, code indices and the state a layer loads."""
+"""Argument and input validation: integers, floats, flags and choices; the bounds that keep a layer's settings finite in
+float32 (a loss term's weight, a scale of its codes); channel-last tokens (finite, and small enough for their squared
+distances), feature maps, code indices and the state a layer loads."""
 
 from __future__ import annotations
 
@@ -34,10 +35,16 @@ def check_non_negative_int(name: str, value: int) -> int:
 
 
 def check_float(name: str, value: float, *, allow_zero: bool = False) -> float:
-    """A finite float that is > 0 (or >= 0 with ``allow_zero``), else a ValueError naming ``name`` and ``value``."""
+    """A finite float that is > 0 (or >= 0 with ``allow_zero``), else a ValueError naming ``name`` and ``value``.
+
+    A number of any numeric type (``int``, ``numpy.float32``, a 0-d tensor, ...); not a flag, and not a string or
+    bytes, even one that spells a number (``"1"`` is text from somewhere that was never parsed: it is refused, not
+    read)."""
     kind = "non-negative" if allow_zero else "positive"
     if isinstance(value, bool | np.bool_):  # float(True) is 1.0: a flag passed where a number belongs
         raise ValueError(f"{name} must be a {kind} finite number, got {value!r}")
+    if isinstance(value, str | bytes | bytearray):  # float("1") is 1.0: text where a number belongs
+        raise ValueError(f"{name} must be a {kind} finite number, got the {type(value).__name__} {value!r}")
     try:
         value_f = float(value)
     except (TypeError, ValueError):
@@ -45,6 +52,30 @@ def check_float(name: str, value: float, *, allow_zero: bool = False) -> float:
     if not math.isfinite(value_f) or value_f < 0 or (value_f == 0 and not allow_zero):
         raise ValueError(f"{name} must be a {kind} finite number, got {value!r}")
     return value_f
+
+
+def check_int(name: str, value: int) -> int:
+    """``value`` as a plain ``int`` if it is an integer (numpy integers too; not a bool or a string), else a
+    ValueError."""
+    if not _is_integer(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+# The largest weight of a term of a layer's loss: a weight and a loss both at most sqrt(finfo(float32).max) multiply to
+# a finite float32, so the exponent range is split evenly between them (a loss up to 1.8e19 times any weight admitted).
+MAX_WEIGHT = math.sqrt(torch.finfo(torch.float32).max)  # 1.84e19
+
+
+def check_weight(name: str, value: float, *, allow_zero: bool = True) -> float:
+    """A loss term's weight: :func:`check_float` (``>= 0``, or ``> 0`` without ``allow_zero``) and at most
+    :data:`MAX_WEIGHT`, else a ValueError naming ``name``, ``value`` and the bound."""
+    weight = check_float(name, value, allow_zero=allow_zero)
+    if weight > MAX_WEIGHT:
+        raise ValueError(f"{name}={value!r} is too large: a loss term's weight must be at most "
+                         f"sqrt(finfo(float32).max) = {MAX_WEIGHT:.3g}, so that it times any loss up to that size "
+                         f"stays a finite float32")
+    return weight
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -79,6 +110,26 @@ def max_token_magnitude(dim: int, dtype: torch.dtype, temperature: float = 1.0) 
     """
     finfo = torch.finfo(compute_dtype(dtype))
     return math.sqrt(finfo.max * min(1.0, temperature) / (16.0 * dim))
+
+
+# A coordinate of N tokens standardised with their own moments is at most sqrt(N - 1) in magnitude (Samuelson's
+# inequality): below 2^16 for any batch of fewer than 2^32 tokens. Standardised codes are drawn from and averaged over
+# such tokens.
+STANDARDIZED_MAX = 2.0**16
+
+
+def check_code_scale(name: str, value: float, dim: int, spread: float, why: str) -> float:
+    """``value``, a scale of a layer's codes, if codes at that scale have squared distances over ``dim`` dimensions that
+    fit in float32: their coordinates, at most ``spread`` times the scale (``why`` says why), must stay within
+    :func:`max_token_magnitude` ``(dim, float32)``; else a ValueError naming ``name``, ``value`` and the bound."""
+    magnitude = max_token_magnitude(dim, torch.float32)
+    limit = magnitude / spread
+    if value > limit:
+        raise ValueError(f"{name}={value!r} is too large for dim={dim}: the squared distances of {dim}-dimensional "
+                         f"codes fit in float32 while their coordinates stay within sqrt(finfo(float32).max / "
+                         f"(16 * {dim})) = {magnitude:.3g}, and {why}, so it must be at most {magnitude:.3g} / "
+                         f"{spread:g} = {limit:.3g}")
+    return value
 
 
 def flatten_tokens(z: Tensor, dim: int, check_finite: bool = True, temperature: float = 1.0) -> Tensor:

@@ -5,15 +5,21 @@
   the layer's top level, under their former names) loads into today's layer unchanged in value.
 - The extra state (:func:`ddcl_extra_state`, :func:`load_ddcl_extra_state`): what ``DDCLQuantizer`` saves besides its
   tensors (the temperature, whether data initialisation ran, the restart count, the layout's version), and its reading.
+- Settings in the state (:func:`ddcl_settings`, :func:`hard_settings`, :func:`check_state_settings`): the settings that
+  change a layer's result, recorded in its extra state and compared when a state loads; a state that predates them
+  loads unchecked.
 - Options: a model's recorded ``quantizer_kwargs`` (:func:`upgrade_quantizer_kwargs`, when a checkpoint is loaded) and a
   run's recorded settings (:func:`upgrade_settings`, when a run is resumed) take today's option names, and a setting
-  a record predates counts as the value it had then (:data:`PREDATED`).
+  a record predates counts as the value it had then (:data:`PREDATED`); a constructor given a former name refuses it
+  with the option that replaced it (:func:`refuse_former_options`).
 
 Saving always writes today's layout and names.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
@@ -66,15 +72,130 @@ def upgrade_ddcl_state_dict(layer: nn.Module, state_dict: dict[str, Any], prefix
 
 def ddcl_extra_state(layer: nn.Module) -> dict[str, Any]:
     """What a :class:`softvq.DDCLQuantizer` saves besides its tensors (its ``get_extra_state``): the temperature (its
-    ``temperature_control``'s ``T``, ``None`` until calibrated), whether data initialisation ran, the restart count
-    and the layout's version (``layer.VERSION``; a state without one is version 1, the plain layer)."""
+    ``temperature_control``'s ``T``, ``None`` until calibrated), whether data initialisation ran, the restart count,
+    the layout's version (``layer.VERSION``; a state without one is version 1, the plain layer) and, from version 3,
+    the settings that change the layer's result (:func:`ddcl_settings`; loading compares them,
+    :func:`check_state_settings`)."""
     return {"temperature": layer.temperature, "initialized": layer._initialized, "restarts": layer.restarts,
-            "version": layer.VERSION}
+            "version": layer.VERSION, "settings": ddcl_settings(layer)}
+
+
+# The first extra-state version of each layer that records its settings: an earlier state loads unchecked.
+SETTINGS_VERSION = {"DDCLQuantizer": 3, "HardVQ": 1}
+
+
+def _fields(value: Any) -> Any:
+    """A settings class as a mapping of its fields, tuples as lists: plain values that ``torch.load(...,
+    weights_only=True)`` reads and that compare equal after a round trip."""
+    if is_dataclass(value):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {k: _fields(v) for k, v in value.items()}
+    return list(value) if isinstance(value, tuple) else value
+
+
+def ddcl_settings(layer: nn.Module) -> dict[str, Any]:
+    """The settings of a :class:`softvq.DDCLQuantizer` that change its result (its outputs, loss or training), as its
+    constructor takes them, in plain values (str, float, int, bool, None, lists and mappings of a settings class's
+    fields): what its extra state records. A setting that acts on nothing is left out of its value (the rate of an
+    entropy control that is off, the term of a commitment of weight 0), so that layers that compute alike compare
+    equal. Not recorded: ``init`` (how the prototypes started: the state holds them), ``channel_first`` (the layout,
+    not the values) and ``check_finite``."""
+    standardize = False if not layer.standardize else {
+        "renorm_clip": list(layer.standardizer.renorm_clip) if layer.renorm else None,
+        "output_scale": layer.output_scale}
+    target = layer.target_entropy
+    weight = layer.commitment_weight
+    return {
+        "recipe": layer.recipe,
+        "distance": layer.distance,
+        "standardize": standardize,
+        "prototype_update": _fields(layer.prototype_update),
+        "hard_output": layer.hard_output,
+        "commitment_weight": {"weight": weight, "term": layer.commitment_term} if weight > 0 else 0.0,
+        "target_entropy": None if target is None else {"target": target, "rate": layer.temperature_rate},
+        "restart": _fields(layer.restart),
+        "top_k": layer.top_k,
+    }
+
+
+def hard_settings(layer: nn.Module) -> dict[str, Any]:
+    """The settings of a :class:`softvq.HardVQ` that change its result, in plain values (:func:`ddcl_settings`): the
+    commitment weight, the EMA decay (``None``: a gradient-trained codebook) and its smoothing (``None`` without EMA,
+    where it acts on nothing), and dead-code restart."""
+    ema = layer.ema_decay is not None
+    return {"commitment_weight": layer.commitment_weight, "ema_decay": layer.ema_decay,
+            "epsilon": layer.epsilon if ema else None, "restart": _fields(layer.restart)}
+
+
+# How a recorded setting's mapping of fields is shown: the settings class that has those fields.
+_SETTINGS_CLASSES = {"standardize": "Standardize", "restart": "Restart", "target_entropy": "EntropyControl",
+                     "commitment_weight": "Commitment", "init": "NormalInit"}
+
+
+def _shown(name: str, value: Any) -> str:
+    """A setting's value as code that passes it (``softvq.parts.Ema(decay=0.9, soft=False)`` for a mapping of Ema's
+    fields); not checked, so that any recorded value can be shown."""
+    if not isinstance(value, dict):
+        return repr(value)
+    cls = _SETTINGS_CLASSES.get(name) or ("Ema" if "decay" in value or "soft" in value else "Gradient")
+    fields = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v!r}" for k, v in value.items())
+    return f"softvq.parts.{cls}({fields})"
+
+
+def check_state_settings(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """Refuse a state dict for ``module`` (loaded at ``prefix``) in which a layer inside it (``module`` itself included:
+    every :class:`softvq.DDCLQuantizer` and :class:`softvq.HardVQ`, whose ``_settings()`` says what they record) was
+    saved with other settings than the layer has: a ``ValueError`` naming the layer's state entry and, for each
+    setting that differs, the saved value and this layer's.
+
+    Such a state's tensors mean something else under the layer's settings (EMA statistics under a gradient-trained
+    codebook, prototypes of a standardised space under an unstandardised layer, ...): it would load without a word,
+    the keys being the same, and compute something else. It is refused whether ``strict`` is ``True`` or ``False``
+    (``strict`` is about which keys a state holds, as ``torch.nn.Module.load_state_dict`` still refuses a tensor of
+    another shape without it), before any tensor of ``module`` is copied. A state that records no settings (saved
+    before they were recorded, :data:`SETTINGS_VERSION`) loads as before. To load the tensors under other settings on
+    purpose, delete the ``"settings"`` entry of the layer's ``_extra_state``. Containers (a residual stack, a hierarchy,
+    a readout) call this for all their layers before loading the first one, so a refused file leaves them whole."""
+    for name, layer in module.named_modules():
+        settings = getattr(layer, "_settings", None)
+        if not callable(settings):
+            continue
+        key = f"{prefix}{name}._extra_state" if name else f"{prefix}_extra_state"
+        extra = state_dict.get(key)
+        kind = type(layer).__name__
+        if not isinstance(extra, dict) or "settings" not in extra:
+            continue
+        version = extra.get("version", 1)
+        if not isinstance(version, int) or version < SETTINGS_VERSION.get(kind, 1):
+            continue
+        saved, now = extra["settings"], settings()
+        if not isinstance(saved, dict):
+            raise ValueError(f"{kind} state {key!r} records settings that are not a mapping: {saved!r}; is the "
+                             f"checkpoint from another layer?")
+        differ = [option for option, value in now.items() if option in saved and saved[option] != value]
+        if differ:
+            listed = "; ".join(f"{option}: saved {_shown(option, saved[option])}, this layer "
+                               f"{_shown(option, now[option])}" for option in differ)
+            how = "; ".join(_assignment(option, saved[option]) for option in differ)
+            raise ValueError(
+                f"{kind} state {key!r} was saved by a layer with other settings: {listed}. Its tensors mean something "
+                f"else under this layer's settings, so it is refused (with strict=False too). Build the layer with "
+                f"the saved settings, or assign them to it before loading ({how}); to load the tensors under this "
+                f"layer's settings regardless, delete the 'settings' entry of state_dict[{key!r}]")
+
+
+def _assignment(option: str, value: Any) -> str:
+    """How a setting is given its saved value, for :func:`check_state_settings`'s error: an assignment, or for the
+    recipe (fixed once the layer is built) the constructor keyword."""
+    shown = _shown(option, value)
+    return f"a new layer with recipe={shown}" if option == "recipe" else f"layer.{option} = {shown}"
 
 
 def load_ddcl_extra_state(layer: nn.Module, state: dict[str, Any]) -> None:
     """Restore what :func:`ddcl_extra_state` saved (its ``set_extra_state``); a state of version 1 has no restart
-    count. A ValueError for anything else (a checkpoint of another layer)."""
+    count. The settings it records are checked before (:func:`check_state_settings`) and restore nothing. A
+    ValueError for anything else (a checkpoint of another layer)."""
     if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
         raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
                          f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
@@ -88,7 +209,7 @@ def become_plain(layer: nn.Module) -> None:
     """Switch a :class:`softvq.DDCLQuantizer` to the plain layer's settings (a checkpoint from before the recipe
     existed), so that it evaluates and trains on as it was trained: no standardisation, soft-centroid output,
     gradient-trained prototypes, a fixed temperature, no restarts."""
-    layer.recipe = "plain"
+    layer._recipe = "plain"  # fixed once built (DDCLQuantizer.recipe): set here as the plain layer was built
     layer.standardize = layer.hard_output = False
     layer.prototype_update = "gradient"
     layer.prototypes.requires_grad_(True)
@@ -227,6 +348,52 @@ def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -
     return {name: asdict(value) if is_dataclass(value) else value for name, value in out.items()}
 
 
+class FormerOptionError(TypeError, ValueError):
+    """A keyword a layer took in earlier versions: a ``TypeError`` as Python's own for a keyword a function does not
+    take, and a ``ValueError`` as the library's for an option it refuses."""
+
+
+def former_option_error(quantizer: str, layer: str, kwargs: dict[str, Any], former: list[str]) -> FormerOptionError:
+    """The error for keywords ``former`` of ``kwargs`` that a layer (``layer``, quantizer name ``quantizer``) took
+    in earlier versions: each named with the option that replaced it (:data:`FORMER_OPTIONS`) and, where the former
+    values say it (:func:`_upgrade_options`, the records' upgrade), that option as it would be passed."""
+    try:
+        today = _upgrade_options(quantizer, dict(kwargs), predated=False)
+    except (TypeError, ValueError):  # a former value that no record could hold: name the option alone
+        today = {}
+    parts = []
+    for name in former:
+        replaced_by = FORMER_OPTIONS[quantizer][name]
+        option, _, field = replaced_by.partition(".")
+        value = today.get(option)
+        if field and not (isinstance(value, dict) and field in value):  # the upgrade did not carry it (codebook_weight
+            value = {field: kwargs[name]}  # beside an EMA update, ...): the field alone, in the class that has it
+        parts.append(f"{name} was replaced by {replaced_by}; pass {option}={_shown(option, value)}")
+    given = ", ".join(f"{name}={kwargs[name]!r}" for name in former)
+    return FormerOptionError(f"{layer} got {given}, an option of earlier versions: {'; '.join(parts)}")
+
+
+def refuse_former_options(quantizer: str) -> Any:
+    """A decorator of a layer's ``__init__`` (quantizer name ``quantizer``: ``"ddcl"``, ``"hard"``): a keyword the
+    layer took in earlier versions (:data:`FORMER_OPTIONS`) and takes no more is refused with the option that replaced
+    it (:class:`FormerOptionError`, :func:`former_option_error`), not with Python's bare "unexpected keyword
+    argument". The signature, as ``inspect`` and the command line's parser read it, is the ``__init__``'s own."""
+
+    def decorate(init: Any) -> Any:
+        accepted = set(inspect.signature(init).parameters)
+
+        @functools.wraps(init)
+        def checked(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+            former = [name for name in kwargs if name in FORMER_OPTIONS[quantizer] and name not in accepted]
+            if former:
+                raise former_option_error(quantizer, type(self).__name__, kwargs, former)
+            init(self, *args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
 def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
     """Recorded settings as dotted keys (a run's config.json, or a checkpoint's hyperparameters) in today's options:
     each quantizer's section (``hard.beta`` becomes ``hard.commitment_weight``, and ``quantizer_kwargs.beta`` likewise
@@ -247,3 +414,21 @@ def upgrade_settings(flat: dict[str, Any]) -> dict[str, Any]:
             else:
                 out[f"{prefix}{name}"] = value
     return out
+
+
+# A quantizer's former option names, as user input would spell them (a flag ``--ddcl.dead_code_threshold``, a key of a
+# ``--config`` file), and the name that replaced each (dotted: a field of today's option). The commands refuse them
+# with that name (softvq.cli.parsing); a run's record that has them is upgraded instead (upgrade_settings).
+_FORMER_DDCL = {"dead_code_threshold": "restart.threshold", "dead_code_decay": "restart.decay",
+                "dead_code_cap": "restart.cap", "ema_decay": "prototype_update.decay",
+                "codebook_term": "prototype_update.term", "codebook_weight": "prototype_update.weight",
+                "commitment_term": "commitment_weight.term", "temperature_rate": "target_entropy.rate",
+                "init_scale": "init.scale"}
+_FORMER_HARD = {"beta": "commitment_weight", "dead_code_threshold": "restart.threshold"}
+FORMER_OPTIONS: dict[str, dict[str, str]] = {
+    "ddcl": {**_FORMER_DDCL, "output_scale": "standardize.output_scale", "renorm": "standardize.renorm_clip",
+             "renorm_clip": "standardize.renorm_clip"},
+    "rddcl": dict(_FORMER_DDCL),  # ResidualDDCL sets its levels' standardisation itself (its own renorm options)
+    "hard": dict(_FORMER_HARD),
+    "rhard": dict(_FORMER_HARD),
+}

@@ -10,52 +10,114 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from softvq._checks import check_bool, check_choice, check_float, check_positive_int
+from softvq._checks import check_bool, check_choice, check_positive_int, check_weight
 from softvq._collectives import all_reduce_sum_, is_distributed
-from softvq.norm import Standardize
-from softvq.parts.init import NormalInit
+from softvq.norm import Standardize, check_output_scale
+from softvq.parts.init import check_init
 from softvq.parts.restart import Restart
-from softvq.parts.temperature import DEFAULT_RATE, EntropyControl
-from softvq.parts.update import Commitment, Ema, Gradient, prototype_update_of
+from softvq.parts.temperature import DEFAULT_RATE, EntropyControl, check_entropy_control, check_temperature
+from softvq.parts.update import TERMS, Commitment, Ema, Gradient, prototype_update_of
 
-# The options the layer holds itself; a part holds each of the others (PartOption below).
+# The options the layer holds itself (each as ``_<name>``, behind a property of that name: :func:`layer_option`,
+# :func:`fixed_option`); a part holds each of the others (:class:`PartOption`).
 LAYER_OPTIONS = ("num_codes", "dim", "recipe", "distance", "commitment_term", "commitment_weight", "init",
                  "check_finite", "top_k", "channel_first", "standardize", "output_scale", "hard_output")
+DISTANCES = ("euclidean", "cosine")
+COMMITMENT_TERMS = ("hard", *TERMS)
 
 
 def _is_auto(value: object) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize: object,
+def _not_none(name: str, value: object) -> None:
+    if value is None:
+        raise ValueError(f"{name}=None: pass 'auto' for the recipe's value (the layer has no {name} to switch off)")
+
+
+# ---- each option's check: the one place of its rule, for the constructor (check_options) and for assignments ----
+def check_distance(value: object) -> str:
+    return check_choice("distance", value, DISTANCES)
+
+
+def check_top_k(value: object) -> int | None:
+    """``None`` (every code) or a positive integer."""
+    return None if value is None else check_positive_int("top_k", value)
+
+
+def check_commitment(value: object) -> tuple[float, str | None]:
+    """``commitment_weight`` as the layer takes it -> ``(weight, term)``: a :class:`softvq.parts.Commitment` (or a
+    mapping of its fields) gives both; a number is a weight (:func:`softvq._checks.check_weight`) and ``None`` for
+    the term (the constructor's ``"hard"``; an assignment keeps the layer's)."""
+    commitment = Commitment.of(value)
+    if isinstance(commitment, Commitment):
+        return commitment.weight, commitment.term
+    return check_weight("commitment_weight", commitment), None
+
+
+def resolve_hard_output(value: object, auto: bool) -> bool:
+    _not_none("hard_output", value)
+    return check_bool("hard_output", auto if _is_auto(value) else value)
+
+
+def resolve_standardize(value: object, auto: bool, dim: int) -> Standardize | None:
+    """``standardize`` as the layer takes it -> its :class:`Standardize`, or ``None`` for none (``False``);
+    ``"auto"``: the recipe's (``auto``); the output scale checked against ``dim``
+    (:func:`softvq.norm.check_output_scale`)."""
+    _not_none("standardize", value)
+    value = Standardize.of((Standardize() if auto else False) if _is_auto(value) else value)
+    if not isinstance(value, Standardize):
+        check_bool("standardize", value)  # False: no standardisation (True is Standardize())
+        return None
+    check_output_scale(value.output_scale, dim)
+    return value
+
+
+def resolve_target_entropy(value: object, num_codes: int, auto: bool) -> tuple[float | None, float | None]:
+    """``target_entropy`` as the layer takes it -> ``(target, rate)``: ``rate`` ``None`` unless given (an
+    :class:`softvq.parts.EntropyControl`); ``"auto"``: ``log(K) / 2`` with the recipe's control (``auto``; one code
+    has no entropy to hold), else ``None``. The range is the part's to check
+    (:func:`softvq.parts.temperature.check_entropy_control`)."""
+    value, rate = EntropyControl.of(value), None
+    if isinstance(value, EntropyControl):  # a target with a gain of its own
+        value, rate = value.target, value.rate
+        value = 0.5 * math.log(num_codes) if _is_auto(value) else value
+    elif _is_auto(value):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
+        value = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
+    if isinstance(value, str | bytes):
+        raise ValueError(f"target_entropy must be a number of nats, 'auto', a softvq.parts.EntropyControl or None, "
+                         f"got {value!r}")
+    return value, rate
+
+
+def resolve_restart(value: object, auto: bool) -> Restart | None:
+    return (Restart() if auto else None) if _is_auto(value) else Restart.of(value)
+
+
+def resolve_temperature(value: object, dim: int) -> float | None:
+    """The starting ``T`` (``None``: ``"auto"``, calibrated on the first training batch), at least
+    :func:`softvq.parts.temperature.min_temperature` ``(dim)``."""
+    _not_none("temperature", value)
+    return None if _is_auto(value) else check_temperature(value, dim)
+
+
+def resolve(auto: bool, num_codes: int, dim: int, temperature: float | str, *, standardize: object,
             hard_output: bool | str, prototype_update: object,
             target_entropy: object, restart: object) -> dict[str, Any]:
     """The options the recipe sets (``auto``: ``recipe="auto"``), an explicit value overriding the recipe's, checked.
     ``"auto"`` means the recipe's value and ``None`` means off, wherever an option takes them (``target_entropy=None``:
     a fixed temperature); an option with nothing to switch off refuses ``None``. The options a part checks itself (the
     entropy target's range, the control's gain) are checked there."""
-    given = {"temperature": temperature, "standardize": standardize, "hard_output": hard_output,
-             "prototype_update": prototype_update}
-    for name, value in given.items():
-        if value is None:
-            raise ValueError(f"{name}=None: pass 'auto' for the recipe's value (the layer has no {name} to switch "
-                             f"off)")
-    standardize = Standardize.of((Standardize() if auto else False) if _is_auto(standardize) else standardize)
-    if not isinstance(standardize, Standardize):
-        standardize = check_bool("standardize", standardize)  # False: no standardisation (True is Standardize())
-    on = standardize if isinstance(standardize, Standardize) else None
-    target_entropy, rate = EntropyControl.of(target_entropy), DEFAULT_RATE
-    if isinstance(target_entropy, EntropyControl):  # a target with a gain of its own
-        target_entropy, rate = target_entropy.target, target_entropy.rate
-        target_entropy = 0.5 * math.log(num_codes) if _is_auto(target_entropy) else target_entropy
-    elif _is_auto(target_entropy):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
-        target_entropy = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
-    start: float | None = None if _is_auto(temperature) else temperature  # None: calibrated on the first batch
+    _not_none("prototype_update", prototype_update)
+    start = resolve_temperature(temperature, dim)  # None: calibrated on the first batch
+    on = resolve_standardize(standardize, auto, dim)
+    target_entropy, rate = resolve_target_entropy(target_entropy, num_codes, auto)
     if start is None and target_entropy is None:
         start = 1.0
     return {
@@ -63,35 +125,132 @@ def resolve(auto: bool, num_codes: int, temperature: float | str, *, standardize
         "output_scale": on.output_scale if on else "standardized",
         "renorm": on is not None and on.renorm_clip is not None,
         "renorm_clip": on.renorm_clip if on and on.renorm_clip else Standardize().renorm_clip,
-        "hard_output": check_bool("hard_output", auto if _is_auto(hard_output) else hard_output),
+        "hard_output": resolve_hard_output(hard_output, auto),
         "prototype_update": prototype_update_of(prototype_update, auto=Ema() if auto else Gradient()),
         "target_entropy": target_entropy,
-        "temperature_rate": rate,
+        "temperature_rate": DEFAULT_RATE if rate is None else rate,
         "temperature": start,
-        "restart": (Restart() if auto else None) if _is_auto(restart) else Restart.of(restart),
+        "restart": resolve_restart(restart, auto),
     }
 
 
 def check_options(given: dict[str, Any]) -> dict[str, Any]:
     """``DDCLQuantizer``'s options (``given``: every argument of its constructor, as passed) checked, with the recipe's
     values resolved (:func:`resolve`): what the layer and its parts are built from. The parts check the options they
-    own themselves (``renorm_clip``, the entropy control's range, ``restart``'s fields, ...), when they are built."""
+    own themselves (``renorm_clip``, the entropy control's range, ``restart``'s fields, ...), when they are built. Each
+    check is the function an assignment to the option calls (``layer.distance = ...``: :func:`check_distance`, ...)."""
     o = dict(given)
     o["num_codes"] = check_positive_int("num_codes", o["num_codes"])
     o["dim"] = check_positive_int("dim", o["dim"])
     o["recipe"] = check_choice("recipe", o["recipe"], ("auto", "plain"))
-    o["distance"] = check_choice("distance", o["distance"], ("euclidean", "cosine"))
-    commitment = Commitment.of(o["commitment_weight"])  # a number: the weight of the "hard" term
-    o["commitment_weight"], o["commitment_term"] = (commitment.weight, commitment.term) if isinstance(
-        commitment, Commitment) else (check_float("commitment_weight", commitment, allow_zero=True), "hard")
-    o["init"] = NormalInit.of(o["init"])
+    o["distance"] = check_distance(o["distance"])
+    weight, term = check_commitment(o["commitment_weight"])
+    o["commitment_weight"], o["commitment_term"] = weight, term or "hard"  # a number: the weight of the "hard" term
+    o["init"] = check_init(o["init"], o["dim"])
     o["check_finite"] = check_bool("check_finite", o["check_finite"])
-    o["top_k"] = None if o["top_k"] is None else check_positive_int("top_k", o["top_k"])
+    o["top_k"] = check_top_k(o["top_k"])
     o["channel_first"] = check_bool("channel_first", o["channel_first"])
-    o.update(resolve(given["recipe"] == "auto", o["num_codes"], given["temperature"],
+    o.update(resolve(o["recipe"] == "auto", o["num_codes"], o["dim"], given["temperature"],
                      **{name: given[name] for name in ("standardize", "hard_output", "prototype_update",
                                                        "target_entropy", "restart")}))
     return o
+
+
+# ---- assignments: each option's setter, which checks with the constructor's check and sets what it sets -----
+def set_commitment(layer: nn.Module, value: object) -> None:
+    """``layer.commitment_weight = value``: a number sets the weight and keeps the term (``commitment_term``), a
+    :class:`softvq.parts.Commitment` sets both (:func:`check_commitment`)."""
+    weight, term = check_commitment(value)
+    layer._commitment_weight = weight
+    if term is not None:
+        layer._commitment_term = term
+
+
+def set_standardize(layer: nn.Module, value: object) -> None:
+    """``layer.standardize = value``, as the constructor takes it (:func:`resolve_standardize`): ``False`` switches
+    standardisation off; a :class:`Standardize` (``True``: ``Standardize()``; ``"auto"``: the recipe's) sets it, its
+    ``output_scale``, and batch renormalisation with its clip (``renorm_clip=None``: plain batch standardisation)."""
+    on = resolve_standardize(value, layer.recipe == "auto", layer.dim)
+    layer._standardize = on is not None
+    layer._output_scale = on.output_scale if on else "standardized"
+    layer.standardizer.renorm = on is not None and on.renorm_clip is not None
+    if on is not None and on.renorm_clip is not None:
+        layer.standardizer.renorm_clip = on.renorm_clip
+
+
+def _needs_standardize(layer: nn.Module, name: str, value: object) -> None:
+    if not layer.standardize:
+        raise ValueError(f"{name}={value!r} acts on standardised tokens, and this layer does not standardise "
+                         f"(standardize=False): assign standardize=softvq.parts.Standardize(...) with it instead")
+
+
+def check_output_scale_of(layer: nn.Module, value: object) -> object:
+    """``layer.output_scale = value``: the constructor's check of ``Standardize.output_scale`` at the layer's ``dim``
+    (:func:`softvq.norm.check_output_scale`), on a layer that standardises."""
+    value = check_output_scale(value, layer.dim, "output_scale")
+    if value != "standardized":
+        _needs_standardize(layer, "output_scale", value)
+    return value
+
+
+def set_renorm(layer: nn.Module, value: object) -> None:
+    """``layer.renorm = value``: batch renormalisation (with the standardiser's ``renorm_clip``) on a layer that
+    standardises, or plain batch standardisation."""
+    value = check_bool("renorm", value)
+    if value:
+        _needs_standardize(layer, "renorm", value)
+    layer.standardizer.renorm = value
+
+
+def set_target_entropy(layer: nn.Module, value: object) -> None:
+    """``layer.target_entropy = value``, as the constructor takes it (:func:`resolve_target_entropy`; ``"auto"``: the
+    recipe's): a number sets the target and keeps the rate (``temperature_rate``), an
+    :class:`softvq.parts.EntropyControl` sets both, ``None`` holds ``T`` fixed (at 1.0 if it was still to be
+    calibrated, the constructor's ``T`` without a target). Checked by the part
+    (:func:`softvq.parts.temperature.check_entropy_control`)."""
+    control = layer.temperature_control
+    target, rate = resolve_target_entropy(value, layer.num_codes, layer.recipe == "auto")
+    check_entropy_control(layer.num_codes, target, control.rate if rate is None else rate)  # both, before either
+    if target is None and not control.ready:
+        control.load(1.0)
+    if rate is not None:
+        control._rate = rate
+    control.target_entropy = target
+
+
+def set_restart(layer: nn.Module, value: object) -> None:
+    """``layer.restart = value``, as the constructor takes it (:func:`resolve_restart`; ``"auto"``: the recipe's)."""
+    layer.dead_codes.settings = resolve_restart(value, layer.recipe == "auto")
+
+
+def layer_option(name: str, check: Callable[[nn.Module, Any], Any], doc: str) -> property:
+    """A layer's option held on the layer as ``_<name>``: reading it returns that; assigning it stores
+    ``check(layer, value)``, the constructor's check of the option (a ``ValueError`` naming it and the value), which
+    the next call reads."""
+    slot = f"_{name}"
+
+    def get(layer: nn.Module) -> Any:
+        return getattr(layer, slot)
+
+    def set_(layer: nn.Module, value: Any) -> None:
+        setattr(layer, slot, check(layer, value))
+
+    return property(get, set_, doc=doc)
+
+
+def fixed_option(name: str, how: str, doc: str, get: Callable[[nn.Module], Any] | None = None) -> property:
+    """A layer's option fixed when it is built (held as ``_<name>``, or read by ``get(layer)``): reading it returns
+    it; assigning it is an ``AttributeError`` saying ``how`` to get another value."""
+    slot = f"_{name}"
+
+    def held(layer: nn.Module) -> Any:
+        return getattr(layer, slot)
+
+    def set_(layer: nn.Module, value: Any) -> None:
+        raise AttributeError(f"{type(layer).__name__}.{name} cannot be assigned (got {value!r}): it is fixed when the "
+                             f"layer is built; {how}")
+
+    return property(get or held, set_, doc=doc)
 
 
 def options_repr(layer: nn.Module) -> str:
@@ -139,7 +298,9 @@ def can_start(layer: nn.Module, flat: Tensor) -> bool:
 
 class PartOption:
     """A layer's option that one of its parts owns: ``layer.<name>`` reads and writes ``layer.<part>.<attribute>``,
-    so that the value has one place (``DDCLQuantizer.target_entropy`` is its ``temperature_control``'s)."""
+    so that the value has one place (``DDCLQuantizer.temperature_rate`` is its ``temperature_control``'s ``rate``),
+    and an assignment is checked where the part checks its own (the part's property setter, which its constructor's
+    check is)."""
 
     def __init__(self, part: str, attribute: str) -> None:
         self.part, self.attribute = part, attribute

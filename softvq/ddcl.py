@@ -23,11 +23,35 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq._checks import check_finite_state, check_indices
-from softvq._compat import ddcl_extra_state, load_ddcl_extra_state, upgrade_ddcl_state_dict
+from softvq._checks import check_bool, check_choice, check_finite_state, check_indices
+from softvq._compat import (
+    check_state_settings,
+    ddcl_extra_state,
+    ddcl_settings,
+    load_ddcl_extra_state,
+    refuse_former_options,
+    upgrade_ddcl_state_dict,
+)
 from softvq._ddcl_forward import evaluation_codes, forward_tokens, init_from_data
 from softvq._precision import apply_keeping_precision
-from softvq._recipe import LAYER_OPTIONS, PartOption, check_options, options_repr
+from softvq._recipe import (
+    COMMITMENT_TERMS,
+    LAYER_OPTIONS,
+    PartOption,
+    check_distance,
+    check_options,
+    check_output_scale_of,
+    check_top_k,
+    fixed_option,
+    layer_option,
+    options_repr,
+    resolve_hard_output,
+    set_commitment,
+    set_renorm,
+    set_restart,
+    set_standardize,
+    set_target_entropy,
+)
 from softvq._replay import ForwardRecords
 from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
 from softvq.norm import Standardize, TokenStandardizer
@@ -58,6 +82,15 @@ class DDCLQuantizer(nn.Module):
     layer: docs/design.md, "The recipe inside the layer". An explicit option overrides the recipe's. A mechanism's
     settings are one option (``restart``, ``standardize``, ``prototype_update``, ...: a settings class of
     :mod:`softvq.parts`), so no option is left to set that does nothing.
+
+    Every option is also an attribute, checked on assignment by the constructor's own check and read by the next call
+    (``quantizer.distance = "cosine"``, ``quantizer.standardize = Standardize(output_scale="input")``,
+    ``quantizer.prototype_update = Gradient()``, ...); ``num_codes``, ``dim``, ``recipe`` and ``init`` are fixed when
+    the layer is built, and assigning one says how to get another value. The state dict records the settings that
+    change the result (:func:`softvq._compat.ddcl_settings`), and loading one saved with other settings is refused,
+    naming them, with ``strict=False`` too (:func:`softvq._compat.check_state_settings`); a state saved before they
+    were recorded loads as before. docs/design.md, "Anatomy of the layer". A keyword of earlier versions
+    (``ema_decay``, ``dead_code_threshold``, ...) is refused with the option that replaced it.
 
     What reaches what (the codebook term: gradient-trained prototypes only; the commitment term: the encoder only):
     docs/design.md, "What reaches the encoder and what reaches the prototypes". Several calls before one backward,
@@ -104,11 +137,16 @@ class DDCLQuantizer(nn.Module):
         check_finite: raise on NaN/Inf input (one device sync per call); skipped inside ``torch.compile``.
 
     Raises:
-        ValueError: on invalid hyperparameters, a wrong token dimension, or non-finite input.
+        ValueError: on invalid hyperparameters (settings that would overflow float32 in the first steps included:
+            ``NormalInit``'s scale, a numeric ``output_scale``, a loss weight, a temperature, each bounded from
+            float32's range), a wrong token dimension, non-finite input, or a state dict saved with other settings.
+        TypeError: a keyword of earlier versions (a ``ValueError`` too), naming the option that replaced it.
     """
 
-    VERSION = 2  # extra-state version: 1 (no key) = the plain layer before the in-layer recipe
+    # extra-state version: 1 (no key) = the plain layer before the in-layer recipe; 3: the settings recorded
+    VERSION = 3
 
+    @refuse_former_options("ddcl")  # a keyword of earlier versions: refused with its replacement (softvq._compat)
     def __init__(
         self,
         num_codes: int,
@@ -131,12 +169,12 @@ class DDCLQuantizer(nn.Module):
         super().__init__()
         given = {name: value for name, value in locals().items() if name in _DEFAULTS}  # every option, as passed
         o = check_options(given)  # checked, with the recipe's values resolved (softvq._recipe)
-        for name in LAYER_OPTIONS:  # the options the layer holds itself
-            setattr(self, name, o[name])
+        for name in LAYER_OPTIONS:  # the options the layer holds itself, behind the properties below
+            setattr(self, f"_{name}", o[name])
         # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its options and state.
         self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=o["renorm_clip"])
         self.temperature_control = TemperatureControl(num_codes, o["temperature"], o["target_entropy"],
-                                                      o["temperature_rate"])  # T lives there
+                                                      o["temperature_rate"], dim=dim)  # T lives there
         self.dead_codes = DeadCodeRestart(num_codes, threshold=0.0)  # no restarts unless restart sets them
         self.dead_codes.settings = o["restart"]
         scale = 1.0 if o["init"] == "data" else o["init"].scale
@@ -151,11 +189,61 @@ class DDCLQuantizer(nn.Module):
         # What each eager training forward read, for a recomputation during its backward (softvq._replay).
         self._records = ForwardRecords()
 
-    # Options whose value one part owns (reading or setting them on the layer reads or sets the part's).
-    target_entropy = PartOption("temperature_control", "target_entropy")
-    temperature_rate = PartOption("temperature_control", "rate")
-    restart = PartOption("dead_codes", "settings")  # a Restart, or None: no restarts
-    renorm = PartOption("standardizer", "renorm")  # training standardises with batch renormalisation
+    # ---- options ----------------------------------------------------------------------------------------------
+    # Each is checked on assignment by the constructor's own check (softvq._recipe) and takes effect at the next call;
+    # those fixed when the layer is built refuse assignment, saying how to get another value.
+    num_codes = fixed_option("num_codes", "build a new DDCLQuantizer(num_codes, dim, ...): K sizes the prototypes and "
+                             "every part's state", "``K``, the number of prototypes (fixed).")
+    dim = fixed_option("dim", "build a new DDCLQuantizer(num_codes, dim, ...): D sizes the prototypes and the "
+                       "standardiser's statistics", "``D``, the token dimension (fixed).")
+    recipe = fixed_option("recipe", "it chose the values of the options left at 'auto' when the layer was built: "
+                          "build a new DDCLQuantizer(..., recipe=...), or assign those options themselves "
+                          "(standardize, prototype_update, target_entropy, restart, hard_output)",
+                          "``\"auto\"`` or ``\"plain\"``, as built (fixed); an option assigned ``\"auto\"`` takes "
+                          "its value.")
+    init = fixed_option("init", "it acts when the layer is built (NormalInit draws the prototypes then; 'data' takes "
+                        "the first training batch's tokens): to start the prototypes again call "
+                        "init_from_data(tokens), or build a new DDCLQuantizer(..., init=...)",
+                        "How the prototypes started (fixed): ``\"data\"`` or a :class:`softvq.parts.NormalInit`.")
+    distance = layer_option("distance", lambda layer, value: check_distance(value),
+                            "``\"euclidean\"`` or ``\"cosine\"``.")
+    top_k = layer_option("top_k", lambda layer, value: check_top_k(value),
+                         "``None`` (all ``K`` codes) or a positive integer: the assignments truncated to it.")
+    hard_output = layer_option("hard_output",
+                               lambda layer, value: resolve_hard_output(value, layer.recipe == "auto"),
+                               "Output the argmax code (``True``) or the soft centroid; assigning ``\"auto\"`` is the "
+                               "recipe's.")
+    commitment_weight = property(lambda self: self._commitment_weight, set_commitment, doc=(
+        "The commitment term's weight (``>= 0``; at most 1.8e19). Assigning a number sets the weight and keeps the "
+        "term (:attr:`commitment_term`); a :class:`softvq.parts.Commitment` sets both."))
+    commitment_term = layer_option("commitment_term",
+                                   lambda layer, value: check_choice("commitment_term", value, COMMITMENT_TERMS),
+                                   "The commitment term: ``\"hard\"`` (VQ-VAE's), ``\"l_ols\"``, ``\"l_q\"`` or "
+                                   "``\"free_energy\"``.")
+    check_finite = layer_option("check_finite", lambda layer, value: check_bool("check_finite", value),
+                                "Raise on NaN/Inf input.")
+    channel_first = layer_option("channel_first", lambda layer, value: check_bool("channel_first", value),
+                                 "Take feature maps ``(B, dim, *spatial)``.")
+    standardize = property(lambda self: self._standardize, set_standardize, doc=(
+        "Whether the layer standardises its tokens (``True`` / ``False``). Assigning takes what the constructor "
+        "takes, with its meaning: a :class:`softvq.parts.Standardize` sets the standardisation with its "
+        "``output_scale`` and ``renorm_clip`` (``True`` is ``Standardize()``, ``\"auto\"`` the recipe's), ``False`` "
+        "switches it off."))
+    output_scale = layer_option("output_scale", check_output_scale_of, (
+        "Codes in the standardised space (``\"standardized\"``), on the input's scale (``\"input\"``) or times a "
+        "number (a standardising layer's; bounded so that the codes' squared distances fit in float32)."))
+    renorm = property(lambda self: self.standardizer.renorm, set_renorm, doc=(
+        "Training standardises with batch renormalisation (clip: ``standardizer.renorm_clip``), or plain batch "
+        "standardisation; ``True`` only on a standardising layer."))
+    target_entropy = property(lambda self: self.temperature_control.target_entropy, set_target_entropy, doc=(
+        "The H(Q) in nats the entropy control holds (``None``: ``T`` fixed). Assigning takes what the constructor "
+        "takes: a number sets the target and keeps :attr:`temperature_rate`, a :class:`softvq.parts.EntropyControl` "
+        "sets both, ``\"auto\"`` is the recipe's, ``None`` holds ``T`` (1.0 if not calibrated yet); checked against "
+        "``log K`` and the rate's stability bound."))
+    temperature_rate = PartOption("temperature_control", "rate")  # checked by the part (below max_stable_rate(K))
+    restart = property(lambda self: self.dead_codes.settings, set_restart, doc=(
+        "Dead-code restart's settings (a :class:`softvq.parts.Restart`, ``None``: off; assigning ``\"auto\"`` is the "
+        "recipe's)."))
     prototype_update = UpdateOption()  # an Ema (its decay the ema part's) or a Gradient (softvq.parts.update)
 
     # ---- state ------------------------------------------------------------------------------------------------
@@ -188,13 +276,18 @@ class DDCLQuantizer(nn.Module):
         self.temperature_control.set(value, keep_control=keep_control, owner="DDCLQuantizer")
 
     def get_extra_state(self) -> dict[str, Any]:
-        return ddcl_extra_state(self)  # T, initialized, restarts, version (softvq._compat)
+        return ddcl_extra_state(self)  # T, initialized, restarts, version, settings (softvq._compat)
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings that change this layer's result, as its extra state records them (softvq._compat)."""
+        return ddcl_settings(self)
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         load_ddcl_extra_state(self, state)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         upgrade_ddcl_state_dict(self, state_dict, prefix)  # a state dict of an earlier layout (softvq._compat)
+        check_state_settings(self, state_dict, prefix)  # saved with other settings: refused (softvq._compat)
         check_finite_state(state_dict, prefix, "DDCLQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -219,6 +312,13 @@ class DDCLQuantizer(nn.Module):
         check_indices(indices, self.num_codes)
         codes = F.embedding(indices.long(), self.codebook)
         return codes.movedim(-1, 1) if self.channel_first and codes.ndim > 2 else codes
+
+    def get_output_from_indices(self, indices: Tensor) -> Tensor:
+        """:meth:`decode_indices` under vector-quantize-pytorch's name (so is ``get_codes_from_indices``: no
+        projection here, so the codes are the output)."""
+        return self.decode_indices(indices)
+
+    get_codes_from_indices = get_output_from_indices
 
     @torch.no_grad()
     def init_from_data(self, z: Tensor) -> None:

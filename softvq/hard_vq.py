@@ -15,12 +15,13 @@ from softvq._checks import (
     check_indices,
     check_positive_int,
     check_unit,
+    check_weight,
     flatten_tokens,
 )
-from softvq._compat import upgrade_state_dict
+from softvq._compat import check_state_settings, hard_settings, refuse_former_options, upgrade_state_dict
 from softvq._kernels import max_rows, squared_distances
 from softvq._precision import apply_keeping_precision, compute_dtype
-from softvq._recipe import PartOption
+from softvq._recipe import fixed_option, layer_option
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.types import QuantizerOutput, empty_output
@@ -47,6 +48,13 @@ class HardVQ(nn.Module):
     0.99 without EMA). The setting of this project's studies, "EMA 0.99 + restart 1": ``ema_decay=0.99,
     restart=Restart(1.0, decay=0.99, cap=None)``.
 
+    Every option is an attribute, checked on assignment as the constructor checks it and read by the next call
+    (``num_codes`` and ``dim`` are fixed); ``ema_decay`` switches the EMA on (its statistics start at the current
+    codes, one pseudo-token each, as a new layer's; the codes then stop requiring gradients) or off (the codes
+    require gradients again: rebuild the optimizer's groups), or changes its decay. The state dict records the
+    settings that change the result, and loading one saved with others is refused (``softvq._compat``,
+    ``check_state_settings``).
+
     ``terms`` (detached): ``commitment`` (``mse(z, e)``, element mean), and the DDCL quantities for a one-hot
     assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2``, ``v = 0`` and the assignment entropy
     ``entropy = 0``, so both quantizers report comparable numbers.
@@ -54,14 +62,17 @@ class HardVQ(nn.Module):
     Args:
         num_codes: ``K``.
         dim: ``D``.
-        commitment_weight: the weight of the commitment term (VQ-VAE's ``beta``; ``>= 0``).
+        commitment_weight: the weight of the commitment term (VQ-VAE's ``beta``, the keyword it replaced; ``>= 0``,
+            at most 1.8e19).
         ema_decay: ``None`` for a gradient-trained codebook, or a decay in ``(0, 1)`` for EMA updates.
         restart: dead-code restart's settings (:class:`softvq.parts.Restart`, the same part and settings as
             :class:`~softvq.DDCLQuantizer`'s), or ``None``: never.
-        epsilon: Laplace smoothing of the EMA cluster sizes.
+        epsilon: Laplace smoothing of the EMA cluster sizes (``> 0``; ``num_codes * epsilon`` within half of
+            float32's range, or the smoothed sizes overflow).
         check_finite: raise on NaN/Inf input (one device sync per call; skipped inside ``torch.compile``).
     """
 
+    @refuse_former_options("hard")  # a keyword of earlier versions (beta, ...): refused with its replacement
     def __init__(
         self,
         num_codes: int,
@@ -73,18 +84,13 @@ class HardVQ(nn.Module):
         check_finite: bool = True,
     ) -> None:
         super().__init__()
-        self.num_codes = check_positive_int("num_codes", num_codes)
-        self.dim = check_positive_int("dim", dim)
-        self.commitment_weight = check_float("commitment_weight", commitment_weight, allow_zero=True)
-        if ema_decay is not None:
-            try:
-                ema_decay = check_unit("ema_decay", ema_decay)
-            except ValueError:
-                raise ValueError(f"ema_decay must be None or in (0, 1), got {ema_decay!r}") from None
-        self.ema_decay = ema_decay
-        self.epsilon = check_float("epsilon", epsilon)
-        self.check_finite = check_bool("check_finite", check_finite)
-        num_codes, dim = self.num_codes, self.dim
+        self._num_codes = check_positive_int("num_codes", num_codes)
+        self._dim = check_positive_int("dim", dim)
+        self.commitment_weight = commitment_weight  # each option checked by its property's setter, below
+        self._ema_decay = _check_ema_decay(ema_decay)
+        self._epsilon = _check_epsilon(epsilon, self._num_codes)
+        self.check_finite = check_finite
+        num_codes, dim, ema_decay = self.num_codes, self.dim, self._ema_decay
         init = torch.empty(num_codes, dim).uniform_(-1.0 / num_codes, 1.0 / num_codes)  # VQ-VAE's init
         # (K, D) the codes; moved by the EMA part, not the optimizer, when ema_decay is set (a frozen Parameter then, as
         # DDCLQuantizer's EMA prototypes are)
@@ -93,10 +99,67 @@ class HardVQ(nn.Module):
             # the k-means step averaged over batches, with VQ-VAE's Laplace-smoothed masses (softvq.parts.ema)
             self.ema = EmaPrototypes(init, self.ema_decay, epsilon=self.epsilon)
         # usage per batch and restarts; without restarts the usage is tracked all the same (decay ema_decay, or 0.99)
-        self.dead_codes = DeadCodeRestart(num_codes, 0.0, decay=self.ema_decay if self.ema_decay is not None else 0.99)
-        self.dead_codes.settings = restart
+        self.dead_codes = DeadCodeRestart(num_codes, 0.0, decay=self._usage_decay())
+        self.restart = restart
 
-    restart = PartOption("dead_codes", "settings")  # a Restart, or None: no restarts (one place: the part)
+    # ---- options: checked on assignment by the constructor's checks, read by the next call ------------------------
+    num_codes = fixed_option("num_codes", "build a new HardVQ(num_codes, dim, ...): K sizes the codebook and its "
+                             "statistics", "``K``, the number of codes (fixed).")
+    dim = fixed_option("dim", "build a new HardVQ(num_codes, dim, ...): D sizes the codebook",
+                       "``D``, the token dimension (fixed).")
+    commitment_weight = layer_option("commitment_weight",
+                                     lambda layer, value: check_weight("commitment_weight", value),
+                                     "The commitment term's weight (``>= 0``, at most 1.8e19).")
+    check_finite = layer_option("check_finite", lambda layer, value: check_bool("check_finite", value),
+                                "Raise on NaN/Inf input.")
+
+    @property
+    def ema_decay(self) -> float | None:
+        """The EMA's decay in ``(0, 1)``, or ``None``: a gradient-trained codebook. Assigning switches the EMA on (its
+        statistics start at the current codes, which stop requiring gradients) or off (the codes require gradients
+        again: an optimizer built before holds them as it was built), or changes its decay."""
+        return self._ema_decay
+
+    @ema_decay.setter
+    def ema_decay(self, value: float | None) -> None:
+        value = _check_ema_decay(value)
+        if value is None and self._ema_decay is not None:
+            del self.ema
+        elif value is not None and self._ema_decay is None:  # a new EMA from the codes as they are
+            codes = self.prototypes.detach()
+            self.ema = EmaPrototypes(codes, value, epsilon=self._epsilon).to(device=codes.device, dtype=codes.dtype)
+        elif value is not None:
+            self.ema.decay = value
+        self.prototypes.requires_grad_(value is None)
+        self._ema_decay = value
+        if self.restart is None:  # the usage, tracked without restarts, decays at the EMA's decay
+            self.dead_codes.decay = self._usage_decay()
+
+    @property
+    def epsilon(self) -> float:
+        """Laplace smoothing of the EMA's cluster sizes (used with ``ema_decay``)."""
+        return self._epsilon
+
+    @epsilon.setter
+    def epsilon(self, value: float) -> None:
+        self._epsilon = _check_epsilon(value, self.num_codes)
+        if self._ema_decay is not None:
+            self.ema.epsilon = self._epsilon
+
+    @property
+    def restart(self) -> Restart | None:
+        """Dead-code restart's settings (a :class:`softvq.parts.Restart`; ``None``: never), held by the part
+        ``dead_codes``; assigning is checked as the constructor checks it."""
+        return self.dead_codes.settings
+
+    @restart.setter
+    def restart(self, value: Restart | None) -> None:
+        self.dead_codes.settings = value
+        if value is None:  # the usage tracked all the same, at the EMA's decay (0.99 without EMA)
+            self.dead_codes.decay = self._usage_decay()
+
+    def _usage_decay(self) -> float:
+        return self._ema_decay if self._ema_decay is not None else 0.99
 
     @property
     def restarts(self) -> int:
@@ -114,14 +177,38 @@ class HardVQ(nn.Module):
         check_indices(indices, self.num_codes)
         return F.embedding(indices.long(), self.codebook)
 
+    def get_output_from_indices(self, indices: Tensor) -> Tensor:
+        """:meth:`decode_indices` under vector-quantize-pytorch's name (so is ``get_codes_from_indices``: no
+        projection here, so the codes are the output)."""
+        return self.decode_indices(indices)
+
+    get_codes_from_indices = get_output_from_indices
+
     def _apply(self, fn: Any, recurse: bool = True) -> HardVQ:
         # .half(), .to(torch.bfloat16): the codebook and its EMA statistics stay float32 (an EMA step is below bf16
         # resolution); device moves and float32 / float64 casts apply as usual
         apply_keeping_precision(self, lambda: super(HardVQ, self)._apply(fn, recurse))
         return self
 
+    # extra-state version: the settings that change the result (a state without an extra state predates it)
+    VERSION = 1
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"version": self.VERSION, "settings": self._settings()}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict):  # the settings were checked before (check_state_settings) and restore nothing
+            raise ValueError(f"HardVQ extra state must be a dict (from get_extra_state), got {state!r}; is the "
+                             f"checkpoint from another layer?")
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings that change this layer's result, as its extra state records them (softvq._compat)."""
+        return hard_settings(self)
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         upgrade_state_dict(state_dict, prefix)  # a state dict saved before softvq.parts
+        state_dict.setdefault(prefix + "_extra_state", {})  # one saved before the settings were recorded: unchecked
+        check_state_settings(self, state_dict, prefix)  # saved with other settings: refused (softvq._compat)
         check_finite_state(state_dict, prefix, "HardVQ")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -181,3 +268,25 @@ class HardVQ(nn.Module):
             dead = self.dead_codes.restart_(self.prototypes, z)
             if self.ema_decay is not None:  # a restarted code's statistics: threshold pseudo-tokens at its new value
                 self.ema.restart_(dead, self.prototypes, self.dead_codes.threshold)
+
+
+def _check_ema_decay(value: object) -> float | None:
+    """``ema_decay``: ``None`` or a decay in ``(0, 1)``; else a ``ValueError`` naming it."""
+    if value is None:
+        return None
+    try:
+        return check_unit("ema_decay", value)
+    except ValueError:
+        raise ValueError(f"ema_decay must be None or in (0, 1), got {value!r}") from None
+
+
+def _check_epsilon(value: object, num_codes: int) -> float:
+    """``epsilon``, the EMA's Laplace smoothing: positive, with ``num_codes * epsilon`` (added to the total mass) within
+    half of float32's range; else a ``ValueError`` naming it and the bound."""
+    epsilon = check_float("epsilon", value)
+    limit = torch.finfo(torch.float32).max / 2 / num_codes
+    if epsilon > limit:
+        raise ValueError(f"epsilon={value!r} is too large for num_codes={num_codes}: the smoothed cluster sizes divide "
+                         f"by the total mass plus num_codes * epsilon, which must stay within half of "
+                         f"finfo(float32).max, so epsilon must be at most {limit:.3g}")
+    return epsilon

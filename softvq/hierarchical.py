@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from softvq._checks import check_finite_state, check_positive_int
+from softvq._compat import FormerOptionError, check_state_settings
+from softvq._recipe import fixed_option, layer_option
 from softvq.ddcl import DDCLQuantizer
 from softvq.types import QuantizerOutput
 
@@ -126,16 +128,28 @@ class HierarchicalDDCL(nn.Module):
                              f"got {num_codes!r}")
         for level, k in enumerate(num_codes):
             check_positive_int(f"num_codes[{level}] (K_{level}, the codes of level {level})", k)
-        self.num_codes = tuple(int(k) for k in num_codes)
-        self.dim = check_positive_int("dim", dim)
-        self.pool = self._check_pool(pool, len(self.num_codes))
+        self._num_codes = tuple(int(k) for k in num_codes)
+        self._dim = check_positive_int("dim", dim)
+        self.pool = pool  # checked by its property's setter (below), as an assignment is
         try:
             # Each level is the plain layer unless ddcl_kwargs say otherwise: upper levels quantize the soft centroids
             # of the level below, and the per-level temperature is set by the caller (models.VQVAE).
             ddcl_kwargs = {"recipe": "plain", **ddcl_kwargs}
             self.levels = nn.ModuleList([DDCLQuantizer(k, dim, **ddcl_kwargs) for k in self.num_codes])
+        except FormerOptionError:  # an option of earlier versions: its error names the replacement (a ValueError)
+            raise
         except TypeError as err:  # an option DDCLQuantizer does not have
             raise ValueError(f"invalid DDCLQuantizer option for HierarchicalDDCL: {err}") from err
+
+    # ---- options: ``pool`` checked on assignment as the constructor checks it (the levels' own options are theirs:
+    # ``hier.levels[l].<option> = ...``) ---------------------------------------------------------------------------
+    num_codes = fixed_option("num_codes", "build a new HierarchicalDDCL(num_codes, dim, ...): each K sizes its "
+                             "level's codebook", "``(K_0, ..., K_{L-1})``, the codes of every level (fixed).")
+    dim = fixed_option("dim", "build a new HierarchicalDDCL(num_codes, dim, ...): D sizes every level",
+                       "``D``, the token dimension (fixed).")
+    pool = layer_option("pool", lambda hier, value: hier._check_pool(value, len(hier.num_codes)),
+                        "The pooling window of every level above 0 (one per level; checked per input against the "
+                        "grid).")
 
     @staticmethod
     def _check_pool(pool: Window | Sequence[Window], num_levels: int) -> tuple[Window, ...]:
@@ -169,6 +183,7 @@ class HierarchicalDDCL(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
+        check_state_settings(self, state_dict, prefix)  # a level saved with other settings (softvq._compat)
         check_finite_state(state_dict, prefix, "HierarchicalDDCL")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

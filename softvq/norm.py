@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from softvq._checks import check_choice, check_float, check_positive_int
+from softvq._checks import STANDARDIZED_MAX, check_choice, check_code_scale, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum, all_reduce_sum_
 from softvq.parts._settings import from_mapping
 
@@ -34,6 +34,21 @@ def check_renorm_clip(value: object, name: str = "renorm_clip") -> tuple[float, 
     if r_max < 1.0:
         raise ValueError(f"{name}[0] (r_max) must be >= 1, got {r_max!r}")
     return (r_max, d_max)
+
+
+def check_output_scale(value: object, dim: int | None = None,
+                       name: str = "standardize.output_scale") -> Literal["standardized", "input"] | float:
+    """``"standardized"``, ``"input"`` or a positive number; with ``dim``, a number small enough that codes in the
+    standardised space (coordinates within :data:`STANDARDIZED_MAX`) times it keep finite squared distances in float32
+    (:func:`softvq._checks.check_code_scale`). Else a ``ValueError`` naming ``name`` and ``value``."""
+    if isinstance(value, str):
+        return check_choice(name, value, ("input", "standardized"))
+    scale = check_float(name, value)
+    if dim is not None:
+        check_code_scale(name, scale, dim, STANDARDIZED_MAX,
+                         "a coordinate of N standardised tokens is at most sqrt(N - 1) (Samuelson's inequality), below "
+                         "2^16 for fewer than 2^32 tokens")
+    return scale
 
 
 @dataclass(frozen=True)
@@ -56,10 +71,7 @@ class Standardize:
     def __post_init__(self) -> None:
         if self.renorm_clip is not None:
             object.__setattr__(self, "renorm_clip", check_renorm_clip(self.renorm_clip, "standardize.renorm_clip"))
-        scale = self.output_scale
-        scale = check_choice("standardize.output_scale", scale, ("input", "standardized")) if isinstance(scale, str) \
-            else check_float("standardize.output_scale", scale)
-        object.__setattr__(self, "output_scale", scale)
+        object.__setattr__(self, "output_scale", check_output_scale(self.output_scale))  # its bound: the layer's D
 
     @classmethod
     def of(cls, value: object) -> Any:

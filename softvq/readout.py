@@ -23,7 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from softvq._checks import check_bool, check_finite_state
+from softvq._compat import FORMER_OPTIONS, check_state_settings, former_option_error
 from softvq._precision import compute_dtype
+from softvq._recipe import fixed_option, layer_option
 from softvq.ddcl import DDCLQuantizer
 from softvq.parts.update import Commitment, Gradient
 
@@ -111,7 +113,16 @@ class DDCLReadout(nn.Module):
         # The plain layer: a readout pools soft assignments of tokens, it is not a discrete bottleneck.
         # The inner quantizer only ever sees real tokens, which forward checks itself.
         self.quantizer = DDCLQuantizer(num_codes, dim, **{**_DEFAULTS, **quantizer_kwargs}, check_finite=False)
-        self.check_finite = check_bool("check_finite", check_finite)
+        self.check_finite = check_finite  # checked by its property's setter (below), as an assignment is
+
+    # ---- options: the readout's own (the inner quantizer's are its: ``readout.quantizer.<option> = ...``) ---------
+    num_codes = fixed_option("num_codes", "build a new DDCLReadout(num_codes, dim, ...)",
+                             "``K``, the inner quantizer's number of prototypes (fixed).",
+                             get=lambda readout: readout.quantizer.num_codes)
+    dim = fixed_option("dim", "build a new DDCLReadout(num_codes, dim, ...)",
+                       "``D``, the token dimension (fixed).", get=lambda readout: readout.quantizer.dim)
+    check_finite = layer_option("check_finite", lambda readout, value: check_bool("check_finite", value),
+                                "Raise on NaN/Inf at real positions.")
 
     @classmethod
     def from_quantizer(cls, quantizer: DDCLQuantizer, freeze: bool = False) -> DDCLReadout:
@@ -144,18 +155,12 @@ class DDCLReadout(nn.Module):
                       check_finite=quantizer.check_finite, standardize=quantizer.standardize)
         proto = quantizer.prototypes
         readout.quantizer.to(device=proto.device, dtype=proto.dtype)
-        readout.quantizer.load_state_dict(quantizer.state_dict())  # prototypes, usage, temperature, initialized
+        state = quantizer.state_dict()  # prototypes, usage, temperature, initialized; not its settings (the readout's
+        state["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "settings"}  # are its own)
+        readout.quantizer.load_state_dict(state)
         readout.quantizer.prototypes.requires_grad_(not freeze)
         readout.quantizer.standardizer.frozen = freeze
         return readout
-
-    @property
-    def num_codes(self) -> int:
-        return self.quantizer.num_codes
-
-    @property
-    def dim(self) -> int:
-        return self.quantizer.dim
 
     @property
     def prototypes(self) -> nn.Parameter:
@@ -246,7 +251,8 @@ class DDCLReadout(nn.Module):
         )
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
+        # the whole state checked before any of it loads: a refused file leaves the readout as it was
+        check_state_settings(self, state_dict, prefix)  # its quantizer saved with other settings (softvq._compat)
         check_finite_state(state_dict, prefix, "DDCLReadout")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -259,6 +265,9 @@ def _check_quantizer_kwargs(kwargs: dict[str, Any]) -> None:
     honour."""
     own = ("num_codes", "dim", "check_finite")  # the readout's own arguments
     known = [name for name in inspect.signature(DDCLQuantizer).parameters if name not in own]
+    former = [name for name in kwargs if name in FORMER_OPTIONS["ddcl"] and name not in known]
+    if former:  # a keyword of earlier versions: refused with what replaced it (softvq._compat)
+        raise former_option_error("ddcl", "DDCLReadout", kwargs, former)
     for name, value in kwargs.items():
         if name not in known:
             raise ValueError(f"DDCLReadout got {name}={value!r}, which is not a DDCLQuantizer keyword; "

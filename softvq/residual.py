@@ -22,19 +22,31 @@ import torch
 from torch import Tensor, nn
 
 from softvq._checks import (
+    check_bool,
     check_choice,
     check_finite_state,
     check_indices,
+    check_int,
     check_positive_int,
     flatten_tokens,
 )
+from softvq._compat import check_state_settings
 from softvq._precision import compute_dtype
+from softvq._recipe import fixed_option, layer_option
 from softvq._replay import in_backward
 from softvq.ddcl import DDCLQuantizer
 from softvq.hard_vq import HardVQ
 from softvq.norm import Standardize, TokenStandardizer
 from softvq.parts.restart import Restart
 from softvq.types import QuantizerOutput, channel_first_forward
+
+
+def _check_min_levels(value: object, num_quantizers: int) -> int:
+    """``quantize_dropout_min_levels``: a positive integer, at most ``num_quantizers``."""
+    levels = check_positive_int("quantize_dropout_min_levels", value)
+    if levels > num_quantizers:
+        raise ValueError(f"quantize_dropout_min_levels must be at most num_quantizers={num_quantizers}, got {value!r}")
+    return levels
 
 
 def is_residual(module: object) -> bool:
@@ -85,18 +97,31 @@ class ResidualQuantizer(nn.Module):
         for q, level in enumerate(levels):
             if getattr(level, "channel_first", False):
                 raise ValueError(f"level {q} has channel_first=True; pass channel_first to the residual quantizer")
-        (self.num_codes, self.dim), = sizes
-        self.num_quantizers = len(levels)
+        (self._num_codes, self._dim), = sizes
+        self._num_quantizers = len(levels)
         self.standardizer = TokenStandardizer(self.dim, renorm=renorm, renorm_clip=renorm_clip) if standardize else None
-        self.quantize_dropout = bool(quantize_dropout)
-        self.quantize_dropout_min_levels = check_positive_int("quantize_dropout_min_levels",
-                                                              quantize_dropout_min_levels)
-        if self.quantize_dropout_min_levels > self.num_quantizers:
-            raise ValueError(f"quantize_dropout_min_levels must be at most num_quantizers={self.num_quantizers}, "
-                             f"got {quantize_dropout_min_levels}")
-        self.seed = int(seed)
-        self.channel_first = bool(channel_first)
+        # each option checked by its property's setter (below), as an assignment is
+        self.quantize_dropout = quantize_dropout
+        self.quantize_dropout_min_levels = quantize_dropout_min_levels
+        self.seed = seed
+        self.channel_first = channel_first
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # training steps: the draws' counter
+
+    # ---- options: checked on assignment as the constructor checks them, read by the next call ---------------------
+    # (the levels' own options are theirs: ``stack.levels[q].<option> = ...``)
+    num_codes = fixed_option("num_codes", "build a new stack: K sizes every level's codebook",
+                             "``K``, every level's number of codes (fixed).")
+    dim = fixed_option("dim", "build a new stack: D sizes every level", "``D``, the token dimension (fixed).")
+    num_quantizers = fixed_option("num_quantizers", "build a new stack with another number of levels",
+                                  "``Q``, the number of levels (fixed).")
+    quantize_dropout = layer_option("quantize_dropout", lambda stack, value: check_bool("quantize_dropout", value),
+                                    "Run a random number of the first levels in training.")
+    quantize_dropout_min_levels = layer_option(
+        "quantize_dropout_min_levels", lambda stack, value: _check_min_levels(value, stack.num_quantizers),
+        "The fewest levels a training step runs, in ``[1, num_quantizers]``.")
+    seed = layer_option("seed", lambda stack, value: check_int("seed", value), "The seed of the level-count draws.")
+    channel_first = layer_option("channel_first", lambda stack, value: check_bool("channel_first", value),
+                                 "Take feature maps ``(B, D, *spatial)``.")
 
     def active_levels(self) -> int:
         """How many levels this step runs: all of them, or with ``quantize_dropout`` in training the draw for the
@@ -178,16 +203,47 @@ class ResidualQuantizer(nn.Module):
             raise ValueError(f"levels must be at most num_quantizers={self.num_quantizers}, got {levels}")
         total = None
         for q in range(levels):
-            idx = indices[..., q]
-            check_indices(idx.clamp_min(0), self.num_codes)
-            if bool((idx < -1).any()):
-                raise ValueError(f"indices must lie in [0, {self.num_codes}) or be -1 (a level that did not run)")
-            codes = self.levels[q].decode_indices(idx.clamp_min(0)) * (idx >= 0).unsqueeze(-1)
+            codes = self._level_codes(indices[..., q], q)
             total = codes if total is None else total + codes
         return total.movedim(-1, 1) if self.channel_first and total.ndim > 2 else total
 
+    def _level_codes(self, idx: Tensor, q: int) -> Tensor:
+        """Level ``q``'s codes ``(..., D)`` of its indices ``idx (...)``; zeros where ``idx`` is ``-1``."""
+        check_indices(idx.clamp_min(0), self.num_codes)
+        if bool((idx < -1).any()):
+            raise ValueError(f"indices must lie in [0, {self.num_codes}) or be -1 (a level that did not run)")
+        return self.levels[q].decode_indices(idx.clamp_min(0)) * (idx >= 0).unsqueeze(-1)
+
+    # ---- vector-quantize-pytorch's ResidualVQ names --------------------------------------------------------------
+    def _all_levels(self, indices: Tensor) -> Tensor:
+        """``indices (..., q)`` with ``q <= Q`` padded to ``(..., Q)`` with ``-1`` (levels that did not run), as
+        ``ResidualVQ`` reads coarse indices."""
+        if isinstance(indices, Tensor) and indices.ndim >= 1 and 0 < indices.shape[-1] < self.num_quantizers:
+            indices = torch.nn.functional.pad(indices, (0, self.num_quantizers - indices.shape[-1]), value=-1)
+        return indices
+
+    def get_output_from_indices(self, indices: Tensor) -> Tensor:
+        """``ResidualVQ``'s name for :meth:`decode_indices`: the sum of the levels' codes; indices of the first
+        ``q < Q`` levels decode those levels."""
+        return self.decode_indices(self._all_levels(indices))
+
+    def get_codes_from_indices(self, indices: Tensor) -> Tensor:
+        """Every level's code, ``(Q, ..., D)`` (channel-last, as ``ResidualVQ``'s); ``-1`` and levels past the
+        given ones are zeros. Their sum over the first dimension is :meth:`get_output_from_indices` (channel-last)."""
+        indices = self._all_levels(indices)
+        if not isinstance(indices, Tensor) or indices.ndim < 1 or indices.shape[-1] != self.num_quantizers:
+            shape = tuple(indices.shape) if isinstance(indices, Tensor) else type(indices).__name__
+            raise ValueError(f"expected indices of shape (..., {self.num_quantizers}), got {shape}")
+        return torch.stack([self._level_codes(indices[..., q], q) for q in range(self.num_quantizers)])
+
+    @property
+    def codebooks(self) -> Tensor:
+        """``ResidualVQ``'s name for :attr:`codebook`, ``(Q, K, D)``."""
+        return self.codebook
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
+        check_state_settings(self, state_dict, prefix)  # a level saved with other settings (softvq._compat)
         check_finite_state(state_dict, prefix, "ResidualQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -226,19 +282,24 @@ class ResidualDDCL(ResidualQuantizer):
                  quantize_dropout_min_levels: int = 1, seed: int = 0,
                  channel_first: bool = False, **ddcl_options: Any) -> None:
         check_positive_int("num_quantizers", num_quantizers)
-        self.scale = check_choice("scale", scale, ("shared", "per_level"))
+        scale = check_choice("scale", scale, ("shared", "per_level"))
         for name in ("standardize", "channel_first"):
             if name in ddcl_options:
                 raise ValueError(f"{name} is set by ResidualDDCL (scale={scale!r}); do not pass it to the levels")
         # per level: each level standardises its residual (renormalised with the single layer's clip) and returns
         # codes on the residual's scale
+        renorm = check_bool("renorm", renorm)
         clip = Standardize().renorm_clip if renorm else None
         level_scale = False if scale == "shared" else Standardize(clip, "input")
         levels = [DDCLQuantizer(num_codes, dim, standardize=level_scale, **ddcl_options) for _ in range(num_quantizers)]
         super().__init__(levels, standardize=scale == "shared", quantize_dropout=quantize_dropout,
                          quantize_dropout_min_levels=quantize_dropout_min_levels, seed=seed,
-                         channel_first=channel_first, renorm=bool(renorm) and scale == "shared",
+                         channel_first=channel_first, renorm=renorm and scale == "shared",
                          renorm_clip=renorm_clip)
+        self._scale = scale
+
+    scale = fixed_option("scale", "it decided where the levels standardise when the stack was built: build a new "
+                         "ResidualDDCL(..., scale=...)", "``\"shared\"`` or ``\"per_level\"`` (fixed).")
 
 
 # every level's restart by default: below one token per batch, the usage decayed at the EMA's 0.99, uncapped

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from softvq._checks import check_feature_maps
 from softvq._precision import compute_dtype
 
 
-class QuantizerOutput(NamedTuple):
+@dataclasses.dataclass
+class QuantizerOutput:
     """What every softvq quantizer returns. The fields never change with constructor flags (only the shape of
     ``probs`` does, under DDCL's ``top_k``).
+
+    **Read it by name** (``out.quantized``, ``out.loss``, ...; ``out._replace(...)``, ``out._asdict()`` and
+    ``QuantizerOutput._fields`` as for a NamedTuple, and positional construction in the field order below). **As a
+    sequence it is vector-quantize-pytorch's triple** ``(quantized, indices, loss)``: ``quantized, indices,
+    commit_loss = quantizer(x)`` unpacks as ``VectorQuantize``'s output does, ``out[0]``, ``out[1]``, ``out[2]`` and
+    ``len(out) == 3`` agree with it (``probs``, ``terms`` and ``prob_codes`` only by name). It is a dataclass
+    registered as a ``torch.utils._pytree`` node over all six fields, so ``torch.compile``, DDP and
+    ``tree_flatten`` / ``tree_unflatten`` see and rebuild every field (a NamedTuple that iterated as three would not
+    round-trip: pytree flattens a NamedTuple by iterating it).
 
     For an input ``z`` of shape ``(..., D)`` with ``K`` codes:
 
@@ -44,6 +56,35 @@ class QuantizerOutput(NamedTuple):
     terms: dict[str, Tensor]
     prob_codes: Tensor | None = None
 
+    _fields: ClassVar[tuple[str, ...]] = ("quantized", "indices", "probs", "loss", "terms", "prob_codes")
+
+    # ---- vector-quantize-pytorch's (quantized, indices, loss) as the sequence ------------------------------------
+    def _triple(self) -> tuple[Tensor, Tensor, Tensor]:
+        return (self.quantized, self.indices, self.loss)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(self._triple())
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, item: int | slice) -> Any:
+        return self._triple()[item]
+
+    # ---- NamedTuple's helpers, kept from when this was one ------------------------------------------------------
+    def _replace(self, **changes: Any) -> QuantizerOutput:
+        """A copy with the named fields replaced (``NamedTuple._replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def _asdict(self) -> dict[str, Any]:
+        """``{field: value}`` over all six fields, the values themselves (not copies; ``NamedTuple._asdict``)."""
+        return {name: getattr(self, name) for name in self._fields}
+
+    @classmethod
+    def _make(cls, values: Iterable[Any]) -> QuantizerOutput:
+        """From the six field values in order (``NamedTuple._make``)."""
+        return cls(*values)
+
     def dense_probs(self, num_codes: int | None = None) -> Tensor:
         """``probs`` over all ``num_codes`` codes, ``(..., K)``: ``probs`` itself where it is dense, else the top-k
         assignments scattered into zeros (``num_codes`` is then required)."""
@@ -52,6 +93,24 @@ class QuantizerOutput(NamedTuple):
         if num_codes is None:
             raise ValueError("dense_probs() of top-k assignments needs num_codes (the K they are scattered into)")
         return scatter_top_k(self.probs, self.prob_codes, num_codes)
+
+
+def _flatten(out: QuantizerOutput) -> tuple[list[Any], None]:
+    return [getattr(out, name) for name in QuantizerOutput._fields], None
+
+
+def _flatten_with_keys(out: QuantizerOutput) -> tuple[list[tuple[Any, Any]], None]:
+    return [(pytree.GetAttrKey(name), getattr(out, name)) for name in QuantizerOutput._fields], None
+
+
+def _unflatten(values: Iterable[Any], context: None) -> QuantizerOutput:
+    return QuantizerOutput(*values)
+
+
+# All six fields are the node's children (DDP's output hooks, torch.compile and torch.export flatten outputs with
+# torch.utils._pytree; an unregistered class would be one opaque leaf).
+pytree.register_pytree_node(QuantizerOutput, _flatten, _unflatten, serialized_type_name="softvq.QuantizerOutput",
+                            flatten_with_keys_fn=_flatten_with_keys)
 
 
 def scatter_top_k(probs: Tensor, codes: Tensor, num_codes: int) -> Tensor:

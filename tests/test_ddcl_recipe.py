@@ -182,7 +182,7 @@ def test_temperature_is_calibrated_then_follows_the_entropy_step_by_step():
         torch.testing.assert_close(out.terms["entropy"], h, rtol=1e-10, atol=1e-12)
         assert quantizer.temperature == pytest.approx(t * math.exp(0.01 * (target - float(h))), rel=1e-12)
     state = quantizer.state_dict()
-    clone = DDCLQuantizer(160, 4).double()
+    clone = DDCLQuantizer(160, 4, restart=None, prototype_update="gradient").double()  # its settings (recorded)
     clone.load_state_dict(state)
     assert clone.temperature == quantizer.temperature  # checkpointed
 
@@ -372,8 +372,9 @@ def test_auto_usage_decay_at_its_floor_trains_bit_for_bit_as_a_decay_of_0_9():
 def test_a_numeric_output_scale_multiplies_the_standardised_code_and_its_gradient():
     """``output_scale=s``: the standardised layer's output and input gradient times ``s``, bit for bit in value; in
     evaluation the output is still the decode of the indices (``codebook`` scaled alike)."""
-    base, scaled = layer(standardize=True), layer(standardize=Standardize(output_scale=0.2))
-    scaled.load_state_dict(base.state_dict())
+    base, scaled = layer(standardize=True), layer(standardize=True)
+    scaled.load_state_dict(base.state_dict())  # the same state (a state loads into a layer of its settings only) ...
+    scaled.standardize = Standardize(output_scale=0.2)  # ... then its codes times 0.2
     z = torch.randn(20, 3, dtype=torch.float64) * 3 + 1
     w = torch.randn(20, 3, dtype=torch.float64)
     za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)

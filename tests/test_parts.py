@@ -246,8 +246,9 @@ def test_a_restart_given_moves_the_codes_below_its_threshold_and_none_moves_noth
     torch.manual_seed(3)
     make = (lambda r: softvq.DDCLQuantizer(12, 3, restart=r, init="normal")) if layer == "ddcl" else \
         (lambda r: softvq.HardVQ(12, 3, ema_decay=0.9, restart=r))
-    restarting, still = make(Restart(4.0, decay=0.5, cap=None)), make(None)
-    still.load_state_dict(restarting.state_dict())
+    restarting, still = make(Restart(4.0, decay=0.5, cap=None)), make(Restart(4.0, decay=0.5, cap=None))
+    still.load_state_dict(restarting.state_dict())  # the same codes (a state loads into a layer of its settings) ...
+    still.restart = None  # ... and no restarts
     z = torch.randn(40, 3) * 0.3 + 2.0
     counts = torch.bincount(restarting.train()(z).indices, minlength=12)
     if layer == "ddcl":

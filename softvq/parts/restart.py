@@ -32,6 +32,16 @@ USAGE_DECAY_FLOOR = 0.9
 USAGE_DECAY_CEILING = 0.97
 
 
+def check_cap(value: object, name: str = "restart.cap") -> float:
+    """Restart's cap: a fraction of the mean tokens per code per batch, in ``(0, 1]`` (above 1 the cap would let the
+    threshold exceed the mean count, and restart codes that win as many tokens as the average one); else a
+    ``ValueError`` naming ``name`` and ``value``."""
+    cap = check_float(name, value)
+    if cap > 1.0:
+        raise ValueError(f"{name} is a fraction of the mean tokens per code per batch, in (0, 1], got {value!r}")
+    return cap
+
+
 @dataclass(frozen=True)
 class Restart:
     """The settings of dead-code restart (:class:`DeadCodeRestart`), as a layer's ``restart`` option takes them:
@@ -43,8 +53,8 @@ class Restart:
         decay: that running count's decay in ``(0, 1)``, or ``"auto"``: ``1 - N / (64 K)`` for a batch of ``N``
             tokens, clipped to ``[0.9, 0.97]`` (:meth:`DeadCodeRestart.usage_decay`;
             docs/design.md, "Dead-code restart at large K").
-        cap: the threshold in effect is at most this fraction of the mean tokens per code per batch, so that a batch
-            too small to give every code a token restarts no live code; ``None``: uncapped.
+        cap: the threshold in effect is at most this fraction (in ``(0, 1]``) of the mean tokens per code per batch, so
+            that a batch too small to give every code a token restarts no live code; ``None``: uncapped.
     """
 
     threshold: float = 1.0
@@ -56,7 +66,7 @@ class Restart:
         if not (isinstance(self.decay, str) and self.decay == "auto"):
             object.__setattr__(self, "decay", check_unit("restart.decay", self.decay))
         if self.cap is not None:
-            object.__setattr__(self, "cap", check_float("restart.cap", self.cap))
+            object.__setattr__(self, "cap", check_cap(self.cap))
 
     @classmethod
     def of(cls, value: object, name: str = "restart") -> Restart | None:
@@ -125,7 +135,7 @@ class DeadCodeRestart(nn.Module):
         self.threshold = check_float("restart.threshold", threshold, allow_zero=True)
         self.decay: float | str = "auto" if isinstance(decay, str) and decay == "auto" \
             else check_unit("restart.decay", decay)
-        self.cap = None if cap is None else check_float("restart.cap", cap)
+        self.cap = None if cap is None else check_cap(cap)
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
         self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
 

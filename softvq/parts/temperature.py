@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from softvq._checks import check_float, check_positive_int
+from softvq._checks import STANDARDIZED_MAX, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq._kernels import squared_distances
 from softvq._precision import apply_keeping_precision
@@ -65,6 +65,54 @@ def max_stable_rate(num_codes: int) -> float:
 
 
 DEFAULT_RATE = 0.01  # the entropy control's gain per step unless one is given
+
+
+def check_entropy_control(num_codes: int, target_entropy: object, rate: object,
+                          name: str = "target_entropy") -> tuple[float | None, float]:
+    """``(target_entropy, rate)`` of an entropy control over ``num_codes`` codes, checked: the target ``None`` (no
+    control) or a number of nats in ``(0, log K)`` (``log K`` is uniform assignments, which no ``T`` reaches; with one
+    code there is no entropy to hold), and the rate a positive number below :func:`max_stable_rate` ``(K)`` (above it
+    the control can make ``T`` oscillate with a growing amplitude). A ``ValueError`` naming the option and its value
+    otherwise. The one check of both, for the constructor of :class:`TemperatureControl` and for assignments."""
+    if target_entropy is not None and num_codes == 1:
+        raise ValueError(f"{name}={target_entropy!r} cannot be held with num_codes=1: one code takes every token, so "
+                         f"the assignment entropy is always 0; leave target_entropy at 'auto' (a fixed temperature) "
+                         f"or None")
+    target = None if target_entropy is None else check_float(name, target_entropy)
+    if target is not None and not target < math.log(num_codes):
+        raise ValueError(f"{name} must be below log(num_codes) = {math.log(num_codes):.4g} nats (uniform "
+                         f"assignments), got {target_entropy!r}")
+    rate_f = check_float("temperature_rate", rate)
+    if not rate_f < max_stable_rate(num_codes):
+        raise ValueError(f"temperature_rate={rate!r} is too large for the entropy control to be stable with "
+                         f"num_codes={num_codes}: it must be below 2 / (the largest varentropy over {num_codes} codes) "
+                         f"= {max_stable_rate(num_codes):.4g} (the default 0.01 is well below)")
+    return target, rate_f
+
+
+def min_temperature(dim: int | None = None) -> float:
+    """The smallest temperature a layer of token dimension ``dim`` is given: its Boltzmann logits
+    ``(2 z.p - |p|^2) / T`` of tokens and codes in the standardised space (coordinates within
+    :data:`softvq._checks.STANDARDIZED_MAX`, so partial sums within ``16 D STANDARDIZED_MAX^2``, as
+    :func:`softvq._checks.max_token_magnitude` counts them) stay finite in float32: ``16 D 2^32 / finfo(float32).max``
+    (3.2e-27 at D = 16). Without ``dim``, the smallest normal float32 (below it ``1 / T`` itself overflows)."""
+    finfo = torch.finfo(torch.float32)
+    return finfo.tiny if dim is None else 16.0 * dim * STANDARDIZED_MAX**2 / finfo.max
+
+
+def check_temperature(value: object, dim: int | None = None) -> float:
+    """A temperature ``T`` set by hand (the constructor's or an assignment): a positive finite number, at least
+    :func:`min_temperature` ``(dim)``; else a ``ValueError`` naming ``temperature``, ``value`` and the bound."""
+    t = check_float("temperature", value)
+    limit = min_temperature(dim)
+    if t < limit:
+        if dim is None:
+            why = "the layer computes 1 / T in float32: T must be a normal float32"
+        else:
+            why = (f"the Boltzmann logits of {dim}-dimensional standardised codes (coordinates within 2^16), divided "
+                   f"by T, must stay finite in float32: T >= 16 * {dim} * 2^32 / finfo(float32).max")
+        raise ValueError(f"temperature={value!r} is too small: {why} = {limit:.3g}")
+    return t
 
 
 @dataclass(frozen=True)
@@ -112,33 +160,47 @@ class TemperatureControl(nn.Module):
             ``target_entropy``).
         target_entropy: the H(Q) in nats to hold, below ``log K``; ``None``: ``T`` stays fixed.
         rate: the control's gain per step, below :func:`max_stable_rate` ``(K)``.
+        dim: the tokens' dimension ``D``, or ``None``: what bounds ``T`` from below (:func:`min_temperature`).
     """
 
     def __init__(self, num_codes: int, temperature: float | None = None, target_entropy: float | None = None,
-                 rate: float = DEFAULT_RATE) -> None:
+                 rate: float = DEFAULT_RATE, dim: int | None = None) -> None:
         super().__init__()
         self.num_codes = check_positive_int("num_codes", num_codes)
-        if target_entropy is not None and num_codes == 1:
-            raise ValueError(f"target_entropy={target_entropy!r} cannot be held with num_codes=1: one code takes every "
-                             f"token, so the assignment entropy is always 0; leave target_entropy at 'auto' (a fixed "
-                             f"temperature) or None")
-        self.target_entropy = None if target_entropy is None else check_float("target_entropy", target_entropy)
-        if self.target_entropy is not None and not self.target_entropy < math.log(num_codes):
-            raise ValueError(f"target_entropy must be below log(num_codes) = {math.log(num_codes):.4g} nats (uniform "
-                             f"assignments), got {target_entropy!r}")
-        self.rate = check_float("temperature_rate", rate)
-        if self.target_entropy is not None and not self.rate < max_stable_rate(num_codes):
-            raise ValueError(f"temperature_rate={rate!r} is too large for the entropy control to be stable with "
-                             f"num_codes={num_codes}: it must be below 2 / (the largest varentropy over {num_codes} "
-                             f"codes) = {max_stable_rate(num_codes):.4g} (the default 0.01 is well below)")
-        if temperature is None and self.target_entropy is None:
+        self._target_entropy, self._rate = check_entropy_control(num_codes, target_entropy, rate)
+        if temperature is None and self._target_entropy is None:
             raise ValueError("TemperatureControl needs a temperature or a target_entropy to calibrate one to, got "
                              "neither")
-        self.initial = None if temperature is None else check_float("temperature", temperature)
+        self.dim = dim  # the tokens' dimension, for the smallest T admitted (min_temperature)
+        self.initial = None if temperature is None else check_temperature(temperature, dim)
         # Python-side: reading it costs no device sync, and torch.compile guards on it.
         self.ready = self.initial is not None
         self.register_buffer("temperature_t", torch.tensor(self.initial or 1.0, dtype=torch.float64),
                              persistent=False)
+
+    @property
+    def target_entropy(self) -> float | None:
+        """The H(Q) in nats the control holds (``None``: ``T`` stays fixed). Assigning it is checked as the constructor
+        checks it (:func:`check_entropy_control`, with :attr:`rate`); ``None`` needs a ``T`` to hold (refused until
+        one is set or calibrated)."""
+        return self._target_entropy
+
+    @target_entropy.setter
+    def target_entropy(self, value: float | None) -> None:
+        if value is None and not self.ready:
+            raise ValueError("target_entropy=None holds T fixed, but T is not set yet (it was to be calibrated to the "
+                             "target on the first training batch): set the temperature first")
+        self._target_entropy, _ = check_entropy_control(self.num_codes, value, self._rate)
+
+    @property
+    def rate(self) -> float:
+        """The control's gain per step; assigning it is checked as the constructor checks it
+        (:func:`check_entropy_control`: below :func:`max_stable_rate` ``(K)``)."""
+        return self._rate
+
+    @rate.setter
+    def rate(self, value: float) -> None:
+        _, self._rate = check_entropy_control(self.num_codes, self._target_entropy, value)
 
     @property
     def temperature(self) -> float | None:
@@ -149,12 +211,12 @@ class TemperatureControl(nn.Module):
         """Set ``T`` to ``value``. With the control on it would bring ``T`` back toward its target within ~100
         steps, so by default the control is switched off (``target_entropy = None``, with a warning naming
         ``owner``); ``keep_control=True`` moves ``T`` and lets the control go on from there."""
-        value = check_float("temperature", value)
+        value = check_temperature(value, self.dim)
         if self.target_entropy is not None and not keep_control:
             warnings.warn(f"setting {owner}.temperature switches its entropy control off (target_entropy was "
                           f"{self.target_entropy:g}, now None): T stays where it is set; pass keep_control=True to "
                           f"set_temperature to keep the control", stacklevel=4)
-            self.target_entropy = None
+            self._target_entropy = None  # T is set just below: a fixed T to hold
         self.load(value)
 
     def load(self, value: float | None) -> None:
@@ -172,7 +234,7 @@ class TemperatureControl(nn.Module):
         draw alike); with ``keep`` it becomes ``T`` (a training batch), else it is used once (evaluation before
         training)."""
         sample = z[:: max(1, z.shape[0] // 4096)]
-        t = calibrate_temperature(sample, prototypes, self.target_entropy).to(self.temperature_t.dtype)
+        t = calibrate_temperature(sample, prototypes, self._target_entropy).to(self.temperature_t.dtype)
         if keep:
             self.temperature_t = t
             self.ready = True
@@ -184,13 +246,13 @@ class TemperatureControl(nn.Module):
         every process's tokens under ``torch.distributed``): ``T <- T exp(rate (target - H))``
         (:func:`entropy_control_factor`, the rule's one implementation), bound as a new tensor; a non-finite entropy
         leaves ``T`` unchanged. No host-device synchronisation."""
-        if self.target_entropy is None:
+        if self._target_entropy is None:
             return
         if is_distributed():
             n = torch.full((), float(tokens), dtype=torch.float64, device=entropy.device)
             total = all_reduce_sum_(torch.stack([entropy.to(torch.float64) * n, n]))
             entropy = total[0] / total[1]
-        factor = entropy_control_factor(entropy.to(self.temperature_t.dtype), self.target_entropy, self.rate)
+        factor = entropy_control_factor(entropy.to(self.temperature_t.dtype), self._target_entropy, self._rate)
         now = self.temperature_t
         # Bound, not written in place: a second forward pass before the first's backward must not change the T that
         # backward reads (an in-place write is a version-counter error under torch.compile).

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from softvq._checks import check_bool, check_choice, check_float, check_unit
+from softvq._checks import check_bool, check_choice, check_unit, check_weight
 from softvq.parts._settings import from_mapping
 
 TERMS = ("l_q", "l_ols", "free_energy")  # the terms of the layer's loss a codebook or commitment term may be
@@ -46,7 +46,8 @@ class Gradient:
     Args:
         term: ``"free_energy"`` (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (pushes far
             prototypes away, which strands them under Adam) or ``"l_ols"``.
-        weight: its weight (``>= 0``).
+        weight: its weight (``>= 0``, at most :data:`softvq._checks.MAX_WEIGHT`: 1.8e19, so that it times the term
+            stays a finite float32).
     """
 
     term: Literal["free_energy", "l_q", "l_ols"] = "free_energy"
@@ -54,7 +55,7 @@ class Gradient:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "term", check_choice("prototype_update.term", self.term, TERMS))
-        object.__setattr__(self, "weight", check_float("prototype_update.weight", self.weight, allow_zero=True))
+        object.__setattr__(self, "weight", check_weight("prototype_update.weight", self.weight))
 
     @property
     def kind(self) -> str:
@@ -68,7 +69,7 @@ class Commitment:
     number alone is the weight of the ``"hard"`` term (0: no commitment).
 
     Args:
-        weight: its weight (``> 0``).
+        weight: its weight (``> 0``, at most :data:`softvq._checks.MAX_WEIGHT`).
         term: ``"hard"`` (``||z - sg[p_argmax]||^2``, VQ-VAE's), ``"l_ols"`` (to the soft centroid), ``"l_q"`` or
             ``"free_energy"`` (docs/design.md, "Collapse-free defaults").
     """
@@ -77,7 +78,7 @@ class Commitment:
     term: Literal["hard", "l_q", "l_ols", "free_energy"] = "hard"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "weight", check_float("commitment_weight.weight", self.weight))
+        object.__setattr__(self, "weight", check_weight("commitment_weight.weight", self.weight, allow_zero=False))
         object.__setattr__(self, "term", check_choice("commitment_weight.term", self.term, ("hard", *TERMS)))
 
     @classmethod
@@ -108,8 +109,12 @@ def prototype_update_of(value: object, auto: Ema | Gradient) -> Ema | Gradient:
 
 class UpdateOption:
     """A layer's ``prototype_update`` attribute: an :class:`Ema` whose decay is the layer's ``ema`` part's (one place),
-    or the :class:`Gradient` it was given. Assigning one (or ``"ema"``, ... ; ``"auto"``: the layer recipe's) switches
-    what the forward does; the prototypes' ``requires_grad`` is the caller's to set."""
+    or the :class:`Gradient` it was given. Assigning one (or ``"ema"``, ... ; ``"auto"``: the layer recipe's; checked
+    by :func:`prototype_update_of`, as the constructor checks it) switches what the next call does, as the constructor
+    would have set it up: the prototypes require gradients exactly for a :class:`Gradient` (an optimizer built before
+    the switch holds them or not as it was built: rebuild its groups, :func:`softvq.param_groups`), and a switch from a
+    :class:`Gradient` to an :class:`Ema` starts the EMA's statistics again at the current prototypes (one pseudo-token
+    each, as a new layer's)."""
 
     def __get__(self, layer: Any, owner: type) -> Any:
         if layer is None:
@@ -118,6 +123,9 @@ class UpdateOption:
 
     def __set__(self, layer: Any, value: object) -> None:
         value = prototype_update_of(value, auto=Ema() if layer.recipe == "auto" else Gradient())
+        if isinstance(value, Ema) and getattr(layer, "_update_kind", None) == "gradient":  # stale statistics
+            layer.ema.reset_(layer.prototypes.detach())
+        layer.prototypes.requires_grad_(value.kind == "gradient")
         layer._gradient = value if isinstance(value, Gradient) else None
         if isinstance(value, Ema):
             layer.ema.decay = value.decay
