@@ -67,8 +67,8 @@ def fails(capsys, argv: list[str], data: Path, out: Path) -> str:
     return capsys.readouterr().err
 
 
-# ---- flags: a wrong type or choice is jsonargparse's usage error naming the flag and the value; a value out of range
-# is the constructor's one ``error:`` line naming the setting and the value; both before anything is read or written --
+# ---- flags: a wrong type or choice is one ``error:`` line naming the flag, what it takes and the value; a value out of
+# range is the constructor's one ``error:`` line naming the setting and the value; both before anything is written --
 @pytest.mark.parametrize("argv, message", [
     (["--epochs", "-1"], "error: epochs must be a positive integer, got -1"),
     (["--epochs", "0"], "error: epochs must be a positive integer, got 0"),
@@ -76,10 +76,10 @@ def fails(capsys, argv: list[str], data: Path, out: Path) -> str:
     (["--model.eps", "-0.1"], "error: eps must be a positive finite number, got -0.1"),
     (["--ddcl.temperature", "0"], "error: temperature must be a positive finite number, got 0.0"),
     (["--ddcl.temperature", "-2"], "error: temperature must be a positive finite number, got -2.0"),
-    (["--ddcl.temperature", "nan"], ('Parser key "ddcl.temperature"', "Given value: nan")),
+    (["--ddcl.temperature", "nan"], ("error: --ddcl.temperature: expected a number or 'auto'", "got 'nan'")),
     (["--quantizer", "soft"], "argument --quantizer: invalid choice: 'soft'"),
     (["--model.num_codes", "0"], "error: num_codes must be a positive integer, got 0"),
-    (["--data.batch_size", "x"], 'Parser key "data.batch_size":\n  Expected a <class \'int\'>. Got value: x'),
+    (["--data.batch_size", "x"], "error: --data.batch_size: expected an integer, got 'x'"),
 ])
 def test_bad_flag(capsys, tiny_cifar, previous, argv, message):
     err = fails(capsys, argv, tiny_cifar["folder"], previous)

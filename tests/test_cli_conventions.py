@@ -16,7 +16,7 @@ import yaml
 from softvq.cli import config as train_config
 from softvq.cli import evaluate, prior, sample
 from softvq.cli import train as train_vqvae
-from softvq.cli.parsing import Legacy, parse
+from softvq.cli.parsing import FormerFlags, parse
 
 TINY = ["--data.batch_size", "16", "--data.train_subset", "48", "--data.val_size", "32", "--data.num_workers", "0",
         "--model.num_codes", "8", "--model.code_dim", "4", "--model.width", "8", "--model.res_hidden", "4",
@@ -162,27 +162,27 @@ def test_every_command_reads_and_prints_config_files_alike(name, tmp_path, capsy
     (sample, ["--prior", "p.ckpt", "--top-k", "3", "--class", "cat", "--allow-other-vqvae"],
      ["--prior", "p.ckpt", "--top_k", "3", "--label", "cat", "--allow_other_vqvae"]),
 ])
-def test_old_spellings_work_for_one_release_with_a_warning_naming_the_new_one(module, old, new):
-    with pytest.warns(FutureWarning) as caught:
-        translated = module.LEGACY.translate(old)
-    assert translated == new
-    messages = [str(w.message) for w in caught]
-    assert all("deprecated" in m and "; use --" in m for m in messages)
-    assert any("--data-root is deprecated" in m and "use --data.data_root" in m for m in messages) \
-        or module is sample
+def test_old_spellings_are_refused_with_the_flag_that_replaced_each(module, old, new, capsys):
+    """The spellings before the shared convention are refused, every one in the command line named with its
+    replacement on one line (the table that says so is the command's FORMER); the new spellings parse."""
     parser = module.build_parser()
-    with pytest.warns(FutureWarning):
-        from_old = parse(parser, module.LEGACY, old)
-    assert from_old == parser.parse_args(new)
+    parser.parse_args(new)  # today's spellings are fine
+    with pytest.raises(SystemExit) as stop:
+        parse(parser, module.FORMER, old)
+    message = capsys.readouterr().err
+    assert stop.value.code == 2 and message.startswith("error: ") and message.count("\n") == 1, message
+    formers = [t.partition("=")[0] for t in old if module.FORMER.replacement(t.partition("=")[0])]
+    assert len(formers) == len([t for t in old if t.startswith("--")]) - (module is not evaluate)  # all but --vqvae
+    for flag in formers:
+        assert f"{flag} was " in message and module.FORMER.replacement(flag) in message, (flag, message)
+    if module is not sample:
+        assert "--data-root was renamed --data.data_root" in message
 
 
-def test_legacy_translation_leaves_values_and_the_rest_alone():
-    legacy = Legacy("x", renames={"--old": "--new"}, switches={"--flag": ("--on", "true")})
-    with pytest.warns(FutureWarning, match="x: --old is deprecated .* use --new$"):
-        assert legacy.translate(["--old", "--flag", "--other", "1", "--", "--old"]) == \
-            ["--new", "--flag", "--other", "1", "--", "--old"]  # "--flag" was --old's value, kept as it is
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing old: no warning
-        assert legacy.translate(["--new", "-1", "--on", "true"]) == ["--new", "-1", "--on", "true"]
+def test_former_flags_name_their_replacement_and_leave_values_alone():
+    former = FormerFlags(renames={"--old": "--new"}, switches={"--flag": ("--on", "true"), "--sw": ("--sw2", None)})
+    assert former.message("--old") == "--old was renamed --new"
+    assert former.message("--flag") == "--flag was replaced by --on true"
+    assert former.message("--sw") == "--sw was replaced by --sw2"
+    assert former.message("--new") is None and former.replacement("--other") is None
+    assert former.message("--old", "run.yaml") == "run.yaml: old was renamed new"  # a config file's key

@@ -292,11 +292,11 @@ def test_two_level_training_writes_per_level_history_and_resumes(tmp_path, tiny_
      "level_codes must be an int or hold one codebook size per level above 0 (2 for levels=3), got [8, 8, 8]"),
     (["--model.levels", "2", "--model.level_pool", "3"], "pooling window (3, 3) does not divide the grid (8, 8)"),
     (["--model.levels", "0"], "levels must be a positive integer, got 0"),
-    (["--model.levels", "two"], 'Parser key "model.levels"'),
+    (["--model.levels", "two"], "--model.levels: expected an integer, got 'two'"),
 ])
 def test_bad_level_flags_exit_with_a_message(argv, match, capsys, tmp_path, tiny_cifar):
-    """A wrong type is jsonargparse's usage error, a bad level configuration the constructor's one ``error:`` line;
-    both exit 2 before anything is written."""
+    """A wrong type is the parser's one ``error:`` line, a bad level configuration the constructor's one ``error:``
+    line; both exit 2 before anything is written."""
     out = tmp_path / "run"
     try:
         code = train_vqvae.cli([*TINY, "--data.data_root", str(tiny_cifar["folder"]), "--out", str(out), *argv])

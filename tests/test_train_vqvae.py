@@ -274,10 +274,10 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
 
 
 @pytest.mark.parametrize("argv, match", [
-    # a wrong flag, type or choice: jsonargparse's usage error
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # a wrong flag, type or choice: one line naming the flag and what it accepts (softvq.cli.parsing)
+    (["--no-such-flag"], "error: --no-such-flag: no such flag"),
     (["--quantizer", "fsq"], "invalid choice"),
-    (["--model.width", "wide"], 'Parser key "model.width"'),
+    (["--model.width", "wide"], "error: --model.width: expected an integer, got 'wide'"),
     # a value out of range: the constructor's error line, before anything is written
     (["--epochs", "-1"], "error: epochs must be a positive integer, got -1"),
     (["--model.eps", "0"], "error: eps must be a positive finite number, got 0.0"),

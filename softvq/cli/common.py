@@ -96,9 +96,9 @@ def quiet_lightning() -> Iterator[None]:
 def run_command(main: Callable[..., Any], argv: Sequence[str] | None = None,
                 errors: tuple[type[BaseException], ...] = EXPECTED_ERRORS) -> int:
     """``main(argv)`` as a command: 0 when it returns; on one of ``errors`` print ``error: <message>`` to stderr and
-    return 2 (argparse exits 2 on bad flags itself); on :class:`Interrupted` print its message and return 143
-    (SIGTERM) or 130 (SIGINT). Lightning's start-up lines (available accelerators, adverts) are silenced; its
-    warnings still show."""
+    return 2 (a bad flag exits 2 itself, :func:`softvq.cli.parsing.refuse`); on :class:`Interrupted` print its
+    message and return 143 (SIGTERM) or 130 (SIGINT). Lightning's start-up lines (available accelerators, adverts)
+    are silenced; its warnings still show."""
     try:
         with quiet_lightning():
             main(argv)

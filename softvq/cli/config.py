@@ -29,8 +29,9 @@ from jsonargparse import ArgumentParser, Namespace
 from softvq import DDCLQuantizer, HardVQ, ResidualDDCL, ResidualHardVQ
 from softvq._checks import check_non_negative_int, check_positive_int
 from softvq._compat import upgrade_settings
+from softvq.cli import parsing
 from softvq.cli.common import Hardware
-from softvq.cli.parsing import command_parser
+from softvq.cli.parsing import command_parser, quantizer_former_flags, refuse
 from softvq.data import CIFAR10DataModule
 from softvq.models import QUANTIZERS, RESIDUAL_QUANTIZERS, VQVAE
 from softvq.parts.temperature import DEFAULT_RATE
@@ -100,11 +101,11 @@ def build_parser() -> ArgumentParser:
 
 
 def parse(argv: Sequence[str] | None = None) -> Namespace:
-    """Parsed flags (exit 2 with a usage message on a bad one, as argparse does)."""
-    parser = build_parser()
-    cfg = parser.parse_args(None if argv is None else list(argv))
+    """Parsed flags and config files (:func:`softvq.cli.parsing.parse`: a bad flag, config key or value, or a former
+    option name such as ``--ddcl.dead_code_threshold``, exits 2 with one ``error:`` line naming it)."""
+    cfg = parsing.parse(build_parser(), quantizer_former_flags(tuple(QUANTIZER_CLASSES)), argv)
     if len(set(cfg.quantizer)) != len(cfg.quantizer):
-        parser.error(f"argument --quantizer: repeated names {cfg.quantizer}")
+        refuse(f"--quantizer: each name once, got {' '.join(cfg.quantizer)}")
     return cfg
 
 

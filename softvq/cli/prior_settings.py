@@ -1,5 +1,5 @@
-"""The settings of ``softvq-prior`` (:mod:`softvq.cli.prior`): its command name, the flags it still accepts under
-their former spellings, and the two dataclasses whose fields are its flags (:class:`PriorRun` at the top level,
+"""The settings of ``softvq-prior`` (:mod:`softvq.cli.prior`): its command name, the former spellings of its flags
+(refused with today's), and the two dataclasses whose fields are its flags (:class:`PriorRun` at the top level,
 :class:`PriorModel` under ``--model.*``). The parser that combines them with ``--data.*`` and ``--trainer.*`` is
 :func:`softvq.cli.prior.build_parser`; these names are also importable from there.
 """
@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from softvq._checks import check_float, check_non_negative_int, check_positive_int
-from softvq.cli.parsing import Legacy
+from softvq.cli.parsing import FormerFlags
 
 PROG = "softvq-prior"
-# The spellings before the shared convention (docs/training.md, "Commands and config files"), for one release.
-LEGACY = Legacy(
-    PROG,
+# The spellings before the shared convention (docs/training.md, "Commands and config files"): refused with today's.
+FORMER = FormerFlags(
     renames={"--batch-size": "--batch_size", "--cache-dir": "--codes_cache", "--data-root": "--data.data_root",
              "--train-subset": "--data.train_subset", "--val-size": "--data.val_size",
              "--num-workers": "--data.num_workers", "--encode-batch-size": "--data.batch_size",

@@ -236,8 +236,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
 
 def cli(argv: Sequence[str] | None = None) -> int:
     """:func:`main` as a command: expected failures (missing or bad data, a bad checkpoint or setting, an unusable or
-    busy --out, NaN/Inf in training) print one ``error:`` message and return 2; bad flags exit 2 with a usage message;
-    SIGTERM / SIGINT stop it at the next batch, keep the last good checkpoint and return 143 / 130."""
+    busy --out, NaN/Inf in training) print one ``error:`` message and return 2; a bad flag, config key or value exits
+    2 with one ``error:`` line naming it (:func:`softvq.cli.parsing.parse`); SIGTERM / SIGINT stop it at the next
+    batch, keep the last good checkpoint and return 143 / 130."""
     return run_command(main, argv)
 
 
