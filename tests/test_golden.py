@@ -1,11 +1,12 @@
-"""Every public layer and recipe trains bit for bit as recorded in tests/golden/layers.json (50 steps of outputs,
-gradients and state), and every saved state in tests/golden/states/ loads into a freshly built layer and evaluates
-to the tensors saved with it. A rewrite of the layers' internals keeps both; a change of numerics re-records them
-(``python tests/golden/make_golden.py``) and says why in its commit."""
+"""Every public layer and recipe trains as recorded in tests/golden/trajectories/, on any CPU: each recorded step,
+replayed from its recorded start, gives the recorded outputs, gradients and state, integers exactly and floats within
+the step's float rounding (make_golden.tolerance); and every saved state in tests/golden/states/ loads into a freshly
+built layer and evaluates to the tensors saved with it. A change of numerics re-records the trajectories
+(``python tests/golden/make_golden.py``) and says why in its commit; a refactor checks its bits on its own machine
+(``--bits`` / ``--bits-check``). CI runs this file under a second ``ATEN_CPU_CAPABILITY`` too."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,37 +16,43 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
 import make_golden as record  # noqa: E402
 
-GOLDEN = json.loads(record.GOLDEN.read_text())
-# bits depend on torch's build and on the CPU kernels it dispatches to (AVX2 and AVX512 sum in other orders)
-SAME_TORCH = pytest.mark.skipif(
-    (torch.__version__, torch.backends.cpu.get_cpu_capability()) != (GOLDEN["torch"], GOLDEN["cpu"]),
-    reason=f"recorded with torch {GOLDEN['torch']} on {GOLDEN['cpu']}: bits may differ under {torch.__version__} on "
-           f"{torch.backends.cpu.get_cpu_capability()}")
-
 
 @pytest.fixture(autouse=True)
 def one_thread():
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as recorded: a reduction's order may depend on the thread count
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
-@SAME_TORCH
 @pytest.mark.parametrize("name", sorted(record.CASES))
-def test_training_reproduces_the_golden_file(name):
-    assert record.compare(name, GOLDEN["cases"][name]) is None
+def test_every_recorded_step_replays_within_its_rounding(name):
+    assert record.compare(name) is None
 
 
-def test_the_check_sees_one_changed_option(monkeypatch):
-    """The control: EMA decay 0.98 instead of 0.99 changes the state after the first step, and the check says so."""
-    _, shape, dtype = record.CASES["hard_ema_restart"]
-    monkeypatch.setitem(record.CASES, "hard_ema_restart",
-                        (lambda: record.softvq.HardVQ(record.K, record.D, ema_decay=0.98,
-                                                             restart=record.HARD_RESTART),
-                         shape, dtype))
-    assert record.compare("hard_ema_restart", GOLDEN["cases"]["hard_ema_restart"]) == \
-        "hard_ema_restart: step 0, state differs"
+def test_the_check_sees_one_changed_option():
+    """The control: EMA decay 0.98 instead of 0.99 changes the state after the first step far beyond the tolerance,
+    and the check says so."""
+    golden = record.load("hard_ema_restart")
+
+    def change(layer):
+        layer.ema_decay = 0.98  # after loading: a state saved at 0.99 is refused by a layer built at 0.98
+
+    message = record.compare("hard_ema_restart", golden, change=change)
+    assert message is not None and message.startswith("hard_ema_restart: step 0, state differs")
+    got = record.replay("hard_ema_restart", 0, golden[0]["start"], change=change)
+    worst = max(d for what, d in record.differences("hard_ema_restart", got, golden[0]) if what.startswith("state"))
+    assert worst > 100 * record.tolerance("hard_ema_restart")
+
+
+def test_the_tolerance_is_the_steps_rounding():
+    """float32: 8 u (N + K + D) for 48 tokens, 16 codes, 8 dimensions; float64 the same in its own u; a measured
+    conditioning raises it, up to its cap."""
+    u32, u64 = 2.0 ** -24, 2.0 ** -53
+    assert record.tolerance("ddcl") == pytest.approx(8 * u32 * (48 + 16 + 8))
+    assert record.tolerance("ddcl_float64") == pytest.approx(8 * u64 * (48 + 16 + 8))
+    assert record.tolerance("ddcl", kappa=1e4) == pytest.approx(4 * u32 * 1e4)
+    assert record.tolerance("ddcl", kappa=1e30) == pytest.approx(4 * u32 * record.KAPPA_MAX)
 
 
 @pytest.mark.parametrize("name", sorted(record.CASES))
@@ -58,9 +65,9 @@ def test_a_saved_state_loads_and_evaluates_as_saved(name):
         out = layer.eval()(saved["batch"])
     got = dict(record.tensors_of(out, "out"))
     assert got.keys() == saved["eval_output"].keys()
-    exact = (torch.__version__, torch.backends.cpu.get_cpu_capability()) == (GOLDEN["torch"], GOLDEN["cpu"])
     for key, want in saved["eval_output"].items():
-        if exact or not want.is_floating_point():
+        if not want.is_floating_point():
             assert torch.equal(got[key], want), key
-        else:  # another build or CPU: the same numbers up to summation order
-            torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-6, msg=key)
+        elif not key.rsplit(".", 1)[-1].startswith("identity_residual") and want.numel():
+            scale = want.abs().max().double().clamp_min(torch.finfo(want.dtype).tiny)
+            assert float((got[key].double() - want.double()).abs().max() / scale) <= record.tolerance(name), key
