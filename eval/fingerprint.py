@@ -47,9 +47,24 @@ NEAR = 1e-5
 PROJECTIONS = 3  # random projections of every tensor, beside its sum of squares
 
 
+def _hard_ema(num_codes: int, capped: bool = False) -> nn.Module:
+    """HardVQ "EMA 0.99 + restart 1" (``capped``: the restart threshold capped at a quarter of the mean tokens per
+    code), built with the options of the ``softvq`` at hand: an older one (``eval.reports --backfill-fingerprints``
+    imports the ``softvq`` of the commit a report ran at) had the restart as the flat ``dead_code_threshold``, its
+    usage decayed at the EMA's decay and uncapped, the same numerics as ``HARD_RESTART``."""
+    import softvq
+
+    if hasattr(softvq, "Restart"):
+        from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED
+
+        return softvq.HardVQ(num_codes, 8, ema_decay=0.99, restart=HARD_RESTART_CAPPED if capped else HARD_RESTART)
+    if capped:
+        raise RuntimeError("this softvq has no capped restart")
+    return softvq.HardVQ(num_codes, 8, ema_decay=0.99, dead_code_threshold=1.0)
+
+
 def _builders() -> dict[str, Callable[[], nn.Module]]:
     import softvq
-    from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED
 
     # K = 256 for DDCL: its recipe's rules that depend on K are in their K-dependent range there (the entropy target
     # log K / 2 is above the former 2.5 nats from K = 149 on; 768 tokens a batch put the usage decay 1 - N / (64 K)
@@ -57,9 +72,9 @@ def _builders() -> dict[str, Callable[[], nn.Module]]:
     builders: dict[str, Callable[[], nn.Module]] = {
         "ddcl": lambda: softvq.DDCLQuantizer(256, 8),
         "hard": lambda: softvq.HardVQ(16, 8),
-        "hard_ema": lambda: softvq.HardVQ(16, 8, ema_decay=0.99, restart=HARD_RESTART),
+        "hard_ema": lambda: _hard_ema(16),
         # K = 256: 768 tokens a batch give 0.75 a code, so the cap (a quarter of that) is what sets the threshold
-        "hard_ema_cap": lambda: softvq.HardVQ(256, 8, ema_decay=0.99, restart=HARD_RESTART_CAPPED),
+        "hard_ema_cap": lambda: _hard_ema(256, capped=True),
         # K = 32: the second level starts from the first one's residuals, of which the K tokens that became codes of
         # the first level are exactly zero; at K = 256 (of 768 tokens) it drew 80 coincident zero codes, whose ties
         # the last bits of a matmul decide (Run); at 32 it draws none

@@ -27,7 +27,8 @@ def test_the_prints_match_under_another_kernel_set_and_thread_count(runs):
     process's runs, whatever kernels and threads this one has; this process's own prints match too."""
     other = "default" if torch.backends.cpu.get_cpu_capability() != "DEFAULT" else "avx2"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": other, "OMP_NUM_THREADS": "2"}
-    code = "import torch, json; torch.set_num_threads(2); from eval import fingerprint as f; print(json.dumps(f.today()))"
+    code = ("import torch, json; torch.set_num_threads(2); from eval import fingerprint as f; "
+            "print(json.dumps(f.today()))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     prints = json.loads(done.stdout.strip().splitlines()[-1])
     assert prints.keys() == runs.keys()
