@@ -12,7 +12,9 @@ A report (any ``reports/**/*.md``) starts with a header of two lines:
 A report with fingerprints (``reports/fingerprints.json``, :mod:`eval.fingerprint`: per report, a hash of a tiny
 fixed training run of each method its numbers come from, taken at its commits) is **stale** exactly when today's code
 gives one of those methods another fingerprint: a refactor that changes no number flags nothing, a new default flags
-the reports of the methods that use it. Any other report is **stale** when ``softvq/`` or its study's own modules
+the reports of the methods that use it. The print is the same on every CPU, so is the verdict. A report whose records
+name no method carries every method's prints (``--backfill-fingerprints``). A report without prints (one committed
+since the last backfill) is **stale** when ``softvq/`` or its study's own modules
 (every file of the package ``eval/<study>/`` when the study is one, else ``eval/<study>.py``) changed in a commit
 that is not an ancestor of (or equal to) every commit its ``Code:`` line names: its numbers may not be what today's
 code gives. A commit this clone does not have (a shallow
@@ -157,25 +159,30 @@ def backfill_record_fingerprints(records: Path, work: Path, refresh: bool = Fals
 
 
 def backfill_fingerprints(work: Path, store: Path | None = None, refresh: bool = False) -> None:
-    """Record, for every committed report with fingerprinted methods, their fingerprints at the commits on its
+    """Record, for every committed report, the fingerprints of the methods its numbers come from at the commits on its
     ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with. A
+    report whose records name no fingerprinted method is charged with every method's (its numbers may come from any
+    of the bottlenecks): judged by numerics all the same, it is not flagged by a change that moves no number. A
     study whose records log the commit of every start of their run (:mod:`eval.long_run`) gets each record's own
     prints instead (:func:`backfill_record_fingerprints`), so that a method is not charged with the commits only
-    another method's runs were trained at."""
+    another method's runs were trained at. A report that holds prints already is left as it is, unless ``refresh``
+    (the fingerprint itself changed)."""
     from eval import fingerprint
     from eval.long_run import report_fingerprints
 
     store = store or fingerprint.STORE
     for report in find_reports(ROOT):
         key = report.relative_to(ROOT).as_posix()
+        if fingerprint.load(store).get(key) and not refresh:
+            continue
         if backfill_record_fingerprints(report.parent / "runs", work, refresh):
             fingerprint.record(key, report_fingerprints(report.parent / "runs", fingerprint.load(store).get(key, {})),
                                store)
             print(f"{report.relative_to(ROOT)}: per record", flush=True)
             continue
-        names = fingerprint.report_methods(report)
+        names = fingerprint.report_methods(report) or fingerprint.methods()
         commits = [c for c in read_header(report).commits if known(c, ROOT)]
-        if not names or not commits:
+        if not commits:
             continue
         prints: dict[str, list[str]] = {m: [] for m in names}
         for commit in dict.fromkeys(commits):
