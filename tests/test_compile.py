@@ -20,20 +20,24 @@ def _step(layer: torch.nn.Module, z: torch.Tensor) -> None:
     (out.quantized.square().mean() + out.loss).backward()
 
 
-LAYERS = {  # (cap=None: 3 tokens a batch per code would cap a threshold of 4 at 0.75)
-    "ddcl": lambda: DDCLQuantizer(32, 8, check_finite=False, restart=Restart(4.0, cap=None)),
-    "ddcl_top_k": lambda: DDCLQuantizer(32, 8, check_finite=False, top_k=6, restart=Restart(4.0, cap=None)),
+# Restart below 3.5 tokens a batch (cap=None: 3 tokens a batch per code would cap it at 0.75). Not 4: the running usage
+# starts from a batch's integer counts, and 0.99 * 4 + 0.01 * 4 is 4 or 4 - 1 ulp as the arithmetic is fused or not, so
+# a threshold of 4 put codes exactly on it, and eager and compiled code restarted different codes under
+# ATEN_CPU_CAPABILITY=avx2 (inductor fuses the multiply-add): a tie, not a difference of numerics.
+LAYERS = {
+    "ddcl": lambda: DDCLQuantizer(32, 8, check_finite=False, restart=Restart(3.5, cap=None)),
+    "ddcl_top_k": lambda: DDCLQuantizer(32, 8, check_finite=False, top_k=6, restart=Restart(3.5, cap=None)),
     "ddcl_soft_ema": lambda: DDCLQuantizer(32, 8, check_finite=False, prototype_update="soft_ema"),
     "ddcl_plain": lambda: DDCLQuantizer(32, 8, recipe="plain", check_finite=False,
-                                        restart=Restart(4.0, cap=None)),
+                                        restart=Restart(3.5, cap=None)),
     "ddcl_cosine_l_q": lambda: DDCLQuantizer(32, 8, check_finite=False, distance="cosine",
                                              commitment_weight=Commitment(0.25, "l_q")),
-    "hard_ema": lambda: HardVQ(32, 8, ema_decay=0.99, restart=Restart(4.0, decay=0.99, cap=None), check_finite=False),
-    "hard": lambda: HardVQ(32, 8, restart=Restart(4.0, decay=0.99, cap=None), check_finite=False),
+    "hard_ema": lambda: HardVQ(32, 8, ema_decay=0.99, restart=Restart(3.5, decay=0.99, cap=None), check_finite=False),
+    "hard": lambda: HardVQ(32, 8, restart=Restart(3.5, decay=0.99, cap=None), check_finite=False),
 }
 
 
-# a threshold of 4 tokens per batch: some codes restart
+# a threshold of 3.5 tokens per batch: some codes restart
 RESTARTING = {"ddcl", "ddcl_top_k", "ddcl_plain", "hard_ema", "hard"}
 
 
@@ -41,7 +45,7 @@ RESTARTING = {"ddcl", "ddcl_top_k", "ddcl_plain", "hard_ema", "hard"}
 def test_training_steps_never_synchronise_with_the_host(name):
     torch.manual_seed(0)
     layer = LAYERS[name]().train()
-    z = torch.randn(6, 16, 8) * 3 + 1  # 96 tokens for 32 codes: a threshold of 4 per batch restarts codes
+    z = torch.randn(6, 16, 8) * 3 + 1  # 96 tokens for 32 codes: a threshold of 3.5 per batch restarts codes
     recorder = SyncRecorder()
     with recorder:
         for _ in range(4):  # the first batch too: data initialisation and the temperature calibration
