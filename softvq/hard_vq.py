@@ -19,7 +19,7 @@ from softvq._checks import (
     flatten_tokens,
 )
 from softvq._compat import check_state_settings, hard_settings, refuse_former_options, upgrade_state_dict
-from softvq._kernels import max_rows, squared_distances
+from softvq._kernels import nearest_codes
 from softvq._precision import apply_keeping_precision, compute_dtype
 from softvq._recipe import fixed_option, layer_option
 from softvq.parts.ema import EmaPrototypes
@@ -230,7 +230,7 @@ class HardVQ(nn.Module):
             with torch.no_grad():
                 codebook = self.prototypes.detach().to(ctype)
                 center = codebook.mean(0)  # distances are translation invariant; centring keeps them accurate
-                indices = max_rows(squared_distances(zf - center, codebook - center), largest=False)[1]  # (N,)
+                indices = nearest_codes(zf - center, codebook - center)  # (N,), in row blocks: no (N, K) array
             # (N, D) the code each token was assigned, looked up before this step's EMA update or restart moves it (as
             # sonnet and vector-quantize-pytorch return it); gradient to the codebook if no EMA
             codes = F.embedding(indices, self.prototypes.to(ctype))
