@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
+import softvq._kernels
 import softvq._soft_centroid
-import softvq.hard_vq
 import softvq.parts.temperature
 from softvq import DDCLQuantizer, HardVQ
 from softvq.cli import train as train_vqvae
@@ -40,7 +40,7 @@ def spies(monkeypatch):
 
     spy(softvq._soft_centroid, "logit_scores")  # DDCLQuantizer's forward pass: the scores (|z|^2 - d) / T
     spy(softvq.parts.temperature)  # its temperature calibration
-    spy(softvq.hard_vq)
+    spy(softvq._kernels)  # HardVQ's nearest_codes (its batches here fit one block: squared_distances itself)
     for cls in (DDCLQuantizer, HardVQ):
         original_forward = cls.forward
 
