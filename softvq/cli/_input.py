@@ -13,16 +13,44 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
-if TYPE_CHECKING:
-    from softvq.cli.parsing import FormerFlags
-
-
 CONFIG_EXTRA = ("config", "__path__")  # keys jsonargparse itself puts in a configuration
+
+
+class FormerFlags:
+    """The names one command's flags had before (docs/training.md, "Commands and config files"), refused with the
+    name that replaced them. ``renames`` maps a former option to today's (``"--data-root": "--data.data_root"``);
+    ``switches`` maps a former on/off flag to the option that replaced it and the value it stood for
+    (``"--no-progress-bar": ("--trainer.progress_bar", "false")``; ``None``: the new one is a flag too)."""
+
+    def __init__(self, renames: Mapping[str, str] | None = None,
+                 switches: Mapping[str, tuple[str, str | None]] | None = None) -> None:
+        self.renames = dict(renames or {})
+        self.switches = dict(switches or {})
+
+    def replacement(self, flag: str) -> str | None:
+        """What replaced the former ``flag`` (``"--trainer.progress_bar false"``), or ``None`` if it is not one."""
+        if flag in self.renames:
+            return self.renames[flag]
+        if flag in self.switches:
+            new, value = self.switches[flag]
+            return new if value is None else f"{new} {value}"
+        return None
+
+    def message(self, flag: str, where: str = "") -> str | None:
+        """``"--data-root was renamed --data.data_root"``; for a config key (``where`` the file) the keys without
+        dashes; ``None`` if ``flag`` is not a former name."""
+        new = self.replacement(flag)
+        if new is None:
+            return None
+        verb = "renamed" if flag in self.renames else "replaced by"
+        if where:
+            return f"{where}: {flag.removeprefix('--')} was {verb} {new.removeprefix('--')}"
+        return f"{flag} was {verb} {new}"
 
 
 class UsageError(Exception):
