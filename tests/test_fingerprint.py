@@ -63,8 +63,6 @@ def test_a_value_on_a_rounding_jump_rounds_alike_on_either_side_of_it():
     assert stored.endswith("@7+")  # the jump moved to 7 + 3/4, and the move recorded
     above = _run(1.0, (7 + 0.5 + near / 10) * g)  # the same value another machine computed, across the jump
     assert above.matches(stored) and below.matches(stored)
-    plain = _run(1.0, (7 + 0.5 + near / 10) * g).print()
-    assert not plain.endswith("@7+") or plain == stored
     assert not _run(1.0, (7 + 0.5 + near / 10) * g + 2 * g).matches(stored)  # two steps away: another value
     # another value of the cell on the moved jump: the jump moves the other way
     crowded = _run((7 + 0.5) * g, (7 + 0.75) * g)

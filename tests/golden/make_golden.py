@@ -25,7 +25,8 @@ count.
     python tests/golden/make_golden.py --bits runs/bits.json         # a refactor's start, on this machine
     python tests/golden/make_golden.py --bits-check runs/bits.json   # after each of its steps
 
-``states/`` holds old state dicts (written at 9998ce5's layout and never re-recorded), each with the output of an
+``states/`` holds old state dicts (last written at bde0227, before settings were recorded in a state; never
+re-recorded since), each with the output of an
 evaluation forward on a fixed batch: an old checkpoint of every kind, loaded into a freshly built layer.
 """
 
@@ -190,10 +191,10 @@ def run(name: str, record: bool = True) -> tuple[dict[int, dict[str, Any]], list
     golden: dict[int, dict[str, Any]] = {}
     digests = []
     for step in range(STEPS):
-        start = {"state": layer.state_dict(keep_vars=False), "encoder": encoder.detach().clone()} if (
-            record and step in CHECKED) else None
-        if start is not None:
-            start["state"] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in start["state"].items()}
+        start = None
+        if record and step in CHECKED:
+            start = {"state": {k: v.clone() if isinstance(v, Tensor) else v for k, v in layer.state_dict().items()},
+                     "encoder": encoder.detach().clone()}
         got = _step(name, layer, encoder, step, xs[step], targets[step])
         optimizer.step()
         if start is not None:
@@ -237,11 +238,15 @@ def conditioning(name: str, step: int, rec: dict[str, Any]) -> dict[str, float]:
     to its result; this measures it where it happens. Float64 cases get the conditioning of their float32
     twin (:func:`tolerance`)."""
     reference = replay(name, step, rec["start"], dtype=torch.float64)
-    for group in ("output", "grads", "state"):  # compare as float64 against float64, the scale as recorded
-        reference[group] = {k: v.to(rec[group][k].dtype) if v.is_floating_point() and k in rec[group] else v
-                            for k, v in reference[group].items()}
-    got = {g: {k: v.double() if v.is_floating_point() else v for k, v in rec[g].items()} for g in rec if g != "start"}
-    ref = {g: {k: v.double() if v.is_floating_point() else v for k, v in reference[g].items()} for g in reference}
+
+    def as_recorded(values: dict[str, Tensor], like: dict[str, Tensor]) -> dict[str, Tensor]:
+        # rounded to the recorded dtype (the float32 answer closest to the exact one), then compared in float64
+        return {k: v.to(like[k].dtype).double() if v.is_floating_point() and k in like else v
+                for k, v in values.items()}
+
+    groups = ("output", "grads", "state")
+    ref = {g: as_recorded(reference[g], rec[g]) for g in groups}
+    got = {**{g: as_recorded(rec[g], rec[g]) for g in groups}, "scales": rec["scales"]}  # the scales as recorded
     u = torch.finfo(torch.float32).eps / 2
     return {what: diff / u for what, diff in differences(name, ref, got) if diff != float("inf")}
 
