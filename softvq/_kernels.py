@@ -7,13 +7,16 @@ import torch
 from torch import Tensor
 
 
-def squared_distances(z: Tensor, codebook: Tensor) -> Tensor:
-    """``||z_n - e_k||^2`` for ``z (N, D)`` and ``codebook (K, D)`` with one matmul: ``(N, K)``, clamped at 0.
+def squared_distances(z: Tensor, codebook: Tensor, *, norms: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``||z_n - e_k||^2`` for ``z (N, D)`` and ``codebook (K, D)`` with one matmul: ``(N, K)``, clamped at 0; written
+    into ``out`` when given, with the codes' squared norms ``norms (K,)`` when the caller has them (a block of rows at
+    a time: :func:`nearest_codes`).
 
     The expansion ``|z|^2 - 2 z.e + |e|^2`` cancels badly when both sides sit far from the origin: callers centre
     them first (e.g. on the codebook's mean), which changes no distance.
     """
-    d = torch.addmm(codebook.square().sum(1), z, codebook.t(), alpha=-2.0)
+    norms = codebook.square().sum(1) if norms is None else norms
+    d = torch.addmm(norms, z, codebook.t(), alpha=-2.0, out=out)
     return d.add_(z.square().sum(1, keepdim=True)).clamp_(min=0.0)
 
 
@@ -76,7 +79,6 @@ def nearest_codes(z: Tensor, codebook: Tensor, rows: int | None = None) -> Tenso
     buffer = z.new_empty(rows, num_codes)
     for start in range(0, n, rows):
         block = z[start:start + rows]
-        scores = torch.addmm(norms, block, codebook.t(), alpha=-2.0, out=buffer[:block.shape[0]])
-        scores.add_(block.square().sum(1, keepdim=True)).clamp_(min=0.0)  # squared_distances, on the block
+        scores = squared_distances(block, codebook, norms=norms, out=buffer[:block.shape[0]])
         out[start:start + block.shape[0]] = max_rows(scores, largest=False)[1]
     return out
