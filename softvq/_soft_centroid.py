@@ -17,8 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from softvq._kernels import max_rows
-from softvq._soft_centroid_grad import _densify, _grad_prototypes, _grad_tokens, _Saved, _scaled_grad_d, _through_mu
+from softvq._kernels import DEVICE_BLOCK_BYTES, max_rows
+from softvq._soft_centroid_grad import (
+    _gathered,
+    _grad_prototypes,
+    _grad_prototypes_top_k,
+    _grad_tokens,
+    _grad_tokens_top_k,
+    _Saved,
+    _scaled_grad_d,
+    _scaled_grad_d_top_k,
+    _through_mu,
+)
 
 
 def _mean(x: Tensor) -> Tensor:
@@ -27,12 +37,19 @@ def _mean(x: Tensor) -> Tensor:
     return x.mean(dtype=torch.float64).to(x.dtype)
 
 
-def logit_scores(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor) -> Tensor:
-    """``(N, K)`` scores ``s = (2 z.p - |p|^2) / T = (|z|^2 - d) / T``: the Boltzmann logits ``-d / T`` plus a per-token
-    constant, which the softmax ignores. One matmul; ``1 / T`` scales the ``(K, D)`` side, not the ``(N, K)`` result,
-    and ``|z|^2`` is never added to every entry (the per-token terms use it once per token)."""
+def score_operands(pc: Tensor, p_sq: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+    """The prototypes' side of :func:`logit_scores`, computed once per pass (not per chunk of tokens): ``weight =
+    (2 / T) P^T`` ``(D, K)`` and ``bias = -|p|^2 / T`` ``(K,)``. ``1 / T`` scales the ``(K, D)`` side, not the
+    ``(N, K)`` result."""
     inv_t = t.reciprocal()
-    return torch.addmm(p_sq * -inv_t, zc, (pc * (2.0 * inv_t)).t())
+    return (pc * (2.0 * inv_t)).t(), p_sq * -inv_t
+
+
+def logit_scores(zc: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``(N, K)`` scores ``s = (2 z.p - |p|^2) / T = (|z|^2 - d) / T``: the Boltzmann logits ``-d / T`` plus a per-token
+    constant, which the softmax ignores, in one matmul from :func:`score_operands`' ``weight`` and ``bias``; ``|z|^2``
+    is never added to every entry (the per-token terms use it once per token)."""
+    return torch.addmm(bias, zc, weight)
 
 
 def softmax_floor(dtype: torch.dtype) -> float:
@@ -61,22 +78,32 @@ def _softmax_floored(s: Tensor, s_max: Tensor, out: Tensor | None = None) -> Ten
 
 
 # Rows of (N, K) work per chunk on a CPU: 2^19 entries (2 MiB in float32) stay in cache from the score matmul to the
-# soft centroid's, and the forward pass ran 2x faster than on whole (N, K) arrays here (N = 8192, K = 512).
+# soft centroid's, and the forward pass ran 2x faster than on whole (N, K) arrays here (N = 8192, K = 512). On an
+# accelerator the chunks only bound the memory (softvq._kernels.DEVICE_BLOCK_BYTES of scores), one large kernel each.
 _CHUNK_ENTRIES = 1 << 19
+# At least this many rows per chunk: at K = 16384 (32 rows of 2 MiB) the matmul of a thin chunk and the Python per
+# chunk cost more than the cache saves (N = 8192, D = 64, 2 threads: the exact layer's step 1464 ms in chunks of 32
+# rows, 986 in chunks of 128; top-k 64: 576 and 403).
+_MIN_ROWS = 128
+# Entries of the (n, k, D) prototypes a top-k chunk's backward pass gathers (4 MiB in float32 on a CPU).
+_TOP_K_ENTRIES = 1 << 20
 
 
-def _row_chunks(n: int, k: int, device: torch.device) -> list[slice]:
-    """Row slices for the ``(N, K)`` work: cache-sized chunks on a CPU, all rows at once on an accelerator (where
-    one large kernel beats several small ones)."""
-    step = n if device.type != "cpu" else max(1, _CHUNK_ENTRIES // max(k, 1))
+def _row_chunks(n: int, k: int, device: torch.device, entries: int | None = None) -> list[slice]:
+    """Row slices for work of ``k`` entries per row: ``entries`` (default :data:`_CHUNK_ENTRIES`) per chunk on a CPU
+    (cache-sized, at least :data:`_MIN_ROWS` rows), blocks of
+    :data:`softvq._kernels.DEVICE_BLOCK_BYTES` of float32 on an accelerator (where one large kernel beats several
+    small ones, and the blocks only bound the memory)."""
+    budget = (entries or _CHUNK_ENTRIES) if device.type == "cpu" else DEVICE_BLOCK_BYTES // 4
+    step = max(_MIN_ROWS, budget // max(k, 1))
     return [slice(a, min(a + step, n)) for a in range(0, n, step)] or [slice(0, 0)]
 
 
-def _assign_rows(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, keep_x: bool,
+def _assign_rows(zc: Tensor, pc: Tensor, p_sq: Tensor, scores: tuple[Tensor, Tensor], keep_x: bool,
                  q_out: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """The forward pass's ``(N, K)`` work on some rows: ``q`` (written into ``q_out`` when given), ``mu_c``,
     ``q |p|^2``, ``<q, x>``, the largest score, the nearest prototype and (``keep_x``) the shifted, floored scores."""
-    s = logit_scores(zc, pc, p_sq, t)  # (n, K) = (|z|^2 - d) / T: the logits -d/T plus a per-token constant
+    s = logit_scores(zc, *scores)  # (n, K) = (|z|^2 - d) / T: the logits -d/T plus a per-token constant
     s_max, indices = max_rows(s)  # the nearest prototype maximises s
     q = _softmax_floored(s, s_max, q_out)  # (n, K); s now holds x = s - s_max, floored
     mu_c = q @ pc  # (n, D); not fused with q @ p_sq into one (K, D + 1) matmul: that ran slower here
@@ -86,18 +113,18 @@ def _assign_rows(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, keep_x: bool,
     return q, mu_c, q_p_sq, qx, s_max, indices, s if keep_x else None
 
 
-def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, t: Tensor, k: int,
+def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, scores: tuple[Tensor, Tensor], k: int,
                        keep_x: bool) -> tuple[Tensor | None, ...]:
     """:func:`_assign_rows` for the distribution truncated to each row's ``k`` largest scores: ``q`` and (``keep_x``)
     ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (in no particular order). The soft
     centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built)."""
-    s = logit_scores(zc, pc, p_sq, t)  # (n, K)
-    s_max, indices = max_rows(s)
-    # unsorted: a sort of the k cost half as much again on a CPU here; the set holds the row's largest score (for
-    # k = 1 the one top-k keeps is the argmax itself only when unsorted ties break alike, so k = 1 takes it from topk)
-    top, sel = s.topk(k, dim=1, sorted=k == 1)  # (n, k)
-    if k == 1:
-        indices = sel[:, 0]
+    s = logit_scores(zc, *scores)  # (n, K)
+    # unsorted: a sort of the k cost half as much again on a CPU here; the set holds the row's largest score
+    top, sel = s.topk(k, dim=1, sorted=False)  # (n, k)
+    # the largest score and its prototype from the k kept (no other pass over (n, K)): the first index on a tie, as
+    # max_rows gives it over all K
+    s_max = top.amax(1)
+    indices = torch.where(top == s_max[:, None], sel, pc.shape[0]).amin(1)
     q = _softmax_floored(top, s_max)  # (n, k); top now holds x = top - s_max, floored
     mu_c = F.embedding_bag(sel, pc, per_sample_weights=q, mode="sum")  # (n, D) sum_j q_j p_sel_j
     q_p_sq = (q * p_sq[sel]).sum(1)
@@ -153,9 +180,10 @@ class _SoftCentroid(torch.autograd.Function):
         z_sq = zc.square().sum(1)  # (N,)
         need_d = (cb_term == "l_q" and cb_weight > 0) or (cm_term == "l_q" and cm_weight > 0)
         chunks = _row_chunks(n, pc.shape[0], z.device)
+        scores = score_operands(pc, p_sq, t)
         sel = None
         if 0 < top_k < pc.shape[0]:  # the distribution truncated to each token's top_k prototypes
-            parts = [_assign_rows_top_k(zc[rows], pc, p_sq, t, top_k, need_d) for rows in chunks]
+            parts = [_assign_rows_top_k(zc[rows], pc, p_sq, scores, top_k, need_d) for rows in chunks]
             q, mu_c, q_p_sq, qx, s_max, indices, x, sel = (torch.cat(part) if part[0] is not None else None
                                                            for part in zip(*parts, strict=True))
             q_argmax = q.amax(1)  # the argmax's assignment (its x is 0, the largest)
@@ -163,7 +191,7 @@ class _SoftCentroid(torch.autograd.Function):
             # eager: every chunk's q written into one (N, K) array (a torch.cat of them cost 8% of the forward
             # pass); compiled: pieces and a cat, which inductor writes in place itself
             q_all = None if torch.compiler.is_compiling() or len(chunks) == 1 else zc.new_empty(n, pc.shape[0])
-            parts = [_assign_rows(zc[rows], pc, p_sq, t, need_d, None if q_all is None else q_all[rows])
+            parts = [_assign_rows(zc[rows], pc, p_sq, scores, need_d, None if q_all is None else q_all[rows])
                      for rows in chunks]
             q_parts, *rest = zip(*parts, strict=True)
             q = q_all if q_all is not None else torch.cat(q_parts)
@@ -231,21 +259,34 @@ class _SoftCentroid(torch.autograd.Function):
 
             reuse = (g_mu_z is g_mu_p and lq_cb is None and lq_cm is None and fe_cb is None and fe_cm is None)
             grads_z, grad_p = [], None
-            for rows in _row_chunks(n, s.pc.shape[0], s.zc.device):  # cache-sized (N, K) work, as in forward
+            sparse = s.sel is not None  # top-k: (N, k) q and x, O(n k D) per chunk, no (n, K) array
+            chunks = (_row_chunks(n, s.sel.shape[1] * dim, s.zc.device, _TOP_K_ENTRIES) if sparse
+                      else _row_chunks(n, s.pc.shape[0], s.zc.device))  # cache-sized (N, K) work, as in forward
+            for rows in chunks:
                 c = s._replace(**{name: v[rows] for name, v in s._asdict().items()  # every per-token field's rows
                                   if name != "pc" and v is not None and v.ndim > 0})
                 gq = g_q[rows] if g_q is not None else None
-                if c.sel is not None:  # top-k: this chunk's q, x and dL/dq as (n, K) arrays, 0 off the top k
-                    c, gq = _densify(c, gq)
+                p_sel = _gathered(c) if sparse else None
                 w_p = None
                 if ctx.needs_input_grad[1]:
                     gm = g_mu_p[rows] if g_mu_p is not None else None
-                    w_p = _scaled_grad_d(c, gm, gq, lq_cb, fe_cb)
-                    part = _grad_prototypes(c, gm, w_p)
+                    if sparse:
+                        w_p = _scaled_grad_d_top_k(c, p_sel, gm, gq, lq_cb, fe_cb)
+                        part = _grad_prototypes_top_k(c, gm, w_p)
+                    else:
+                        w_p = _scaled_grad_d(c, gm, gq, lq_cb, fe_cb)
+                        part = _grad_prototypes(c, gm, w_p)
                     grad_p = part if grad_p is None else grad_p.add_(part)
                 if ctx.needs_input_grad[0]:
                     gm = g_mu_z[rows] if g_mu_z is not None else None
-                    w_z = w_p if reuse and w_p is not None else _scaled_grad_d(c, gm, gq, lq_cm, fe_cm)
-                    grads_z.append(_grad_tokens(c, w_z, lq_cm, fe_cm, a_cm if cm_term == "l_ols" else None))
+                    a_ols = a_cm if cm_term == "l_ols" else None
+                    if reuse and w_p is not None:
+                        w_z = w_p
+                    elif sparse:
+                        w_z = _scaled_grad_d_top_k(c, p_sel, gm, gq, lq_cm, fe_cm)
+                    else:
+                        w_z = _scaled_grad_d(c, gm, gq, lq_cm, fe_cm)
+                    grads_z.append(_grad_tokens_top_k(c, p_sel, w_z, lq_cm, fe_cm, a_ols) if sparse
+                                   else _grad_tokens(c, w_z, lq_cm, fe_cm, a_ols))
             grad_z = torch.cat(grads_z) if grads_z else None
         return grad_z, grad_p, None, None, None, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -31,17 +32,70 @@ class _Saved(NamedTuple):
     sel: Tensor | None  # (N, k) top-k: the prototypes each row's q and x refer to (None: q and x are (N, K))
 
 
-def _densify(c: _Saved, g_q: Tensor | None) -> tuple[_Saved, Tensor | None]:
-    """A chunk of a top-k pass with ``q``, ``x`` and ``dL/dq`` scattered into ``(n, K)`` arrays (zero off each row's
-    top k): the truncated distribution's gradient is the exact formula's with ``q = 0`` there, so the backward pass
-    runs the exact layer's chunk code on them. Only the chunk is dense (cache-sized on a CPU, like the exact pass);
-    what the forward pass saved is ``(N, k)``."""
-    shape = (c.q.shape[0], c.pc.shape[0])
+def _gathered(c: _Saved) -> Tensor:
+    """``(n, k, D)``: the prototypes a top-k chunk's ``q`` refers to (``pc[sel]``), built once per chunk for both
+    sides' gradients (a chunk holds few enough rows that this stays small: :func:`top_k_rows`)."""
+    return F.embedding(c.sel, c.pc)
 
-    def dense(v: Tensor | None) -> Tensor | None:
-        return None if v is None else v.new_zeros(shape).scatter_(1, c.sel, v)
 
-    return c._replace(q=dense(c.q), x=dense(c.x), sel=None), dense(g_q)
+def _scaled_grad_d_top_k(s: _Saved, p_sel: Tensor, g_mu: Tensor | None, g_q: Tensor | None, a_lq: Tensor | None,
+                         a_fe: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """:func:`_scaled_grad_d` of a top-k chunk: ``W'`` is ``(n, k)``, one column per chosen prototype (``p_sel
+    (n, k, D)`` from :func:`_gathered`): the truncated distribution's gradient is the exact formula's with ``q = 0``
+    off the chosen k, so only those columns are computed, in ``O(n k D)`` instead of ``O(n K D)``."""
+    q, t = s.q, s.t
+    if g_mu is None and g_q is None and a_lq is None and a_fe is None:
+        return None
+    row = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)  # (n,)
+    if g_mu is not None:
+        row = row + _rows_dot(g_mu, s.mu_c)
+    if g_q is not None:
+        row = row + (q * g_q).sum(1)
+    if a_lq is not None:
+        row = row + a_lq * (s.lq_n + t)
+    if a_fe is not None:
+        row = row + a_fe * t
+    if g_mu is not None:
+        w = torch.bmm(p_sel, g_mu[:, :, None]).squeeze(2)  # (n, k): g_mu . p_sel_j
+        if g_q is not None:
+            w.add_(g_q)
+    else:
+        w = g_q.clone() if g_q is not None else torch.zeros_like(q)
+    if a_lq is not None:
+        w.add_((s.d0[:, None] - t * s.x) * a_lq)
+    return w.mul_(q), row
+
+
+def _grad_prototypes_top_k(s: _Saved, g_mu: Tensor | None, w_row: tuple[Tensor, Tensor] | None) -> Tensor:
+    """:func:`_grad_prototypes` of a top-k chunk, ``(K, D)``: each token's ``k`` rows ``q_j g_mu + (2 / T) W_j z``
+    added to its chosen prototypes' rows (``index_add_``), and ``-(2 / T) (sum_n W_nj) p_j``."""
+    grad_p = torch.zeros_like(s.pc)
+    n, k = s.q.shape
+    rows = s.q[:, :, None] * g_mu[:, None, :] if g_mu is not None else None  # (n, k, D)
+    weight = None
+    if w_row is not None:
+        w = torch.addcmul(w_row[0], s.q, w_row[1][:, None], value=-1.0)  # (n, k) W = W' - q row
+        zw = (w * (2.0 / s.t))[:, :, None] * s.zc[:, None, :]
+        rows = zw if rows is None else rows.add_(zw)
+        weight = torch.zeros(s.pc.shape[0], dtype=w.dtype, device=w.device).index_add_(0, s.sel.reshape(-1),
+                                                                                       w.reshape(-1))
+    if rows is not None:
+        grad_p.index_add_(0, s.sel.reshape(-1), rows.reshape(n * k, -1))
+    if weight is not None:
+        grad_p.addcmul_(weight[:, None], s.pc, value=-2.0 / s.t)
+    return grad_p
+
+
+def _grad_tokens_top_k(s: _Saved, p_sel: Tensor, w_row: tuple[Tensor, Tensor] | None, a_lq: Tensor | None,
+                       a_fe: Tensor | None, a_ols: Tensor | None) -> Tensor:
+    """:func:`_grad_tokens` of a top-k chunk: ``W' P`` as ``sum_j W'_j p_sel_j``."""
+    if w_row is not None:
+        w, row = w_row
+        wp = torch.bmm(w[:, None, :], p_sel).squeeze(1)  # (n, D)
+        grad_z = torch.addcmul(wp, row[:, None], s.mu_c, value=-1.0).mul_(2.0 / s.t)
+    else:
+        grad_z = torch.zeros_like(s.zc)
+    return _direct_token_terms(grad_z, s, a_lq, a_fe, a_ols)
 
 
 def _through_mu(g_mu: Tensor | None, r: Tensor, a_ols: Tensor | None) -> Tensor | None:
@@ -106,6 +160,12 @@ def _grad_tokens(s: _Saved, w_row: tuple[Tensor, Tensor] | None, a_lq: Tensor | 
         grad_z = torch.addcmul(w @ s.pc, row[:, None], s.mu_c, value=-1.0).mul_(2.0 / s.t)
     else:
         grad_z = torch.zeros_like(s.zc)
+    return _direct_token_terms(grad_z, s, a_lq, a_fe, a_ols)
+
+
+def _direct_token_terms(grad_z: Tensor, s: _Saved, a_lq: Tensor | None, a_fe: Tensor | None,
+                        a_ols: Tensor | None) -> Tensor:
+    """``grad_z`` plus the commitment terms' direct paths to ``z`` (not through the distances)."""
     if a_lq is not None:
         grad_z.add_(2.0 * a_lq * s.zc)
     if a_fe is not None:
