@@ -108,6 +108,14 @@ def _weights(n: int) -> np.ndarray:
     return torch.randn(PROJECTIONS, n, generator=g, dtype=torch.float64).numpy()
 
 
+def _dense(out: object, layer: torch.nn.Module) -> torch.Tensor:
+    """A layer output's ``probs`` over every code (``prob_codes`` scattered; outputs of older versions have none)."""
+    codes = getattr(out, "prob_codes", None)
+    if codes is None:
+        return out.probs
+    return out.probs.new_zeros(*out.probs.shape[:-1], layer.num_codes).scatter(-1, codes, out.probs)  # type: ignore[attr-defined]
+
+
 def _summary(t: torch.Tensor) -> np.ndarray:
     """A tensor's numbers as ``PROJECTIONS + 1`` float64 values: its projections on fixed random directions and its
     sum of squares (float64 sums of float64 values: their rounding, 1e-16 relative, is far below :data:`GRID`). Any
@@ -169,7 +177,9 @@ def _collect(method: str, build: Callable[[], nn.Module]) -> Steps:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            shown = [out.quantized, out.indices, out.probs, out.loss, encoder.weight.grad, encoder.weight]
+            # probs as the dense (N, K) array: HardVQ's one-hot became (N, 1) ones with prob_codes (no numerics
+            # changed), and its prints stay those of earlier commits
+            shown = [out.quantized, out.indices, _dense(out, layer), out.loss, encoder.weight.grad, encoder.weight]
             held = [_summary(t) for t in layer.state_dict().values() if isinstance(t, torch.Tensor)]
             steps.append(([_summary(t) for t in shown], held))
         if method not in _STEPS:
@@ -177,7 +187,7 @@ def _collect(method: str, build: Callable[[], nn.Module]) -> Steps:
             layer.eval()
             with torch.no_grad():
                 out = layer(encoder(x[0]))
-            steps.append(([_summary(out.quantized), _summary(out.indices), _summary(out.probs)], []))
+            steps.append(([_summary(out.quantized), _summary(out.indices), _summary(_dense(out, layer))], []))
         return steps
     finally:
         torch.set_default_dtype(dtype)

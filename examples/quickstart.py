@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             optimizers[name].zero_grad(set_to_none=True)
             (mse + out.loss).backward()
             optimizers[name].step()
-            usage[name].update(out.indices, out.probs)
+            usage[name].update(out.indices, out.probs, out.prob_codes)
             if step % args.log_every == 0 or step == args.steps:
                 health = usage[name].compute()
                 t = out.terms

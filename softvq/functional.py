@@ -64,8 +64,10 @@ def batch_counts(indices: Tensor, num_codes: int, probs: Tensor | None = None,
             raise ValueError("prob_codes were given without the probs they index")
         return counts, None
     if prob_codes is None and probs.shape != (*indices.shape, num_codes):
+        hint = ("; probs over fewer codes (DDCL's top-k, HardVQ's one-hot as ones) need the codes they refer to: "
+                "pass prob_codes (out.prob_codes)") if probs.shape[:-1] == indices.shape else ""
         raise ValueError(f"probs must have shape {(*indices.shape, num_codes)} to match indices, "
-                         f"got {tuple(probs.shape)}")
+                         f"got {tuple(probs.shape)}{hint}")
     if prob_codes is not None:
         if probs.ndim != indices.ndim + 1 or probs.shape[:-1] != indices.shape:
             raise ValueError(f"top-k probs must have shape {(*indices.shape, 'k')} to match indices, "

@@ -245,15 +245,17 @@ class HardVQ(nn.Module):
         per_token = commitment.detach() * self.dim
         terms = {"commitment": commitment.detach(), "l_q": per_token, "l_ols": per_token,
                  "v": torch.zeros_like(per_token), "entropy": torch.zeros_like(per_token)}
-        # one-hot assignments written once in the compute dtype (F.one_hot builds int64, twice the bytes, then copies)
-        probs = torch.zeros(indices.shape[0], self.num_codes, dtype=ctype, device=z.device)
-        probs.scatter_(1, indices[:, None], 1.0)
+        # one-hot assignments as top-1 ones: probs (..., 1) of 1 on the codes prob_codes = indices; the (N, K) one-hot
+        # array (dense_probs(K)) is built only where a caller asks for it (at K = 16384 it was 512 MiB of a step's
+        # peak memory and a write over (N, K))
+        probs = torch.ones(*lead, 1, dtype=ctype, device=z.device)
         return QuantizerOutput(
             quantized=quantized.to(z.dtype).reshape(z.shape),
             indices=indices.reshape(lead),
-            probs=probs.reshape(*lead, self.num_codes),
+            probs=probs,
             loss=loss,
             terms=terms,
+            prob_codes=indices.reshape(*lead, 1),
         )
 
     @torch.no_grad()

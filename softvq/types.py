@@ -37,16 +37,16 @@ class QuantizerOutput:
             ``recipe="plain"``: the soft centroid ``mu = probs @ codebook``); for :class:`~softvq.HardVQ` the nearest
             code with a straight-through gradient (in training, the code before that step's EMA update).
         indices: ``(...)`` int64, the nearest code (``argmax_k probs``) of every token.
-        probs: ``(..., K)`` float, the assignments; rows sum to 1. One-hot of ``indices`` for ``HardVQ``. Under
-            ``DDCLQuantizer(top_k=k)`` with ``k < K``: ``(..., k)``, each token's assignments to its ``k`` nearest
-            prototypes, whose codes are ``prob_codes`` (top-k never builds the dense ``(..., K)`` array;
-            :meth:`dense_probs` builds it where it is needed).
+        probs: ``(..., K)`` float, the assignments; rows sum to 1. Under ``DDCLQuantizer(top_k=k)`` with ``k < K``:
+            ``(..., k)``, each token's assignments to its ``k`` nearest prototypes, whose codes are ``prob_codes``
+            (top-k never builds the dense ``(..., K)`` array; :meth:`dense_probs` builds it where it is needed).
+            For ``HardVQ`` the one-hot of ``indices`` in that form: ``(..., 1)`` ones, ``prob_codes`` the indices.
         loss: scalar, the weighted auxiliary objective the layer contributes; add it to the task loss. Exactly 0
             for a :class:`~softvq.DDCLQuantizer` with its defaults (EMA prototypes, no commitment term).
         terms: ``dict[str, Tensor]`` of detached scalar diagnostics (unweighted means). Its keys are fixed per
             quantizer class; see each class's docstring.
-        prob_codes: ``None`` where ``probs`` covers every code; under top-k ``(..., k)`` int64, the code of each
-            entry of ``probs``.
+        prob_codes: ``None`` where ``probs`` covers every code; under top-k ``(..., k)`` int64 (``HardVQ``:
+            ``(..., 1)``), the code of each entry of ``probs``.
     """
 
     quantized: Tensor

@@ -25,7 +25,11 @@ def test_forward_is_nearest_code(shape, ema_decay):
     assert torch.equal(out.indices.reshape(-1), expected)
     assert out.indices.shape == shape[:-1] and out.indices.dtype == torch.int64
     torch.testing.assert_close(out.quantized.reshape(-1, 6), vq.codebook[expected])
-    assert torch.equal(out.probs, F.one_hot(out.indices, 20).float())
+    # one-hot without the (N, K) array: ones on the codes prob_codes, the dense one-hot where asked for
+    assert out.probs.shape == out.prob_codes.shape == (*shape[:-1], 1)
+    assert torch.equal(out.probs, torch.ones_like(out.probs))
+    assert torch.equal(out.prob_codes[..., 0], out.indices)
+    assert torch.equal(out.dense_probs(20), F.one_hot(out.indices, 20).float())
     torch.testing.assert_close(vq.decode_indices(out.indices), out.quantized)
     per_token = (flat - vq.codebook[expected]).square().sum(1).mean()
     torch.testing.assert_close(out.terms["l_q"], per_token)
