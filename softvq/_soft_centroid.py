@@ -54,7 +54,7 @@ def logit_scores(zc: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
 
 def softmax_floor(dtype: torch.dtype) -> float:
     """``-C``, the lowest shifted logit the layer's softmaxes keep (:func:`_softmax_floored`, and the first
-    temperature's bisection in ``softvq.parts.temperature``): ``exp(-C) = finfo(dtype).tiny ** 0.75``, ``C`` = 65.5
+    temperature's calibration in ``softvq.parts.temperature``): ``exp(-C) = finfo(dtype).tiny ** 0.75``, ``C`` = 65.5
     in float32, 531 in float64."""
     return 0.75 * math.log(torch.finfo(dtype).tiny)
 
