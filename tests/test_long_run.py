@@ -1,6 +1,7 @@
 """eval.long_run: a run stopped after an epoch and resumed ends as the uninterrupted one (histories, test figures and
 weights bit for bit), the 8-bit PSNR and the steps-to-reach rule against hand-computed values, records without absolute
-paths, and a run directory with other settings refused."""
+paths, a run directory with other settings refused, and the equal-compute view (seconds to reach a PSNR, interpolated
+between epochs; the report's section from fake records and step times; the step timer's results file)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ from helpers import json_strings
 from eval import long_run, reports
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
 from eval.long_run.probe import mean_psnr as probe_psnr
-from eval.long_run.report import epoch_margins, falls, falls_table, steps_to_reach
+from eval.long_run.report import (
+    epoch_margins,
+    falls,
+    falls_table,
+    reach_interpolated,
+    steps_to_reach,
+    value_at,
+    write_report,
+)
 from softvq.models.callbacks import read_history
 from softvq.models.checkpoint_io import load_torch_file
 
@@ -331,3 +340,84 @@ def test_a_reports_fingerprints_are_rebuilt_from_its_records(tmp_path):
     assert long_run.report_fingerprints(runs, stored) == {"ddcl": ["aaa", "bbb"], "hard_ema": ["h1"]}
     (runs / "K16_ddcl_seed1.json").write_text(json.dumps({"method": "ddcl", "fingerprints": ["aaa"]}))  # retrained
     assert long_run.report_fingerprints(runs, stored)["ddcl"] == ["aaa"]
+
+
+def test_seconds_to_reach_interpolates_linearly_between_epochs():
+    seconds = [100.0, 200.0, 300.0, 400.0]
+    psnrs = [23.0, 24.0, 23.5, 25.5]  # falls back after epoch 2
+    assert reach_interpolated(seconds, psnrs, 24.0) == 200.0  # exactly at an epoch
+    assert reach_interpolated(seconds, psnrs, 23.5) == pytest.approx(150.0)  # between epochs 1 and 2
+    assert reach_interpolated(seconds, psnrs, 25.0) == pytest.approx(375.0)  # from the dip: 23.5 -> 25.5
+    assert reach_interpolated(seconds, psnrs, 26.0) is None  # never reached
+    assert reach_interpolated(seconds, psnrs, 22.0) == 100.0  # reached at epoch 1: no extrapolation towards 0
+    assert reach_interpolated([1, 2, 3], [23.0, None, float("nan")], 23.0) == 1.0
+    assert reach_interpolated([1, 2, 3], [23.0, None, 25.0], 24.0) == pytest.approx(2.0)  # across the gap
+    assert reach_interpolated([], [], 20.0) is None
+    with pytest.raises(ValueError, match="same length"):
+        reach_interpolated([1, 2], [20.0], 20.0)
+    assert value_at(seconds, psnrs, 250.0) == pytest.approx(23.75)
+    assert value_at(seconds, psnrs, 300.0) == pytest.approx(23.5)
+    assert value_at(seconds, psnrs, 50.0) is None and value_at(seconds, psnrs, 401.0) is None
+
+
+def _fake_record(method, seed, curve, steps_per_epoch=100):
+    settings = {"epochs": len(curve), "train_subset": None, "val_size": 5000, "threads": 1, "batch_size": 128,
+                "num_codes": 16, "code_dim": 8, "width": 32, "res_blocks": 1, "res_hidden": 8, "lr": 3e-4,
+                "test_limit": 0, "data": "data"}
+    test = {"psnr_hard": curve[-1], "ssim_hard": 0.8, "psnr_8bit": curve[-1], "utilization": 1.0, "ppl_per_k": 0.9}
+    return {"method": method, "num_codes": 16, "seed": seed, "label": method, "settings": settings, "test": test,
+            "history": [{"epoch": e + 1, "step": steps_per_epoch * (e + 1), "val_psnr_hard": v}
+                        for e, v in enumerate(curve)],
+            "code": "c0ffee0", "command": "python -m eval.long_run --fake", "invocations": []}
+
+
+def test_the_report_renders_the_equal_compute_view_from_records_and_step_times(tmp_path):
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)
+    for rec in (_fake_record("ddcl", 0, [23.5, 24.5, 25.5]), _fake_record("ddcl", 1, [23.7, 24.7, 25.7]),
+                _fake_record("hard_ema", 0, [23.0, 24.0, 26.0]), _fake_record("vqp_vq", 0, [22.0, 23.0, 23.5])):
+        (out / "runs" / f"K16_{rec['method']}_seed{rec['seed']}.json").write_text(json.dumps(rec))
+    write_report(out, tmp_path / "runs")
+    assert "Equal compute" not in (out / "report.md").read_text()  # no step times, no view
+    step_times = {"code": "abc1234+", "dirty": ["softvq/x.py"], "date": "2026-01-02T03:04:05+00:00", "cpu": "CPU X",
+                  "cores": 2, "threads": 1, "torch": "2.x", "command": "python -m eval.long_run.step_times",
+                  "note": "the other job paused", "load_before": [1.0, 1.0, 1.0], "batch_size": 128, "rounds": 3,
+                  "steps": 5, "warmup": 2,
+                  "times": {"16": {"ddcl": {"median_ms": 2000.0, "images_per_s": 64.0},
+                                   "hard_ema": {"median_ms": 1000.0, "images_per_s": 128.0}}},
+                  "not_timed": {"16": {"vqp_vq": "vector-quantize-pytorch is not installed here"}}}
+    (out / "step_times.json").write_text(json.dumps(step_times))
+    write_report(out, tmp_path / "runs")
+    text = (out / "report.md").read_text()
+    assert "step times measured at abc1234+ on 2026-01-02" in text.split("## K = 16")[0]  # the header names it
+    view = text.split("## Equal compute")[1]
+    assert "abc1234+ (uncommitted changes in softvq/x.py)" in view and "CPU X" in view and "paused" in view
+    # DDCL: the mean of its seeds, 23.6 / 24.6 / 25.6 dB at 200 / 400 / 600 s; HardVQ 23 / 24 / 26 dB at 100 / 200 / 300
+    assert "| ddcl | 2 | 2000.0 | 64 | 0.50x | 280 s (1.40) | 480 s (2.40) | not reached |" in view
+    assert "| hard_ema | 1 | 1000.0 | 128 | 1.00x | 200 s (2.00) | 250 s (2.50) | 300 s (3.00) |" in view
+    assert "| vqp_vq | 1 | not timed (vector-quantize-pytorch is not installed here) |" in view
+    assert "24 dB: hard_ema (200 s; next ddcl, 1.40x its seconds)" in view
+    assert "26 dB: hard_ema (300 s; no other)" in view
+    # at HardVQ's whole budget (300 s) DDCL's mean curve is halfway from 23.6 to 24.6 dB
+    assert ("DDCL's mean curve is at 24.10 dB, the hard VQ's at 26.00 dB: **the hard VQ ahead at equal compute by "
+            "1.90 dB** (within the seed spread (fewer than 3 seeds (1 and 1)))") in view
+    assert "K = 16: against hard_ema the hard VQ ahead by 1.90 dB at 300 s, within the seed spread" in view
+    assert (out / "val_psnr_seconds_K16.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_step_timer_times_the_records_models_with_the_training_benchmarks_harness(tmp_path, one_thread):
+    from eval.long_run import step_times
+
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)
+    for rec in (_fake_record("ddcl", 0, [23.0]), _fake_record("ddcl", 1, [23.0]), _fake_record("hard_ema", 0, [23.0])):
+        rec["settings"]["batch_size"] = 16
+        (out / "runs" / f"K16_{rec['method']}_seed{rec['seed']}.json").write_text(json.dumps(rec))
+    assert step_times.selection(step_times.load_records(out), methods=["ddcl"]) == {16: {"ddcl": rec["settings"]}}
+    result = step_times.main(["--out", str(out), "--steps", "2", "--warmup", "0", "--rounds", "1"])
+    assert json.loads((out / "step_times.json").read_text()) == result
+    assert sorted(result["times"]["16"]) == ["ddcl", "hard_ema"] and result["batch_size"] == 16
+    for entry in result["times"]["16"].values():
+        assert len(entry["steps_ms"]) == 2 and entry["median_ms"] > 0
+        assert entry["images_per_s"] == pytest.approx(16 / entry["median_ms"] * 1e3, rel=1e-2)
+    assert result["threads"] == 1 and result["code"] and result["torch"] == torch.__version__
