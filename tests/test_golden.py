@@ -64,6 +64,10 @@ def test_a_saved_state_loads_and_evaluates_as_saved(name):
     with torch.no_grad():
         out = layer.eval()(saved["batch"])
     got = dict(record.tensors_of(out, "out"))
+    if "out.prob_codes" in got and "out.prob_codes" not in saved["eval_output"]:
+        # HardVQ's one-hot probs became top-1 ones with prob_codes at 89f497d; the states were saved before, dense
+        del got["out.prob_codes"]
+        got["out.probs"] = out.dense_probs(layer.num_codes)
     assert got.keys() == saved["eval_output"].keys()
     for key, want in saved["eval_output"].items():
         if not want.is_floating_point():
