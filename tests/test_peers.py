@@ -257,3 +257,13 @@ def test_the_capped_hard_peer_restarts_only_codes_below_a_quarter_of_the_mean_us
     assert torch.equal(moved["hard_ema_cap"], usage < 0.25 * usage.mean())
     assert int(moved["hard_ema_cap"].sum()) == 4
     assert peers.build("hard_ema_cap", 16, 4).dead_codes.settings == dataclasses.replace(peers.HARD_RESTART, cap=0.25)
+
+
+@pytest.mark.parametrize(("method", "k"), [("ddcl_top128", 128), ("ddcl_top256", 256)])
+def test_the_top_k_candidates_are_the_defaults_layer_truncated_to_k_prototypes(method, k):
+    layer = peers.build(method, 512, 8)
+    assert isinstance(layer, peers.softvq.DDCLQuantizer) and layer.top_k == k
+    default = peers.build("ddcl", 512, 8)
+    assert default.top_k is None and layer.target_entropy == default.target_entropy  # only the truncation differs
+    assert peers.build(method, 512, 8, {"top_k": 64}).top_k == 64  # an override wins
+    assert method in peers.METHODS and method in peers.LABELS

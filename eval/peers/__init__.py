@@ -67,6 +67,8 @@ LABELS = {
     "ddcl": "softvq DDCL, defaults",
     "ddcl_h25": "softvq DDCL, former defaults (target entropy min(2.5, log K / 2) nats)",
     "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats",
+    "ddcl_top128": "softvq DDCL, defaults with top_k=128 (each token's 128 nearest prototypes)",
+    "ddcl_top256": "softvq DDCL, defaults with top_k=256 (each token's 256 nearest prototypes)",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
     "hard_ema_cap": "softvq HardVQ, EMA 0.99 + restart 1 capped at N / (4K)",
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
@@ -76,6 +78,7 @@ LABELS = {
 }
 METHODS = tuple(LABELS)
 DEFAULT_METHODS = ("ddcl", "hard_ema", "vqp_vq", "vqp_fsq", "vqp_simvq")  # this study's five
+TOP_K = {"ddcl_top128": 128, "ddcl_top256": 256}  # DDCL's top-k truncations (issue 64: a default at K = 16384?)
 
 
 def _vqp() -> Any:
@@ -161,6 +164,8 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
         # the default's log K / 2 held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token; the same
         # layer as the defaults up to K = (D + 1)^2 (docs/design.md, "Training to the end")
         return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
+    if method in TOP_K:  # the defaults with the Boltzmann distribution truncated to each token's k nearest
+        return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": TOP_K[method], **extra})
     if method in ("hard_ema", "hard_ema_cap"):
         options = upgrade_quantizer_kwargs("hard", {"ema_decay": 0.99, **extra})
         restart = HARD_RESTART if method == "hard_ema" else HARD_RESTART_CAPPED
