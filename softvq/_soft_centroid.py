@@ -26,7 +26,6 @@ from softvq._soft_centroid_grad import (
     _grad_tokens_top_k,
     _Saved,
     _scaled_grad_d,
-    _scaled_grad_d_top_k,
     _through_mu,
 )
 
@@ -270,22 +269,13 @@ class _SoftCentroid(torch.autograd.Function):
                 w_p = None
                 if ctx.needs_input_grad[1]:
                     gm = g_mu_p[rows] if g_mu_p is not None else None
-                    if sparse:
-                        w_p = _scaled_grad_d_top_k(c, p_sel, gm, gq, lq_cb, fe_cb)
-                        part = _grad_prototypes_top_k(c, gm, w_p)
-                    else:
-                        w_p = _scaled_grad_d(c, gm, gq, lq_cb, fe_cb)
-                        part = _grad_prototypes(c, gm, w_p)
+                    w_p = _scaled_grad_d(c, gm, gq, lq_cb, fe_cb, p_sel)
+                    part = _grad_prototypes_top_k(c, gm, w_p) if sparse else _grad_prototypes(c, gm, w_p)
                     grad_p = part if grad_p is None else grad_p.add_(part)
                 if ctx.needs_input_grad[0]:
                     gm = g_mu_z[rows] if g_mu_z is not None else None
                     a_ols = a_cm if cm_term == "l_ols" else None
-                    if reuse and w_p is not None:
-                        w_z = w_p
-                    elif sparse:
-                        w_z = _scaled_grad_d_top_k(c, p_sel, gm, gq, lq_cm, fe_cm)
-                    else:
-                        w_z = _scaled_grad_d(c, gm, gq, lq_cm, fe_cm)
+                    w_z = w_p if reuse and w_p is not None else _scaled_grad_d(c, gm, gq, lq_cm, fe_cm, p_sel)
                     grads_z.append(_grad_tokens_top_k(c, p_sel, w_z, lq_cm, fe_cm, a_ols) if sparse
                                    else _grad_tokens(c, w_z, lq_cm, fe_cm, a_ols))
             grad_z = torch.cat(grads_z) if grads_z else None

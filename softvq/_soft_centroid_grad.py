@@ -34,36 +34,8 @@ class _Saved(NamedTuple):
 
 def _gathered(c: _Saved) -> Tensor:
     """``(n, k, D)``: the prototypes a top-k chunk's ``q`` refers to (``pc[sel]``), built once per chunk for both
-    sides' gradients (a chunk holds few enough rows that this stays small: :func:`top_k_rows`)."""
+    sides' gradients (a chunk holds few enough rows that this stays small: ``softvq._soft_centroid._TOP_K_ENTRIES``)."""
     return F.embedding(c.sel, c.pc)
-
-
-def _scaled_grad_d_top_k(s: _Saved, p_sel: Tensor, g_mu: Tensor | None, g_q: Tensor | None, a_lq: Tensor | None,
-                         a_fe: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    """:func:`_scaled_grad_d` of a top-k chunk: ``W'`` is ``(n, k)``, one column per chosen prototype (``p_sel
-    (n, k, D)`` from :func:`_gathered`): the truncated distribution's gradient is the exact formula's with ``q = 0``
-    off the chosen k, so only those columns are computed, in ``O(n k D)`` instead of ``O(n K D)``."""
-    q, t = s.q, s.t
-    if g_mu is None and g_q is None and a_lq is None and a_fe is None:
-        return None
-    row = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)  # (n,)
-    if g_mu is not None:
-        row = row + _rows_dot(g_mu, s.mu_c)
-    if g_q is not None:
-        row = row + (q * g_q).sum(1)
-    if a_lq is not None:
-        row = row + a_lq * (s.lq_n + t)
-    if a_fe is not None:
-        row = row + a_fe * t
-    if g_mu is not None:
-        w = torch.bmm(p_sel, g_mu[:, :, None]).squeeze(2)  # (n, k): g_mu . p_sel_j
-        if g_q is not None:
-            w.add_(g_q)
-    else:
-        w = g_q.clone() if g_q is not None else torch.zeros_like(q)
-    if a_lq is not None:
-        w.add_((s.d0[:, None] - t * s.x) * a_lq)
-    return w.mul_(q), row
 
 
 def _grad_prototypes_top_k(s: _Saved, g_mu: Tensor | None, w_row: tuple[Tensor, Tensor] | None) -> Tensor:
@@ -107,7 +79,7 @@ def _through_mu(g_mu: Tensor | None, r: Tensor, a_ols: Tensor | None) -> Tensor 
 
 
 def _scaled_grad_d(s: _Saved, g_mu: Tensor | None, g_q: Tensor | None, a_lq: Tensor | None,
-                   a_fe: Tensor | None) -> tuple[Tensor, Tensor] | None:
+                   a_fe: Tensor | None, p_sel: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """``(W', row)`` with ``dL/dd = -W / T`` and ``W = W' - q row``, from mu / q (through the softmax), ``a_lq * L_q``
     and ``a_fe * F``; ``None`` when nothing reaches the distances.
 
@@ -117,6 +89,10 @@ def _scaled_grad_d(s: _Saved, g_mu: Tensor | None, g_q: Tensor | None, a_lq: Ten
     Together: W = q (g_q + a d - <q, g_q> - a L_q,n - a T - a_fe T), with ``g_q`` here including ``g_mu P^T``.
     The per-token ``row`` is returned apart: its share of ``W @ P`` is ``row * mu`` (an ``(N, D)`` product), so the
     encoder's side never subtracts it from an ``(N, K)`` array.
+
+    A top-k chunk passes ``p_sel (n, k, D)`` (:func:`_gathered`): ``W'`` is then ``(n, k)``, one column per chosen
+    prototype (the truncated distribution's gradient is the exact formula's with ``q = 0`` off the chosen k), in
+    ``O(n k D)`` instead of ``O(n K D)``.
     """
     q, t = s.q, s.t
     if g_mu is None and g_q is None and a_lq is None and a_fe is None:
@@ -131,7 +107,8 @@ def _scaled_grad_d(s: _Saved, g_mu: Tensor | None, g_q: Tensor | None, a_lq: Ten
     if a_fe is not None:
         row = row + a_fe * t
     if g_mu is not None:
-        w = g_mu @ s.pc.t()  # dL/dq through mu = q P (the centre cancels in the softmax)
+        # dL/dq through mu = q P (the centre cancels in the softmax): g_mu . p_k for every k, or for the chosen k
+        w = g_mu @ s.pc.t() if p_sel is None else torch.bmm(p_sel, g_mu[:, :, None]).squeeze(2)
         if g_q is not None:
             w.add_(g_q)
     else:
