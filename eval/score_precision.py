@@ -1,4 +1,4 @@
-"""Issue 64, item 4: what lower-precision scores do to a trained DDCL layer's codes, before the library offers them.
+"""What lower-precision scores do to a trained DDCL layer's codes, before the library offers them.
 
     python -m eval.score_precision --run ../runs/topk_default/K16384/ddcl/seed0 \
         --data-root ../shared/data/cifar10-jpeg.tar.gz --images 2000 --out reports/score_precision \
@@ -262,7 +262,7 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> None:
                   if trained.get("commit") else "")
     measured = f"{result['code']['commit']}{'+' if result['code']['dirty'] else ''}"
     lines = [
-        "# Score precision: what bf16 / fp16 / TF32 scores do to a trained DDCL layer's codes (issue 64, item 4)",
+        "# Score precision: what bf16 / fp16 / TF32 scores do to a trained DDCL layer's codes",
         "",
         f"Regenerate: `{command}`",
         "",

@@ -1,4 +1,4 @@
-"""The pure pieces of eval/score_precision.py on synthetic data (issue 64, item 4)."""
+"""The pure pieces of eval/score_precision.py on synthetic data."""
 
 from __future__ import annotations
 

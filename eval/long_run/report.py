@@ -30,7 +30,7 @@ from softvq.models.callbacks import read_history  # noqa: E402
 from softvq.models.files import write_atomic  # noqa: E402
 
 THRESHOLDS_DB = (23.0, 24.0, 25.0)  # validation hard-index PSNRs whose first crossing the report gives
-EQUAL_THRESHOLDS_DB = (24.0, 25.0, 26.0)  # the equal-compute view's: seconds to reach them (issue 64)
+EQUAL_THRESHOLDS_DB = (24.0, 25.0, 26.0)  # the equal-compute view's: seconds to reach them
 STEP_TIMES = "step_times.json"  # the measured step times (eval.long_run.step_times) in --out
 # CVQ-VAE (Zheng & Vedaldi, "Online Clustered Codebook", ICCV 2023), CIFAR-10 reconstruction, mean per-image PSNR of
 # 8-bit images: their own model and their VQ-VAE baseline, with their architecture and 500 epochs.

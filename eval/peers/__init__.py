@@ -78,7 +78,7 @@ LABELS = {
 }
 METHODS = tuple(LABELS)
 DEFAULT_METHODS = ("ddcl", "hard_ema", "vqp_vq", "vqp_fsq", "vqp_simvq")  # this study's five
-TOP_K = {"ddcl_top128": 128, "ddcl_top256": 256}  # DDCL's top-k truncations (issue 64: a default at K = 16384?)
+TOP_K = {"ddcl_top128": 128, "ddcl_top256": 256}  # DDCL's top-k truncations (eval/topk_default)
 
 
 def _vqp() -> Any:

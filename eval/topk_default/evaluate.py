@@ -160,7 +160,7 @@ def fmt(v: Any, spec: str) -> str:
 
 def write(rows: list[dict[str, Any]], args: argparse.Namespace, notes: str, cost: dict[str, Any] | None) -> None:
     lines = [
-        "# Top-k DDCL as the default at K = 16384? (issue 64, item 2)", "",
+        "# Top-k DDCL as the default at K = 16384?", "",
         "Regenerate:", "",
         f"    python -m eval.topk_default.evaluate --runs {args.runs} --data-root {args.data_root} "
         f"--out {args.out}", "",

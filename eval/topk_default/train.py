@@ -1,4 +1,4 @@
-"""Issue 64, item 2: DDCL's top-k truncations (``ddcl_top128``, ``ddcl_top256``) against the exact layer (``ddcl``)
+"""DDCL's top-k truncations (``ddcl_top128``, ``ddcl_top256``) against the exact layer (``ddcl``)
 at K = 16384, in the peers' short setting (``eval/peers``: width 128, 2 residual blocks, D = 64, Adam 3e-4, batch 128,
 10,000 training images, 5 epochs), judged on the **validation** split only.
 
