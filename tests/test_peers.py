@@ -185,7 +185,8 @@ def test_a_probe_of_a_peer_overrides_one_option_of_its_recommended_configuration
 
 
 def _numbers(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in ("time_s", "train_images_per_s")} for row in history]
+    return [{k: v for k, v in row.items() if k not in ("time_s", "train_images_per_s", "train_cpu_s")}
+            for row in history]
 
 
 def test_same_seed_same_numbers_for_every_method(tmp_path, tiny_cifar):
@@ -203,6 +204,11 @@ def test_same_seed_same_numbers_for_every_method(tmp_path, tiny_cifar):
         assert _numbers(first["history"]) == _numbers(second["history"]), method
     with pytest.raises(TypeError, match="a function that builds the bottleneck"):
         peers.fit_run("hard_ema", 3, args, tmp_path / "module", quantizer=peers.build("hard_ema", 8, 8))
+    # test=False (a study tuned on validation) trains the same run and never calls the test loop
+    model, _, untested = peers.fit_run("ddcl", 3, args, tmp_path / "untested", test=False)
+    assert untested["test"] is None and model.test_summary == {}
+    assert _numbers(untested["history"]) == _numbers(peers.fit_run("ddcl", 3, args, tmp_path / "tested")[2]["history"])
+    assert all(row["train_cpu_s"] > 0 for row in untested["history"])
 
 
 def test_the_wide_candidate_holds_h_at_half_log_k_below_log_d_plus_one():

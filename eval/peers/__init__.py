@@ -39,7 +39,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,16 +211,19 @@ def fsq_levels(num_codes: int) -> list[int]:
 
 
 class Throughput(L.Callback):
-    """Training images per second of each epoch: the training loop alone (data loading included, validation not)."""
+    """Training images per second of each epoch (``per_epoch``) and this process's CPU seconds in it (``cpu_per_epoch``:
+    unlike wall time, a pause (SIGSTOP) or a shared core does not count): the training loop alone (data loading
+    included, validation not)."""
 
     def __init__(self) -> None:
         self.per_epoch: list[float] = []
-        self._start = 0.0
+        self.cpu_per_epoch: list[float] = []
+        self._start = self._cpu_start = 0.0
         self._images = 0
         self._open = False
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start, self._images, self._open = time.perf_counter(), 0, True
+        self._start, self._cpu_start, self._images, self._open = time.perf_counter(), time.process_time(), 0, True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -229,6 +232,7 @@ class Throughput(L.Callback):
     def _close(self) -> None:
         if self._open:
             self.per_epoch.append(self._images / max(time.perf_counter() - self._start, 1e-9))
+            self.cpu_per_epoch.append(time.process_time() - self._cpu_start)
             self._open = False
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -256,13 +260,17 @@ def train_run(method: str, seed: int, args: argparse.Namespace, out: Path) -> di
 
 
 def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
-            quantizer: Callable[[], nn.Module] | None = None) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
-    """Train one VQ-VAE (bottleneck built by ``quantizer()``, by default ``build(method, ...)``) in ``out`` and test
-    it: the trained model, its data module and the run's record (settings, per-epoch history, test figures, wall
-    time). The study of rate against distortion (``eval/rate_distortion/``) trains through this too, so both train
-    exactly the same model: the bottleneck is built here, after seeding, because a layer that draws its codebook at
-    construction (HardVQ's uniform initialisation) would otherwise start from whatever the caller's random state was
-    (the two studies' HardVQ runs differed for that reason, while data-initialised codebooks agreed)."""
+            quantizer: Callable[[], nn.Module] | None = None, *, test: bool = True, echo: bool = False,
+            callbacks: Sequence[L.Callback] = ()) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
+    """Train one VQ-VAE (bottleneck built by ``quantizer()``, by default ``build(method, ...)``) in ``out`` and test it:
+    the trained model, its data module and the run's record (settings, per-epoch history with each epoch's
+    training images/s and CPU seconds, test figures, wall time). ``test=False`` never reads the test split (the
+    record's ``test`` is ``None``: a study that tunes on validation); ``echo`` prints each epoch's line;
+    ``callbacks`` join the trainer's. The study of rate against distortion (``eval/rate_distortion/``) trains
+    through this too, so both train exactly the same model: the bottleneck is built here, after seeding, because
+    a layer that draws its codebook at construction (HardVQ's uniform initialisation) would otherwise start from
+    whatever the caller's random state was (the two studies' HardVQ runs differed for that reason, while data-
+    initialised codebooks agreed)."""
     if isinstance(quantizer, nn.Module):
         raise TypeError("fit_run takes a function that builds the bottleneck (called after seeding), not a module")
     out.mkdir(parents=True, exist_ok=True)
@@ -279,17 +287,21 @@ def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
     speed = Throughput()
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=not args.no_progress_bar, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[HistoryWriter(out / "history.jsonl", echo=False), speed],
+                        num_sanity_val_steps=0,
+                        callbacks=[HistoryWriter(out / "history.jsonl", echo=echo), speed, *callbacks],
                         limit_test_batches=(args.test_limit // args.batch_size) or 1 if args.test_limit else 1.0)
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
-    trainer.test(model, datamodule=data, verbose=False)
+    scores = None
+    if test:
+        trainer.test(model, datamodule=data, verbose=False)
+        scores = {k.removeprefix("test_"): v for k, v in model.test_summary.items()}
+        scores["num_codes"] = model.num_codes
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines() if line.strip()]
-    for row, speed_row in zip(history, speed.per_epoch, strict=False):
+    for row, speed_row, cpu in zip(history, speed.per_epoch, speed.cpu_per_epoch, strict=False):
         row["train_images_per_s"] = speed_row
-    test = {k.removeprefix("test_"): v for k, v in model.test_summary.items()}
-    test["num_codes"] = model.num_codes
-    result = {"method": method, "seed": seed, "settings": settings_of(args), "history": history, "test": test,
+        row["train_cpu_s"] = cpu  # the training loop's CPU seconds in this process (data-loader workers excluded)
+    result = {"method": method, "seed": seed, "settings": settings_of(args), "history": history, "test": scores,
               "wall_s": time.perf_counter() - start}
     return model, data, result
 

@@ -5,8 +5,7 @@ at K = 16384, in the peers' short setting (``eval/peers``: width 128, 2 residual
     python -m eval.topk_default.train --data-root ../shared/data/cifar10-jpeg.tar.gz --threads 1 \
         --num-codes 16384 --seeds 0 --methods ddcl_top256 ddcl ddcl_top128 --runs ../runs/topk_default
 
-It trains exactly as :func:`eval.peers.fit_run` does (same seeding order, same bottleneck builder, same callbacks and
-throughput record, same ``settings_of``) with two differences, both needed by this question:
+It trains through :func:`eval.peers.fit_run` with two differences, both needed by this question:
 
 - no ``trainer.test``: the official test split is never read (this is a choice of default, tuned on validation);
 - the trained VQ-VAE's state dict is kept (``vqvae.pt``), so that ``eval/topk_default/evaluate.py`` can measure
@@ -24,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -32,13 +30,9 @@ from typing import Any
 import lightning as L
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from eval import peers  # noqa: E402
-from softvq.data.cifar10 import CIFAR10DataModule  # noqa: E402
-from softvq.models import VQVAE  # noqa: E402
-from softvq.models.callbacks import HistoryWriter  # noqa: E402
-from softvq.models.files import write_atomic  # noqa: E402
+from eval import peers
+from eval._provenance import git
+from softvq.models.files import write_atomic
 
 
 class StepLog(L.Callback):
@@ -63,66 +57,21 @@ class StepLog(L.Callback):
             f.write(json.dumps(row) + "\n")
 
 
-class CpuClock(L.Callback):
-    """CPU seconds of this process in each epoch's training loop (the span :class:`eval.peers.Throughput` times,
-    validation excluded): unlike wall time, a process paused (SIGSTOP) or sharing its core does not count them."""
-
-    def __init__(self) -> None:
-        self.per_epoch: list[float] = []
-        self._start, self._open = 0.0, False
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start, self._open = time.process_time(), True
-
-    def _close(self) -> None:
-        if self._open:
-            self.per_epoch.append(time.process_time() - self._start)
-            self._open = False
-
-    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._close()
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._close()
-
-
 def commit() -> dict[str, Any]:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-    return {"commit": head.strip(), "dirty": bool(dirty.strip()), "dirty_files": dirty.strip().splitlines()}
+    """The commit the runs are trained at, and the files that differ from it."""
+    dirty = git("status", "--porcelain")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(dirty), "dirty_files": dirty.splitlines()}
 
 
 def fit_without_test(method: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """:func:`eval.peers.fit_run` without its test-split scoring, keeping the trained state dict."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "history.jsonl").unlink(missing_ok=True)
-    L.seed_everything(seed, workers=True, verbose=False)
-    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
-                             train_subset=args.train_subset, num_workers=args.num_workers, seed=seed)
-    quantizer = peers.build(method, args.num_codes, args.code_dim)
-    L.seed_everything(seed, workers=True, verbose=False)
-    model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
-                  res_hidden=args.res_hidden, lr=args.lr)
-    L.seed_everything(seed, workers=True, verbose=False)
-    speed, clock = peers.Throughput(), CpuClock()
-    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=not args.no_progress_bar, enable_model_summary=False,
-                        num_sanity_val_steps=0,
-                        callbacks=[HistoryWriter(out / "history.jsonl", echo=True), speed,
-                                   clock, StepLog(out / "steps.jsonl")])
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
-    wall = time.perf_counter() - start
-    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines() if line.strip()]
-    for row, speed_row in zip(history, speed.per_epoch, strict=False):
-        row["train_images_per_s"] = speed_row
-    for row, cpu in zip(history, clock.per_epoch, strict=False):
-        row["train_cpu_s"] = cpu  # the training loop's CPU seconds in this process (data-loader worker excluded)
+    out.mkdir(parents=True, exist_ok=True)  # StepLog starts its file before fit_run runs
+    model, _, result = peers.fit_run(method, seed, args, out, test=False, echo=True,
+                                     callbacks=[StepLog(out / "steps.jsonl")])
     torch.save(model.state_dict(), out / "vqvae.pt")
-    return {"method": method, "seed": seed, "settings": peers.settings_of(args), "history": history,
-            "top_k": getattr(quantizer, "top_k", None), "target_entropy": getattr(quantizer, "target_entropy", None),
-            "wall_s": wall, "code": args.code, "test": None}
+    quantizer = model.quantizer
+    return {**result, "top_k": getattr(quantizer, "top_k", None),
+            "target_entropy": getattr(quantizer, "target_entropy", None), "code": args.code}
 
 
 def main(argv: list[str] | None = None) -> None:
