@@ -17,15 +17,14 @@ import torch
 from helpers import json_strings
 
 from eval import long_run, reports
+from eval.long_run.equal_compute import reach_interpolated, value_at
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
 from eval.long_run.probe import mean_psnr as probe_psnr
 from eval.long_run.report import (
     epoch_margins,
     falls,
     falls_table,
-    reach_interpolated,
     steps_to_reach,
-    value_at,
     write_report,
 )
 from softvq.models.callbacks import read_history

@@ -1,5 +1,5 @@
 """``--out/step_times.json``: the training step of every method of the long run at every K, timed side by side, for the
-report's equal-compute view (:func:`eval.long_run.report.equal_compute`).
+report's equal-compute view (:func:`eval.long_run.equal_compute.equal_compute`).
 
 Usage:
     python -m eval.long_run.step_times --out reports/long_run                  # every K and method of the records
@@ -43,7 +43,8 @@ import torch
 
 from eval import bench_train, peers
 from eval._provenance import ROOT, code_commit, git, study_command
-from eval.long_run.report import STEP_TIMES, load_records
+from eval.long_run.equal_compute import STEP_TIMES
+from eval.long_run.report import load_records
 from softvq.cli.common import quiet_lightning, run_command
 from softvq.models import VQVAE
 from softvq.models.files import write_atomic
