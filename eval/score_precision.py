@@ -39,7 +39,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -134,8 +133,10 @@ def distance_increase(z: Tensor, prototypes: Tensor, reference: Tensor, found: T
 def psnr_per_image(reconstruction: Tensor, x: Tensor) -> Tensor:
     """Per-image PSNR in dB of ``reconstruction`` clamped to [0, 1] against ``x`` (data range 1), as the harness's
     ``PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))``."""
-    mse = (reconstruction.clamp(0.0, 1.0) - x).square().flatten(1).mean(1).double()
-    return 10.0 * torch.log10(1.0 / mse)
+    from torchmetrics.functional.image import peak_signal_noise_ratio
+
+    return peak_signal_noise_ratio(reconstruction.clamp(0.0, 1.0).double(), x.double(), data_range=1.0,
+                                   reduction="none", dim=(1, 2, 3))
 
 
 def time_matmul(dtype: torch.dtype, n: int = 8192, dim: int = 64, k: int = 16384, repeats: int = 5,
@@ -170,38 +171,23 @@ def cpu_info() -> dict[str, Any]:
 
 
 def code_state() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    from eval._provenance import git
+
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
 
 
 def load(run: Path) -> tuple[Any, dict[str, Any], str]:
     from eval import peers
-    from softvq.models import VQVAE
 
     record = json.loads((run / "result.json").read_text())
-    s = record["settings"]
-    vqvae = VQVAE(quantizer=peers.build(record["method"], s["num_codes"], s["code_dim"]), code_dim=s["code_dim"],
-                  width=s["width"], res_blocks=s["res_blocks"], res_hidden=s["res_hidden"], lr=s["lr"])
-    vqvae.load_state_dict(torch.load(run / "vqvae.pt", map_location="cpu", weights_only=True))
-    vqvae.eval()
-    return vqvae, s, record["method"]
+    return peers.load_trained(record, run / "vqvae.pt"), record["settings"], record["method"]
 
 
-def validation_images(data_root: Path, settings: dict[str, Any], images: int) -> Tensor:
-    """The first ``images`` images of the validation split (the held-out training images; no test image is read)."""
-    from softvq.data.cifar10 import CIFAR10DataModule
-
-    data = CIFAR10DataModule(data_root, val_size=settings["val_size"], train_subset=settings["train_subset"],
-                             num_workers=0)
-    data.setup("fit")
-    return torch.stack([data.val_set[i][0] for i in range(min(images, len(data.val_set)))])
-
-
-@torch.no_grad()
 def measure(run: Path, data_root: Path, images: int, batch: int = 250) -> dict[str, Any]:
+    from eval import peers
+
     vqvae, settings, method = load(run)
-    x = validation_images(data_root, settings, images)
+    x = peers.validation_images(data_root, settings, images)  # the test split is not read
     layer = vqvae.quantizer
     latents, layer_idx = [], []
     for start in range(0, x.shape[0], batch):
@@ -367,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
     args.out.mkdir(parents=True, exist_ok=True)
     extra = args.conclusion_file.read_text().strip() if args.conclusion_file else ""
     if args.render:

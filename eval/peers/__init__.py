@@ -306,6 +306,25 @@ def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
     return model, data, result
 
 
+def load_trained(record: dict[str, Any], state: Path) -> VQVAE:
+    """The VQ-VAE of a run record (``result.json``: its method and settings) with the state dict ``state`` (a run
+    trained with its checkpoint kept, e.g. ``eval/topk_default``), in eval mode."""
+    s = record["settings"]
+    vqvae = VQVAE(quantizer=build(record["method"], s["num_codes"], s["code_dim"]), code_dim=s["code_dim"],
+                  width=s["width"], res_blocks=s["res_blocks"], res_hidden=s["res_hidden"], lr=s["lr"])
+    vqvae.load_state_dict(torch.load(state, map_location="cpu", weights_only=True))
+    return vqvae.eval()
+
+
+def validation_images(data_root: Path, settings: dict[str, Any], images: int) -> Tensor:
+    """The first ``images`` images of a run's validation split (held-out training images; the test split is not
+    read), ``(n, 3, 32, 32)``."""
+    data = CIFAR10DataModule(data_root, val_size=settings["val_size"], train_subset=settings["train_subset"],
+                             num_workers=0)
+    data.setup("fit")
+    return torch.stack([data.val_set[i][0] for i in range(min(images, len(data.val_set)))])
+
+
 def load_or_train(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | None:
     """The stored run of ``method`` and ``seed`` with these settings, else a new one (``None`` under ``--no-train``
     when there is none: the report lists it as not run)."""

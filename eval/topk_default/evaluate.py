@@ -33,13 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from eval import peers  # noqa: E402
-from eval.topk_bound import GRADIENT_BOUND, MASS_BOUND, truncation_errors  # noqa: E402
-from softvq.data.cifar10 import CIFAR10DataModule  # noqa: E402
-from softvq.models import VQVAE  # noqa: E402
-from softvq.models.files import write_atomic  # noqa: E402
+from eval import peers
+from eval.topk_bound import GRADIENT_BOUND, MASS_BOUND, truncation_errors
+from softvq.models.files import write_atomic
 
 ORDER = ("ddcl", "ddcl_top256", "ddcl_top128")
 KS = (64, 128, 256, 512, 1024)
@@ -108,14 +104,8 @@ def truncation(run: dict[str, Any], data_root: Path, images: int) -> dict[str, A
     path = Path(run["dir"]) / "vqvae.pt"
     if not path.is_file():
         return None
-    s = run["settings"]
-    vqvae = VQVAE(quantizer=peers.build(run["method"], s["num_codes"], s["code_dim"]), code_dim=s["code_dim"],
-                  width=s["width"], res_blocks=s["res_blocks"], res_hidden=s["res_hidden"], lr=s["lr"])
-    vqvae.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    vqvae.eval()
-    data = CIFAR10DataModule(data_root, val_size=s["val_size"], train_subset=s["train_subset"], num_workers=0)
-    data.setup("fit")  # the validation split (held-out training images); the test split is not read
-    x = torch.stack([data.val_set[i][0] for i in range(min(images, len(data.val_set)))])
+    vqvae = peers.load_trained(run, path)
+    x = peers.validation_images(data_root, run["settings"], images)  # the test split is not read
     layer = vqvae.quantizer
     z = layer.standardizer.standardize(vqvae.latents(x).movedim(1, -1).reshape(-1, layer.dim))
     t = float(layer.temperature)
