@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -26,6 +27,18 @@ def code_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+" if dirty else "")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` says): which machine a timing ran on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def study_command(module: str, argv: list[str] | None) -> str:

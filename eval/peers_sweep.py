@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
+import os
+import statistics
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +36,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from eval import peers  # noqa: E402
-from eval._provenance import code_commit, portable  # noqa: E402
+from eval import bench_train, peers  # noqa: E402
+from eval._bench import peak_memory_mib, serve_large_blocks_with_mmap  # noqa: E402
+from eval._provenance import code_commit, cpu_model, portable  # noqa: E402
 from eval._spread import by_seed, describe  # noqa: E402
 from eval.compare.report import _fmt, mean_std  # noqa: E402
-from softvq.cli.common import run_command  # noqa: E402
+from softvq.cli.common import quiet_lightning, run_command  # noqa: E402
 from softvq.models.files import write_atomic  # noqa: E402
 
 SIZES = (512, 1024, 4096, 16384)
@@ -46,6 +53,7 @@ LABELS = {**peers.LABELS, "vqp_fsq": "vqp FSQ (levels of the FSQ paper)"}
 # The study's targets (docs/studies.md, "Large codebooks"): dB over the best peer at 4096, beyond the seed spread.
 LEAD_DB = {4096: 0.3}
 MIN_UTILIZATION, MIN_PPL_PER_K = 0.99, 0.8
+STEP_COST = "step_cost.json"  # --out's measured training step and peak memory (--step-cost), read by the report
 
 
 def seeds_at(k: int, args: argparse.Namespace) -> list[int]:
@@ -70,20 +78,33 @@ def images_per_s(run: dict[str, Any]) -> float:
     return float(np.mean(speeds)) if speeds else float("nan")
 
 
+def codes_of(run: dict[str, Any]) -> int:
+    """The code count of a run's layer (FSQ's level set can differ from the size asked for)."""
+    if run.get("test"):
+        return int(run["test"]["num_codes"])
+    k = int(run["settings"]["num_codes"])
+    return int(np.prod(peers.fsq_levels(k))) if run["method"] == "vqp_fsq" else k
+
+
+# a run judged on validation (``--split validation``) has no test figures: the last epoch's validation ones stand in
+VALIDATION = {"psnr_hard": "val_psnr_hard", "utilization": "val_utilization", "perplexity": "val_perplexity"}
+
+
 def metric(run: dict[str, Any], name: str) -> float:
-    """One figure of a run: test-split ones by name, ``ppl_per_k`` (perplexity over the layer's code count),
-    ``restarts`` per epoch and training ``images_per_s``."""
+    """One figure of a run: held-out ones by name (the test split's, or for a run that never read it the last
+    epoch's validation figures), ``ppl_per_k`` (perplexity over the layer's code count), ``restarts`` per epoch and
+    training ``images_per_s``."""
     if name == "ppl_per_k":
-        return run["test"]["perplexity"] / run["test"]["num_codes"]
+        return metric(run, "perplexity") / codes_of(run)
     if name == "restarts":
         return restarts_per_epoch(run)
     if name == "images_per_s":
         return images_per_s(run)
-    value = run["test"].get(name)
+    value = run["test"].get(name) if run.get("test") else run["history"][-1].get(VALIDATION.get(name, name))
     return float("nan") if value is None else float(value)
 
 
-COLUMNS = (("psnr_hard", "PSNR hard (dB)", "{:.2f}", 1.0), ("utilization", "test util %", "{:.1f}", 100.0),
+COLUMNS = (("psnr_hard", "PSNR hard (dB)", "{:.2f}", 1.0), ("utilization", "{split} util %", "{:.1f}", 100.0),
            ("ppl_per_k", "perplexity / K", "{:.2f}", 1.0), ("restarts", "restarts / epoch", "{:.0f}", 1.0),
            ("images_per_s", "train img/s", "{:.0f}", 1.0))
 
@@ -96,12 +117,12 @@ def grouped(runs: list[dict[str, Any]]) -> dict[int, dict[str, list[dict[str, An
     return dict(sorted(out.items()))
 
 
-def table(groups: dict[int, dict[str, list]]) -> list[str]:
-    lines = ["| K (codes) | bottleneck | seeds | " + " | ".join(c[1] for c in COLUMNS) + " |",
+def table(groups: dict[int, dict[str, list]], split: str = "test") -> list[str]:
+    lines = ["| K (codes) | bottleneck | seeds | " + " | ".join(c[1].format(split=split) for c in COLUMNS) + " |",
              "|---|---|---|" + "---|" * len(COLUMNS)]
     for k, methods in groups.items():
         for method, runs in methods.items():
-            codes = runs[0]["test"]["num_codes"]
+            codes = codes_of(runs[0])
             cells = []
             for name, _, fmt, scale in COLUMNS:
                 mean, std = mean_std(np.array([metric(r, name) for r in runs]) * scale)
@@ -121,7 +142,7 @@ def lead(methods: dict[str, list], ours: str = "ddcl") -> dict[str, Any] | None:
     return {"best": best, "ours": means[ours], "peer": means[best], "judged": judged}
 
 
-def targets(groups: dict[int, dict[str, list]]) -> list[str]:
+def targets(groups: dict[int, dict[str, list]], split: str = "test") -> list[str]:
     """The targets checked on the measured numbers: DDCL >= the best peer + 0.3 dB beyond the spread at 4096, ahead
     of every peer at the largest K, at the smallest not below the best peer by more than the spread; test
     utilization >= 99% and perplexity / K >= 0.8 at every K."""
@@ -151,13 +172,13 @@ def targets(groups: dict[int, dict[str, list]]) -> list[str]:
             continue
         util = min(metric(r, "utilization") for r in methods["ddcl"])
         ppl = min(metric(r, "ppl_per_k") for r in methods["ddcl"])
-        lines.append(f"- K = {k}: DDCL's lowest test utilization {100 * util:.1f}% (≥ 99%: "
+        lines.append(f"- K = {k}: DDCL's lowest {split} utilization {100 * util:.1f}% (≥ 99%: "
                      f"**{'met' if util >= MIN_UTILIZATION else 'not met'}**), perplexity / K {ppl:.2f} (≥ 0.8: "
                      f"**{'met' if ppl >= MIN_PPL_PER_K else 'not met'}**).")
     return lines
 
 
-def plot(groups: dict[int, dict[str, list]], path: Path) -> None:
+def plot(groups: dict[int, dict[str, list]], path: Path, split: str = "test") -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     methods = sorted({m for per_k in groups.values() for m in per_k}, key=list(LABELS).index)
     for i, method in enumerate(methods):
@@ -166,8 +187,8 @@ def plot(groups: dict[int, dict[str, list]], path: Path) -> None:
             stats = [mean_std(np.array([metric(r, name) for r in groups[k][method]]) * scale) for k in ks]
             ax.errorbar(ks, [float(m) for m, _ in stats], yerr=[float(s) for _, s in stats], marker="o", capsize=3,
                         color=f"C{i}", label=LABELS.get(method, method))
-    for ax, title in zip(axes, ("test PSNR from hard indices (dB)", "test utilization %", "test perplexity / K"),
-                         strict=True):
+    titles = (f"{split} PSNR from hard indices (dB)", f"{split} utilization %", f"{split} perplexity / K")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(groups), [str(k) for k in groups])
         ax.set_xlabel("codebook size K")
@@ -179,31 +200,108 @@ def plot(groups: dict[int, dict[str, list]], path: Path) -> None:
     plt.close(fig)
 
 
+def step_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Every K and method asked for (trained or not), its training step timed side by side in one process and its
+    peak memory.
+
+    Time: :func:`eval.bench_train.time_steps` (the training benchmark's harness: Lightning fits every model for
+    ``--cost-warmup`` + ``--cost-steps`` steps on the same in-memory random batches, one model after the other,
+    ``--cost-rounds`` interleaved rounds; the median step, forward to optimizer step, warm-up steps dropped).
+    Memory: after all timing, one training forward + backward of each (reconstruction MSE + the bottleneck's loss) on
+    a fresh batch, measured by :func:`eval._bench.peak_memory_mib` (on CPU the rise of the resident set's high-water
+    mark). The models are the runs' (:func:`eval.peers.vqvae_of` with the runs' settings), freshly initialised."""
+    models, settings = {}, {}
+    for k in args.num_codes:
+        for method in args.methods:
+            settings[f"K{k} {method}"] = peers.settings_of(run_args(k, args))
+            models[f"K{k} {method}"] = peers.vqvae_of(method, settings[f"K{k} {method}"], args.seeds[0])
+    batch_size = args.batch_size
+    harness = argparse.Namespace(seed=args.seeds[0], steps=args.cost_steps, warmup=args.cost_warmup,
+                                 rounds=args.cost_rounds, accelerator="cpu")
+    load_before = os.getloadavg()
+    start = datetime.datetime.now(datetime.timezone.utc)
+    with quiet_lightning(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        seconds = bench_train.time_steps(harness, models, batch_size)
+    serve_large_blocks_with_mmap()  # after all timing: it slows allocation down
+    x = torch.rand(batch_size, 3, 32, 32, generator=torch.Generator().manual_seed(args.seeds[0]))
+
+    def one_step(model: torch.nn.Module) -> None:
+        out = model(x)
+        (F.mse_loss(out.reconstruction, x) + out.quantizer.loss).backward()
+        model.zero_grad(set_to_none=True)
+
+    cost = {}
+    for key, model in models.items():
+        model.train()
+        median = statistics.median(seconds[key])
+        cost[key] = {"median_ms": round(median * 1e3, 1), "images_per_s": round(batch_size / median, 2),
+                     "steps_ms": [round(t * 1e3, 1) for t in seconds[key]],
+                     "peak_mib": round(peak_memory_mib(lambda m=model: one_step(m), torch.device("cpu")), 1)}
+        print(f"  {key}: median step {cost[key]['median_ms']:.0f} ms, peak {cost[key]['peak_mib']:.0f} MiB",
+              file=sys.stderr)
+    return {"what": "median training step (forward, backward, optimizer, metric updates) and the peak extra memory of "
+                    "one training forward + backward, per K and method, measured side by side in one process",
+            "command": args.command, "code": code_commit(), "torch": torch.__version__, "cpu": cpu_model(),
+            "threads": torch.get_num_threads(), "date": start.isoformat(timespec="seconds"),
+            "load_before": [round(v, 2) for v in load_before], "batch_size": batch_size,
+            "steps": args.cost_steps, "warmup": args.cost_warmup, "rounds": args.cost_rounds, "cost": cost}
+
+
+def cost_section(cost: dict[str, Any] | None) -> list[str]:
+    """The step-cost table (``step_cost.json``), each step's ratio to DDCL's at its K; nothing without the file."""
+    if not cost:
+        return []
+    lines = ["## Training step and memory, measured side by side", "",
+             f"`{cost['command']}` at {cost['code']}, torch {cost['torch']}, {cost['cpu']}, {cost['threads']} "
+             f"thread(s), batch {cost['batch_size']}, {cost['date']} (load average before: {cost['load_before']}); "
+             f"the median of {cost['rounds']} interleaved rounds of {cost['steps']} steps after {cost['warmup']} "
+             f"warm-up step(s) per fit, freshly initialised models. Peak: the extra memory of one training forward + "
+             f"backward.", "",
+             "| K | bottleneck | step (ms) | images/s | step / DDCL's | peak memory (MiB) |",
+             "|---|---|---|---|---|---|"]
+    for key, c in cost["cost"].items():
+        size, method = key.split(" ", 1)
+        ours = cost["cost"].get(f"{size} ddcl")
+        ratio = f"{c['median_ms'] / ours['median_ms']:.2f}" if ours else "–"
+        lines.append(f"| {size[1:]} | {LABELS.get(method, method)} | {c['median_ms']:.0f} | {c['images_per_s']:.1f} | "
+                     f"{ratio} | {c['peak_mib']:.0f} |")
+    return [*lines, ""]
+
+
 def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     groups = grouped(runs)
-    plot(groups, out / "psnr_vs_k.png")
+    split = settings.get("split", "test")
+    plot(groups, out / "psnr_vs_k.png", split)
+    cost_file = out / STEP_COST
+    cost = json.loads(cost_file.read_text()) if cost_file.is_file() else None
     s = settings
+    held_out = (f"Figures on the official test split ({s['test_limit'] or 10000} images), read once for this table."
+                if split == "test" else
+                f"Figures on the validation split ({s['val_size']} held-out training images) after the last epoch; "
+                f"the test split was not read.")
     lines = [
         "# DDCL against its peers across codebook sizes", "",
         f"Regenerate: `{s['command']}` (runs are kept in `{s['runs']}`; finished ones are read).", "",
         f"Code: {s.get('code') or code_commit()}", "",
         f"The peers' setting (`eval/peers/`): width {s['width']}, {s['res_blocks']} residual blocks, D = "
         f"{s['code_dim']}, Adam {s['lr']:g}, batch {s['batch_size']}, {s['train_subset']} training images, "
-        f"{s['epochs']} epochs; seeds {s['seeds']} at K in {s['full_k']}, the first seed elsewhere. Figures on the "
-        f"official test split ({s['test_limit'] or 10000} images), read once for this table. FSQ runs at the FSQ "
-        f"paper's nearest level set: its code count is in brackets. Restarts: codes a dead-code replacement moved "
-        f"per training epoch (training-epoch utilization counts them, so the table gives test utilization).",
+        f"{s['epochs']} epochs; seeds {s['seeds']} at K in {s['full_k']}, the first seed elsewhere. {held_out} FSQ "
+        f"runs at the FSQ paper's nearest level set: its code count is in brackets. Restarts: codes a dead-code "
+        f"replacement moved per training epoch (training-epoch utilization counts them, so the table gives "
+        f"{split} utilization).",
         "",
         *([f"Not run: {', '.join(s['missing'])}."] if s.get("missing") else []),
         *([f"Each run used {s['threads']} torch thread(s), beside another job on the other core: images/s compare "
            f"within a row of the same K only roughly."] if s.get("threads") else []),
-        "", "## Test split (mean ± sample std over seeds)", "", *table(groups), "",
-        "## Targets", "", *targets(groups), "",
+        "", f"## {split.capitalize()} split (mean ± sample std over seeds)", "", *table(groups, split), "",
+        "## Targets", "", *targets(groups, split), "",
+        *cost_section(cost),
         "![PSNR against K](psnr_vs_k.png)", "",
     ]
     write_atomic(out / "report.md", "\n".join(lines))
-    summary = {"settings": settings, "runs": runs}
+    summary = {"settings": settings, "runs": runs, **({"step_cost": cost} if cost else {})}
     write_atomic(out / "results.json", json.dumps(portable(summary), indent=1, default=float))
     return summary
 
@@ -219,12 +317,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     peers.add_vqvae_arguments(p)
     p.add_argument("--runs", type=Path, default=Path("runs/peers_sweep"))
     p.add_argument("--out", type=Path, default=Path("reports/peers_sweep"))
+    p.add_argument("--split", choices=("test", "validation"), default="test",
+                   help="the split the table reads: the official test split, or the validation split (the last "
+                        "epoch's figures; the test split is then never read)")
     p.add_argument("--no-train", action="store_true", help="only read finished runs")
+    p.add_argument("--step-cost", action="store_true",
+                   help=f"also time every K and method's training step side by side and measure its peak memory "
+                        f"(--out/{STEP_COST}, which the report reads; run it on quiet cores)")
+    p.add_argument("--cost-steps", type=int, default=3, help="timed steps per fit of --step-cost")
+    p.add_argument("--cost-warmup", type=int, default=1, help="untimed steps at the start of every --step-cost fit")
+    p.add_argument("--cost-rounds", type=int, default=2, help="interleaved rounds of --step-cost")
     p.add_argument("--no-progress-bar", action="store_true")
     args = p.parse_args(argv)
-    for name in ("epochs", "train_subset", "batch_size", "code_dim", "width"):
+    for name in ("epochs", "train_subset", "batch_size", "code_dim", "width", "cost_steps", "cost_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.cost_warmup < 0:
+        p.error(f"--cost-warmup must be non-negative, got {args.cost_warmup}")
     if any(k < 2 for k in args.num_codes) or len(set(args.num_codes)) != len(args.num_codes):
         p.error(f"--num-codes needs distinct sizes >= 2, got {args.num_codes}")
     if len(set(args.seeds)) != len(args.seeds):
@@ -250,6 +359,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for method in args.methods:
                     run = peers.load_or_train(method, seed, one)
                     (runs.append(run) if run is not None else missing.append(f"{method} K={k} seed {seed}"))
+        if args.step_cost:
+            args.out.mkdir(parents=True, exist_ok=True)
+            write_atomic(args.out / STEP_COST, json.dumps(portable(step_cost(args)), indent=1) + "\n")
     if not runs:
         raise FileNotFoundError(f"no finished run in {args.runs} for these settings, and --no-train forbids training")
     settings = {**peers.settings_of(args), "num_codes": args.num_codes, "seeds": args.seeds, "full_k": args.full_k,

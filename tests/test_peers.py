@@ -163,6 +163,39 @@ def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_
     assert result.stat().st_mtime_ns == stamp and len(again["runs"]) == 6
 
 
+def test_sweep_on_validation_never_reads_the_test_split_and_tables_the_last_epoch_and_the_step_cost(tmp_path,
+                                                                                                   tiny_cifar):
+    from eval import peers_sweep as sweep
+
+    argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "hard_ema_cap", "--num-codes", "64",
+            "--seeds", "0", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--split", "validation",
+            *TINY[:TINY.index("--num-codes")], *TINY[TINY.index("--num-codes") + 2:], "--epochs", "2",
+            "--step-cost", "--cost-steps", "2", "--cost-warmup", "0", "--cost-rounds", "2"]
+    summary = sweep.main(argv)
+    assert [r["test"] for r in summary["runs"]] == [None, None]  # fit_run(test=False): the test split unread
+    assert all(r["settings"]["split"] == "validation" for r in summary["runs"])
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Validation split" in text and "the test split was not read" in text and "validation util %" in text
+    for run in summary["runs"]:
+        last = run["history"][-1]
+        label = peers.LABELS[run["method"]]
+        row = next(line for line in text.splitlines() if line.startswith(f"| 64 (64) | {label} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == f"{last['val_psnr_hard']:.2f}" and cells[4] == f"{100 * last['val_utilization']:.1f}"
+        assert cells[5] == f"{last['val_perplexity'] / 64:.2f}"
+    cost = json.loads((tmp_path / "out" / "step_cost.json").read_text())
+    assert set(cost["cost"]) == {"K64 ddcl", "K64 hard_ema_cap"} and cost["rounds"] == 2
+    for c in cost["cost"].values():
+        assert len(c["steps_ms"]) == 4 and c["median_ms"] == pytest.approx(float(np.median(c["steps_ms"])), abs=0.11)
+        assert math.isfinite(c["peak_mib"])
+    ours, hard = cost["cost"]["K64 ddcl"], cost["cost"]["K64 hard_ema_cap"]
+    row = next(line for line in text.splitlines() if line.startswith(f"| 64 | {peers.LABELS['hard_ema_cap']} |"))
+    assert f"| {hard['median_ms'] / ours['median_ms']:.2f} |" in row
+    # a test-split run of the same method is another run: its settings have no split key, as before it existed
+    on_test = [a for a in argv if a not in ("--split", "validation")]
+    assert "split" not in peers.settings_of(sweep.run_args(64, sweep.parse_args(on_test)))
+
+
 def test_fsq_levels_of_the_sweep_sizes_name_their_true_code_count():
     assert [int(np.prod(peers.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]
 

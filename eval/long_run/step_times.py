@@ -38,28 +38,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 
 from eval import bench_train, peers
-from eval._provenance import ROOT, code_commit, git, study_command
+from eval._provenance import ROOT, code_commit, cpu_model, git, study_command
 from eval.long_run.equal_compute import STEP_TIMES
 from eval.long_run.report import load_records
 from softvq.cli.common import quiet_lightning, run_command
 from softvq.models import VQVAE
 from softvq.models.files import write_atomic
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` says)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def dirty_files() -> list[str]:
@@ -84,10 +71,7 @@ def selection(records: list[dict[str, Any]], num_codes: list[int] | None = None,
 
 def build_model(method: str, num_codes: int, settings: dict[str, Any], seed: int = 0) -> VQVAE:
     """The VQ-VAE of ``method`` at ``num_codes`` as :func:`eval.long_run.train_run` builds it from ``settings``."""
-    quantizer = peers.build(method, num_codes, settings["code_dim"])
-    L.seed_everything(seed, workers=True, verbose=False)
-    return VQVAE(quantizer=quantizer, code_dim=settings["code_dim"], width=settings["width"],
-                 res_blocks=settings["res_blocks"], res_hidden=settings["res_hidden"], lr=settings["lr"])
+    return peers.vqvae_of(method, {**settings, "num_codes": num_codes}, seed)
 
 
 def model_key(num_codes: int, method: str) -> str:

@@ -249,12 +249,16 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads,
             "batch_size": args.batch_size, "num_codes": args.num_codes, "code_dim": args.code_dim,
             "width": args.width, "res_blocks": args.res_blocks, "res_hidden": args.res_hidden, "lr": args.lr,
-            "test_limit": args.test_limit, "data": str(args.data_root)}
+            "test_limit": args.test_limit, "data": str(args.data_root),
+            # a study judged on validation (``split="validation"``) never reads the test split; the key is absent for
+            # the test split, so the records of runs made before it existed still match
+            **({"split": args.split} if getattr(args, "split", "test") != "test" else {})}
 
 
 def train_run(method: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Train one VQ-VAE with bottleneck ``method`` and score it on the test split; ``result.json`` in ``out``."""
-    _, _, result = fit_run(method, seed, args, out)
+    """Train one VQ-VAE with bottleneck ``method`` and score it on the test split (``args.split == "validation"``:
+    on the validation split only, the test split unread); ``result.json`` in ``out``."""
+    _, _, result = fit_run(method, seed, args, out, test=getattr(args, "split", "test") == "test")
     write_atomic(out / "result.json", json.dumps(result, indent=1))
     return result
 
@@ -306,12 +310,20 @@ def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
     return model, data, result
 
 
+def vqvae_of(method: str, settings: dict[str, Any], seed: int | None = None) -> VQVAE:
+    """A fresh VQ-VAE with bottleneck ``method`` in a run's ``settings`` (:func:`settings_of`: K, D, width, residual
+    blocks, learning rate); ``seed``: seeded before the encoder and decoder are drawn, as :func:`fit_run` does."""
+    quantizer = build(method, settings["num_codes"], settings["code_dim"])
+    if seed is not None:
+        L.seed_everything(seed, workers=True, verbose=False)
+    return VQVAE(quantizer=quantizer, code_dim=settings["code_dim"], width=settings["width"],
+                 res_blocks=settings["res_blocks"], res_hidden=settings["res_hidden"], lr=settings["lr"])
+
+
 def load_trained(record: dict[str, Any], state: Path) -> VQVAE:
     """The VQ-VAE of a run record (``result.json``: its method and settings) with the state dict ``state`` (a run
     trained with its checkpoint kept, e.g. ``eval/topk_default``), in eval mode."""
-    s = record["settings"]
-    vqvae = VQVAE(quantizer=build(record["method"], s["num_codes"], s["code_dim"]), code_dim=s["code_dim"],
-                  width=s["width"], res_blocks=s["res_blocks"], res_hidden=s["res_hidden"], lr=s["lr"])
+    vqvae = vqvae_of(record["method"], record["settings"])
     vqvae.load_state_dict(torch.load(state, map_location="cpu", weights_only=True))
     return vqvae.eval()
 
