@@ -128,6 +128,28 @@ def test_resume_continues_the_history_and_refuses_another_configuration(trained,
         train_prior.main([*base, "--epochs", "1"])
 
 
+def test_a_class_conditional_prior_on_soft_targets_caches_them_beside_the_codes_and_resumes_only_alike(
+        trained, vqvaes, tiny_cifar, tmp_path):
+    out, cache = tmp_path / "soft", tmp_path / "cache"
+    base = [*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root", str(tiny_cifar["folder"]),
+            "--out", str(out), "--codes_cache", str(cache), "--model.class_conditional", "true",
+            "--model.soft_top_k", "4"]
+    results = train_prior.main([*base, "--epochs", "1", "--model.soft_targets", "0.5"])
+    assert results["soft_targets"] == 0.5 and results["soft_top_k"] == 4 and 0 < results["soft_mass_kept"] <= 1
+    (file,) = cache.glob("codes-*.pt")
+    saved = torch.load(file, weights_only=True)
+    assert saved["key"]["soft_top_k"] == 4 and saved["train"]["soft_probs"].shape == (250, 8, 8, 4)
+    # the hard codes beside them are the ones a hard-codes-only extraction caches
+    hard = [torch.load(f, weights_only=True) for f in trained["cache"].glob("codes-*.pt")]
+    (hard,) = [h for h in hard if h["key"] == {k: v for k, v in saved["key"].items() if k != "soft_top_k"}]
+    assert torch.equal(saved["test"]["codes"], hard["test"]["codes"])
+    assert torch.equal(saved["train"]["soft_codes"][..., 0], saved["train"]["codes"])
+    with pytest.raises(ValueError, match="trained with --model.soft_targets 0.5, not 0.0"):
+        train_prior.main([*base, "--epochs", "2", "--resume"])
+    with pytest.raises(ValueError, match="model.soft_targets must be a number in"):
+        train_prior.main([*base, "--epochs", "1", "--model.soft_targets", "2", "--overwrite"])
+
+
 def test_train_prior_errors_are_clear(vqvaes, tiny_cifar, tmp_path, capsys):
     base = ["--data.data_root", str(tiny_cifar["folder"]), "--out", str(tmp_path / "run")]
     with pytest.raises(FileNotFoundError, match="checkpoint not found: .*missing.ckpt"):

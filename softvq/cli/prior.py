@@ -106,8 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         config=resolved(cfg, exclude=("resume", "overwrite")))
 
 
-def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None:
-    """A readable checkpoint of a prior with this ``config`` over codes of this VQ-VAE; else a clear error."""
+def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str, soft_targets: float = 0.0) -> None:
+    """A readable checkpoint of a prior with this ``config`` and training loss (``soft_targets``) over codes of this
+    VQ-VAE; else a clear error."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
     ckpt = load_torch_file(path, "checkpoint")  # weights_only=True; UnsafeCheckpointError / ValueError naming it
@@ -120,6 +121,9 @@ def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str) -> None
     if diff:
         raise ValueError(f"checkpoint {path} is a prior of another configuration; pass the same flags to resume "
                          f"it:\n  " + "\n  ".join(diff))
+    if float(saved.get("soft_targets", 0.0)) != float(soft_targets):  # saved before the option: hard codes only
+        raise ValueError(f"checkpoint {path} trained with --model.soft_targets {saved.get('soft_targets', 0.0)}, not "
+                         f"{soft_targets}; pass the same value to resume it")
     old = (saved.get("vqvae") or {}).get("sha256")
     if old != sha256:
         raise ValueError(f"checkpoint {path} models the codes of another VQ-VAE (sha256 {str(old)[:16]}...), not "
@@ -145,8 +149,10 @@ def prepare_out(args: argparse.Namespace) -> None:
         raise OSError(f"cannot write to the output directory {args.out}: {err}") from err
 
 
-def loader(split: CodeSet, batch_size: int, shuffle: bool) -> DataLoader:
-    return DataLoader(TensorDataset(split.codes, split.labels), batch_size=batch_size, shuffle=shuffle)
+def loader(split: CodeSet, batch_size: int, shuffle: bool, soft: bool = False) -> DataLoader:
+    """Batches ``(codes, labels)``, with ``soft`` also the split's soft assignments ``(probs, prob_codes)``."""
+    tensors = (split.codes, split.labels, *((split.soft.probs, split.soft.codes) if soft else ()))
+    return DataLoader(TensorDataset(*tensors), batch_size=batch_size, shuffle=shuffle)
 
 
 def test_report(prior: CodePrior, splits: dict[str, CodeSet]) -> dict[str, Any]:
@@ -184,7 +190,8 @@ def encode(args: argparse.Namespace) -> tuple[VQVAERecord, dict[str, CodeSet], t
                              train_subset=args.train_subset, num_workers=args.num_workers, download=args.download,
                              cache_dir=args.data_cache_dir)
     begin = time.perf_counter()
-    splits = code_splits(vqvae, sha256, data, args.codes_cache, args.encode_batch_size, args.progress)
+    splits = code_splits(vqvae, sha256, data, args.codes_cache, args.encode_batch_size, args.progress,
+                         soft_top_k=args.soft_top_k if args.soft_targets > 0 else None)
     seconds = time.perf_counter() - begin
     if vqvae.class_names is not None:  # the labels of the codes must mean the classes the VQ-VAE was trained on
         check_same_classes(vqvae.class_names, data.classes, f"--vqvae {args.vqvae}", f"the data at {args.data_root}")
@@ -226,7 +233,7 @@ def fit(trainer: L.Trainer, prior: CodePrior, splits: dict[str, CodeSet], args: 
         warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)` is deprecated")
         stop.trainer = trainer
         try:
-            trainer.fit(prior, loader(splits["train"], args.batch_size, shuffle=True),
+            trainer.fit(prior, loader(splits["train"], args.batch_size, shuffle=True, soft=prior.soft_targets > 0),
                         loader(splits["val"], 500, shuffle=False) if has_val else None,
                         ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
         except (Exception, SystemExit) as err:  # Lightning ends a stopped fit with SystemExit (SIGTERMException)
@@ -259,18 +266,21 @@ def train(args: argparse.Namespace, stop: GracefulStop) -> dict[str, Any]:
                          layers=args.layers, heads=args.heads, dim=args.dim, mlp_ratio=args.mlp_ratio,
                          dropout=args.dropout)
     if ckpt_path is not None:
-        check_prior_checkpoint(ckpt_path, config, record.sha256)
+        check_prior_checkpoint(ckpt_path, config, record.sha256, args.soft_targets)
     prepare_out(args)
 
     L.seed_everything(args.seed, workers=True, verbose=False)
     prior = CodePrior(config, record, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-                      min_lr_ratio=args.min_lr_ratio, label_dropout=label_dropout)
+                      min_lr_ratio=args.min_lr_ratio, label_dropout=label_dropout, soft_targets=args.soft_targets)
     steps_per_epoch = math.ceil(len(splits["train"].labels) / args.batch_size)
     trainer = build_trainer(args, len(splits["val"].labels) > 0, steps_per_epoch)
     fit_seconds = fit(trainer, prior, splits, args, ckpt_path, stop)
     history = read_history(args.out / "history.jsonl")
     results = {"vqvae": asdict(record),
                "class_conditional": args.class_conditional, "label_dropout": prior.label_dropout,
+               "soft_targets": prior.soft_targets,
+               **({"soft_top_k": args.soft_top_k,  # the share of the assignments the kept codes held, mean
+                   "soft_mass_kept": float(splits["train"].soft.mass.mean())} if prior.soft_targets > 0 else {}),
                "config": config.to_dict(),
                "parameters": sum(p.numel() for p in prior.parameters()),
                "train_sequences": len(splits["train"].labels), "val_sequences": len(splits["val"].labels),

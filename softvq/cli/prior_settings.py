@@ -80,6 +80,11 @@ class PriorModel:
         weight_decay: AdamW weight decay (of the matrices).
         warmup_steps: linear warmup steps.
         min_lr_ratio: the cosine decay ends at this share of ``lr`` at the last step; in [0, 1].
+        soft_targets: weight ``a`` in [0, 1] of the cross-entropy to the VQ-VAE's soft assignments in the training
+            loss, ``(1 - a)`` on the hard codes' (0: hard codes only; the inputs are the hard codes either way). A
+            hard quantizer's assignments are one-hot, so only a soft codebook (DDCL) gives other targets.
+        soft_top_k: with ``soft_targets > 0``: the assignments kept per token (its most probable codes,
+            renormalised), extracted with the codes and cached beside them.
     """
 
     class_conditional: bool = False
@@ -93,6 +98,8 @@ class PriorModel:
     weight_decay: float = 0.01
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
+    soft_targets: float = 0.0
+    soft_top_k: int = 16
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "dim", "mlp_ratio"):
@@ -108,6 +115,9 @@ class PriorModel:
         self.warmup_steps = check_non_negative_int("model.warmup_steps", self.warmup_steps)
         if not 0.0 <= float(self.min_lr_ratio) <= 1.0:
             raise ValueError(f"model.min_lr_ratio must be a number in [0, 1], got {self.min_lr_ratio!r}")
+        if not (isinstance(self.soft_targets, (int, float)) and 0.0 <= self.soft_targets <= 1.0):
+            raise ValueError(f"model.soft_targets must be a number in [0, 1], got {self.soft_targets!r}")
+        self.soft_top_k = check_positive_int("model.soft_top_k", self.soft_top_k)
 
 
 def cfg_section(cfg: Any, cls: type) -> dict[str, Any]:

@@ -37,10 +37,14 @@ __all__ = ["LN2", "CodePrior", "PriorEvaluation", "VQVAERecord", "check_pairing"
 class CodePrior(L.LightningModule):
     """A GPT-style autoregressive prior over code grids ``(B, h, w)``, raster order, optionally class-conditional.
 
-    Batches are ``(codes (B, h, w) int64, labels (B,) int64)``; the loss is the mean cross-entropy (nats) of every
-    code given the codes before it. Logged and reported in bits per code position (nats / ln 2). AdamW (weight decay
-    on matrices only), linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at the last
-    step of the run.
+    Batches are ``(codes (B, h, w) int64, labels (B,) int64)``, or with soft targets ``(codes, labels, probs
+    (B, h, w, k), prob_codes (B, h, w, k))`` (:class:`~softvq.models.codes.SoftCodes`: each token's top-k
+    assignments under the VQ-VAE's quantizer). The loss is the mean cross-entropy (nats) of every code given the
+    codes before it: to the hard code, or with ``soft_targets = a > 0`` ``(1 - a)`` times that plus ``a`` times the
+    cross-entropy to the token's soft assignments (the inputs stay the hard codes). Validation and every reported
+    score are the hard codes' cross-entropy whatever ``a`` is, in bits per code position (nats / ln 2). AdamW
+    (weight decay on matrices only), linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``
+    at the last step of the run.
 
     Args:
         config: the network's :class:`~models.transformer.PriorConfig` (or its ``dict``).
@@ -53,6 +57,9 @@ class CodePrior(L.LightningModule):
             with its label replaced by the null class at this rate, so one network also learns the unconditional
             model that classifier-free guidance (``sample(guidance=w)``) mixes in. ``None``: 0.1 with the null class,
             0 without.
+        soft_targets: the weight ``a`` in ``[0, 1]`` of the cross-entropy to the soft assignments in the training loss
+            (0: the hard codes alone, today's prior; 1: the soft assignments alone). Training batches must carry them
+            when ``a > 0``.
 
     A conditional prior saved before the null class existed (its ``config`` has no ``null_class``) loads as it was
     saved: no null class, no label dropout, and sampling without guidance draws what it drew then.
@@ -67,6 +74,7 @@ class CodePrior(L.LightningModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         label_dropout: float | None = None,
+        soft_targets: float = 0.0,
     ) -> None:
         super().__init__()
         if isinstance(config, dict):
@@ -90,11 +98,15 @@ class CodePrior(L.LightningModule):
                              f"(the token the dropped labels become); this config has num_classes="
                              f"{self.config.num_classes}, null_class={self.config.null_class}")
         self.label_dropout = float(label_dropout)
+        if not (isinstance(soft_targets, (int, float)) and 0.0 <= soft_targets <= 1.0):
+            raise ValueError(f"soft_targets must be a number in [0, 1], got {soft_targets!r}")
+        self.soft_targets = float(soft_targets)
         # Plain types only: Lightning's weights_only checkpoint loading accepts them.
         self.save_hyperparameters({"config": self.config.to_dict(),
                                    "vqvae": None if self.vqvae is None else asdict(self.vqvae),
                                    "lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                                   "min_lr_ratio": min_lr_ratio, "label_dropout": self.label_dropout})
+                                   "min_lr_ratio": min_lr_ratio, "label_dropout": self.label_dropout,
+                                   "soft_targets": self.soft_targets})
         self.net = CodeTransformer(self.config)
         self.train_nll = MeanMetric()
         self.val_nll = MeanMetric()
@@ -128,6 +140,39 @@ class CodePrior(L.LightningModule):
         logits = self(codes, labels, null)  # (B, L, K)
         targets = rearrange(codes, "b h w -> b (h w)").to(logits.device, torch.long)
         return F.cross_entropy(rearrange(logits, "b l k -> b k l").float(), targets, reduction="none")
+
+    def soft_nll(self, codes: Tensor, probs: Tensor, prob_codes: Tensor, labels: Tensor | None = None,
+                 null: bool = False) -> Tensor:
+        """Per-position cross-entropy in nats, ``(B, h * w)``, of the next-code distribution given the hard codes
+        ``codes (B, h, w)`` to the soft targets ``probs (B, h, w, k)`` on the codes ``prob_codes (B, h, w, k)``
+        (rows summing to 1): ``-sum_j probs_j log p(prob_codes_j | codes before)``. One-hot targets on the hard
+        codes give :meth:`nll` (up to float rounding: another reduction order)."""
+        c = self.config
+        if codes.shape[1:] != (c.height, c.width):
+            raise ValueError(f"expected code grids of shape (B, {c.height}, {c.width}), got {tuple(codes.shape)}")
+        if probs.shape != prob_codes.shape or probs.shape[:-1] != codes.shape:
+            raise ValueError(f"soft targets must be (B, {c.height}, {c.width}, k) probabilities and codes beside the "
+                             f"codes {tuple(codes.shape)}, got {tuple(probs.shape)} and {tuple(prob_codes.shape)}")
+        logits = self(codes, labels, null)  # (B, L, K); half precision (autocast) upcast as nll does
+        log_p = (logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits).log_softmax(-1)
+        where = rearrange(prob_codes, "b h w k -> b (h w) k").to(log_p.device, torch.long)
+        weights = rearrange(probs, "b h w k -> b (h w) k").to(log_p)
+        # entries of weight 0 (padding past a layer's support) add exactly 0, even where a log-probability is -inf
+        terms = torch.where(weights > 0, weights * log_p.gather(-1, where), weights.new_zeros(()))
+        return -terms.sum(-1)
+
+    def _loss(self, codes: Tensor, labels: Tensor | None, null: bool, soft: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The training loss of the sequences ``codes`` per position: the hard codes' cross-entropy, mixed with the
+        soft targets' at ``soft_targets``."""
+        if self.soft_targets == 0.0:
+            return self.nll(codes, labels, null)
+        if soft is None:
+            raise ValueError(f"soft_targets={self.soft_targets} needs batches with soft targets (codes, labels, "
+                             f"probs, prob_codes); this batch has codes and labels only")
+        soft_loss = self.soft_nll(codes, *soft, labels, null)
+        if self.soft_targets == 1.0:
+            return soft_loss
+        return (1.0 - self.soft_targets) * self.nll(codes, labels, null) + self.soft_targets * soft_loss
 
     @torch.no_grad()
     def sample(self, n: int, labels: Tensor | None = None, temperature: float = 1.0, top_k: int | None = None,
@@ -188,18 +233,26 @@ class CodePrior(L.LightningModule):
         return rearrange(codes, "b (h w) -> b h w", h=c.height)
 
     # ---- training --------------------------------------------------------------------------------------------
-    def _common_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
-        codes, labels = batch
-        if not self.conditional:
-            loss = self.nll(codes).mean()
-        elif stage == "train" and self.label_dropout > 0:
+    def _common_step(self, batch: tuple[Tensor, ...], stage: str) -> Tensor:
+        codes, labels = batch[0], batch[1]
+        # soft targets shape the training loss only: validation scores the hard codes, for every soft_targets
+        soft = (batch[2], batch[3]) if stage == "train" and len(batch) == 4 else None
+        labels = labels if self.conditional else None
+        if stage != "train":
+            loss = self.nll(codes, labels).mean()
+        elif self.conditional and self.label_dropout > 0:
             # classifier-free guidance: a share of the sequences learn the unconditional model (the null class)
             dropped = torch.rand(codes.shape[0], device=codes.device) < self.label_dropout
-            parts = [self.nll(codes[~dropped], labels[~dropped])] if not dropped.all() else []
-            parts += [self.nll(codes[dropped], null=True)] if dropped.any() else []
+
+            def part(mask: Tensor, null: bool) -> Tensor:
+                kept = None if soft is None else (soft[0][mask], soft[1][mask])
+                return self._loss(codes[mask], None if null else labels[mask], null, kept)
+
+            parts = [part(~dropped, False)] if not dropped.all() else []
+            parts += [part(dropped, True)] if dropped.any() else []
             loss = torch.cat(parts).mean()
         else:
-            loss = self.nll(codes, labels).mean()
+            loss = self._loss(codes, labels, False, soft).mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite {stage} loss ({float(loss)}) at global step {self.global_step}")
         metric = self.train_nll if stage == "train" else self.val_nll
