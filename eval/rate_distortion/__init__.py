@@ -43,7 +43,7 @@ import softvq
 from eval import peers
 from eval._provenance import code_commit
 from softvq.cli.common import run_command
-from softvq.models.codes import extract_codes
+from softvq.models.codes import SoftCodes, extract_codes
 from softvq.models.files import write_atomic
 from softvq.models.prior import CodePrior, evaluate_prior, unigram_bits
 from softvq.models.transformer import PriorConfig
@@ -97,6 +97,15 @@ def prior_settings(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.prior_seed}
 
 
+def add_prior_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The prior's flags of :func:`prior_settings`, on a parser or one of its argument groups (every study that trains
+    this prior shares them)."""
+    p.add_argument("--prior-layers", type=int, default=4, help="the prior's transformer layers")
+    p.add_argument("--prior-dim", type=int, default=128, help="its width (4 heads)")
+    p.add_argument("--prior-epochs", type=int, default=5, help="its epochs over the training images' codes")
+    p.add_argument("--prior-seed", type=int, default=0, help="the one seed of every prior")
+
+
 def build_quantizer(method: str, k: int, dim: int, target: float | None) -> torch.nn.Module:
     if target is not None:
         return softvq.DDCLQuantizer(k, dim, target_entropy=target)
@@ -104,16 +113,22 @@ def build_quantizer(method: str, k: int, dim: int, target: float | None) -> torc
 
 
 def fit_prior(codes: dict[str, Tensor], num_codes: int, grid: tuple[int, int], settings: dict[str, Any],
-              threads: int | None = None) -> tuple[CodePrior, float]:
+              threads: int | None = None, soft: SoftCodes | None = None,
+              soft_targets: float = 0.0) -> tuple[CodePrior, float]:
     """The study's prior, the same for every bottleneck: trained on the training codes with a fixed seed and the
-    settings ``settings`` (:func:`prior_settings`); returns it in eval mode and its training seconds."""
+    settings ``settings`` (:func:`prior_settings`); returns it in eval mode and its training seconds.
+
+    With ``soft`` (the training codes' :class:`~softvq.models.codes.SoftCodes`) and ``soft_targets = a > 0`` the loss
+    mixes in the cross-entropy to the tokens' soft assignments (``CodePrior(soft_targets=a)``); the network, seed,
+    batches and steps are the one-hot prior's."""
     config = PriorConfig(num_codes=num_codes, height=grid[0], width=grid[1], layers=settings["layers"],
                          heads=settings["heads"], dim=settings["dim"], dropout=settings["dropout"])
     L.seed_everything(settings["seed"], workers=True, verbose=False)
     prior = CodePrior(config, lr=settings["lr"], weight_decay=settings["weight_decay"],
-                      warmup_steps=settings["warmup_steps"])
+                      warmup_steps=settings["warmup_steps"], soft_targets=soft_targets)
     train = codes["train"].long()
-    loader = DataLoader(TensorDataset(train, torch.zeros(len(train), dtype=torch.long)),
+    extra = () if soft is None else (soft.probs, soft.codes)  # batches (codes, labels, probs, prob_codes)
+    loader = DataLoader(TensorDataset(train, torch.zeros(len(train), dtype=torch.long), *extra),
                         batch_size=settings["batch_size"], shuffle=True,
                         generator=torch.Generator().manual_seed(settings["seed"]))
     trainer = L.Trainer(max_epochs=settings["epochs"], accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -214,10 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", default=None, metavar="METHOD:K:SEED[:TARGET]",
                    help="train only these points (the report still reads every finished one)")
     peers.add_vqvae_arguments(p)
-    p.add_argument("--prior-layers", type=int, default=4)
-    p.add_argument("--prior-dim", type=int, default=128)
-    p.add_argument("--prior-epochs", type=int, default=5)
-    p.add_argument("--prior-seed", type=int, default=0, help="the one seed of every prior")
+    add_prior_arguments(p)
     p.add_argument("--runs", type=Path, default=Path("runs/rate_distortion"))
     p.add_argument("--out", type=Path, default=Path("reports/rate_distortion"))
     p.add_argument("--no-train", action="store_true", help="only read finished points")

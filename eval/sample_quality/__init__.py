@@ -11,11 +11,16 @@ reported beside the classifier's accuracy on the reconstructions of real images 
 
 Usage:
     python -m eval.sample_quality --data-root ../shared/data/cifar10-jpeg.tar.gz --rd-runs runs/rate_distortion
+    python -m eval.sample_quality --data-root ../shared/data/cifar10-jpeg.tar.gz --long-runs runs/long_run \
+        --num-codes 512 --methods ddcl hard_ema vqp_fsq --conditional --soft-targets 0.5 1 --out reports/generative
 
 The protocol (temperature; guidance weight for conditional samples) is chosen on the **validation** split: the
 value whose samples have the lowest Fréchet distance to the 5,000 validation images, averaged over every bottleneck,
 so no bottleneck gets its own. The test split (a fixed random ``--samples`` of its images, every class in
 it; ``eval.sample_quality.classifier.images_of``) is read once, for the final table.
+
+With ``--long-runs`` instead, the points are the VQ-VAEs of ``eval/long_run`` (their kept checkpoints), each given
+its priors here at one budget, beside a prior trained on the soft assignments: :mod:`eval.sample_quality.long_runs`.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ from typing import Any
 
 import torch
 
+from eval import peers
 from eval import rate_distortion as rd
 from eval._provenance import code_commit, portable
 from eval._spread import MIN_SEEDS
-from eval.peers import study_run
 from eval.sample_quality import classifier as clf
+from eval.sample_quality import long_runs
+from eval.sample_quality.classifier import interval_text as _fd
+from eval.sample_quality.sampling import draw, fit_conditional_prior, reconstruct
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
@@ -58,58 +66,21 @@ def load_point(directory: Path) -> tuple[dict[str, Any], VQVAE, CodePrior, dict[
     return result, vqvae.eval(), prior.eval(), codes
 
 
-@torch.no_grad()
-def draw(vqvae: VQVAE, prior: CodePrior, n: int, temperature: float, seed: int, labels: torch.Tensor | None = None,
-         guidance: float = 1.0, batch: int = 1000) -> torch.Tensor:
-    """``n`` decoded samples ``(n, 3, 32, 32)`` in ``[0, 1]``, drawn in batches with one seeded generator."""
-    g = torch.Generator().manual_seed(seed)
-    images = []
-    for start in range(0, n, batch):
-        y = None if labels is None else labels[start:start + batch]
-        codes = prior.sample(min(batch, n - start), y, temperature=temperature, generator=g, guidance=guidance)
-        images.append(vqvae.decode_indices(codes).clamp(0, 1))
-    return torch.cat(images)
-
-
-@torch.no_grad()
-def reconstruct(vqvae: VQVAE, images: torch.Tensor, batch: int = 500) -> torch.Tensor:
-    return torch.cat([vqvae.decode_indices(vqvae.encode(images[i:i + batch])).clamp(0, 1)
-                      for i in range(0, len(images), batch)])
-
-
-def find_points(rd_runs: Path, num_codes: list[int] | None = None) -> list[Path]:
+def find_points(rd_runs: Path, num_codes: list[int] | None = None, methods: list[str] | None = None) -> list[Path]:
     """The finished rate-distortion points under ``rd_runs`` (``<method>/K<K>/seed<S>/`` with a ``prior.pt``), sorted;
-    only codebook sizes in ``num_codes`` when given. The target-entropy sweep's points (a validation study) are left
-    out."""
+    only codebook sizes in ``num_codes`` and methods in ``methods`` when given. The target-entropy sweep's points (a
+    validation study) are left out."""
     points = sorted(p.parent for p in rd_runs.glob("*/K*/seed*/prior.pt"))
     points = [p for p in points if "_target" not in p.parts[-3]]
     if num_codes is not None:
         points = [p for p in points if p.parts[-2] in {f"K{k}" for k in num_codes}]
+    if methods is not None:
+        points = [p for p in points if p.parts[-3] in methods]
     if not points:
         sizes = "" if num_codes is None else f" at K in {sorted(num_codes)}"
+        sizes += "" if methods is None else f" of methods {methods}"
         raise FileNotFoundError(f"no finished rate-distortion point with a prior under {rd_runs}{sizes}")
     return points
-
-
-def fit_conditional_prior(codes: torch.Tensor, labels: torch.Tensor, settings: dict[str, Any], num_codes: int
-                          ) -> CodePrior:
-    """The study's prior (the same settings) trained class-conditionally with label dropout 0.1 (the default)."""
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-
-    grid = tuple(codes.shape[1:])
-    config = PriorConfig(num_codes=num_codes, height=grid[0], width=grid[1], num_classes=10,
-                         layers=settings["layers"], heads=settings["heads"], dim=settings["dim"],
-                         dropout=settings["dropout"])
-    L.seed_everything(settings["seed"], workers=True, verbose=False)
-    prior = CodePrior(config, lr=settings["lr"], weight_decay=settings["weight_decay"],
-                      warmup_steps=settings["warmup_steps"])
-    loader = DataLoader(TensorDataset(codes, labels), batch_size=settings["batch_size"], shuffle=True,
-                        generator=torch.Generator().manual_seed(settings["seed"]))
-    with study_run():
-        L.Trainer(max_epochs=settings["epochs"], accelerator="cpu", logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(prior, loader)
-    return prior.eval()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -123,9 +94,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     classifier, record, path = clf.load_or_train(data.train_set, data.val_set, data.test_set, settings,
                                                  args.classifier_cache)
     val_x, val_y = clf.images_of(data.val_set)
+    val_f = clf.features_of(classifier, val_x)
+    header = {"command": args.command, "commit": code_commit(), "classifier": {
+        "file": path.name, "sha256": record["sha256"], "test_accuracy": record["test_accuracy"], "settings": settings}}
+    if args.long_runs is not None:
+        summary = portable({**header, **long_runs.study(args, data, classifier, val_f)})
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
+        write_atomic(args.out / "report.md", long_runs.report(summary))
+        return summary
     test_x, test_y = clf.images_of(data.test_set, args.samples)
-    val_f, test_f = clf.features_of(classifier, val_x), clf.features_of(classifier, test_x)
-    points = find_points(args.rd_runs, args.num_codes)
+    test_f = clf.features_of(classifier, test_x)
+    points = find_points(args.rd_runs, args.num_codes, args.methods)
     val_fd: dict[float, list[float]] = {t: [] for t in args.temperatures}
     loaded = []
     for directory in points:
@@ -150,9 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"reconstructions FD {rows[-1]['reconstruction_fd']['value']:.2f}", flush=True)
     conditional = conditional_study(loaded, classifier, (val_f, val_y), (test_f, test_x, test_y), data, args) \
         if args.conditional else None
-    summary = {"command": args.command, "commit": code_commit(), "classifier": {
-        "file": path.name, "sha256": record["sha256"], "test_accuracy": record["test_accuracy"],
-        "settings": settings}, "real_test_accuracy": float((clf.predict(classifier, test_x) == test_y).double().mean()),
+    summary = {**header, "real_test_accuracy": float((clf.predict(classifier, test_x) == test_y).double().mean()),
         "protocol": {"temperature": temperature, "top_k": None, "samples": args.samples, "seed": args.seed,
                      "validation_fd": {str(t): v for t, v in val_fd.items()}}, "rows": rows,
         "conditional": conditional}
@@ -162,21 +140,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
-def _fd(x: dict[str, float]) -> str:
-    return f"{x['value']:.2f} [{x['low']:.2f}, {x['high']:.2f}]"
-
-
 def report(summary: dict[str, Any]) -> str:
     """``report.md``: the protocol, the unconditional table (samples against reconstructions), the conditional one,
     and the targets."""
-    c, proto = summary["classifier"], summary["protocol"]
+    proto = summary["protocol"]
     lines = ["# Sample quality at the same prior budget", "", f"Regenerate: `{summary['command']}`", "",
-             f"Code: {summary['commit']}.", "",
-             f"Scored with a CIFAR-10 classifier trained here (a small ResNet; test accuracy {c['test_accuracy']:.3f}, "
-             f"sha256 {c['sha256'][:16]}...): the **classifier Fréchet distance** (CFD) of its penultimate features, "
-             f"computed by torchmetrics' FrechetInceptionDistance with that network as its feature extractor. It is "
-             f"not Inception FID and compares only with runs of the same classifier file. Intervals: 95% bootstrap "
-             f"percentiles.", "",
+             f"Code: {summary['commit']}.", "", clf.describe(summary["classifier"]), "",
              f"Protocol, one for every bottleneck, chosen on validation images (lowest mean CFD): temperature "
              f"{proto['temperature']:g}, no top-k, {proto['samples']} samples, seed {proto['seed']}; validation CFD "
              "by temperature: " + ", ".join(f"{t}: {sum(v) / len(v):.2f}" for t, v in proto["validation_fd"].items())
@@ -258,22 +227,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.sample_quality", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"), help="CIFAR-10 directory or .tar.gz archive")
-    p.add_argument("--rd-runs", type=Path, default=Path("runs/rate_distortion"), help="eval.rate_distortion's runs")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--rd-runs", type=Path, default=Path("runs/rate_distortion"),
+                        help="eval.rate_distortion's runs")
+    source.add_argument("--long-runs", type=Path, default=None,
+                        help="instead, eval.long_run's runs (K<K>/<method>/seed<S>/ with checkpoints/last.ckpt)")
     p.add_argument("--num-codes", type=int, nargs="+", default=None,
-                   help="score only the points of these codebook sizes (default: every size in --rd-runs)")
+                   help="score only the points of these codebook sizes (default: every size found)")
+    p.add_argument("--methods", nargs="+", choices=peers.METHODS, default=None,
+                   help="score only the points of these methods (default: every method found)")
     p.add_argument("--samples", type=int, default=5000, help="samples per point, and real test images")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.9, 1.0], help="chosen among on validation")
     p.add_argument("--guidance", type=float, nargs="+", default=[1.0, 2.0, 3.0], help="chosen among on validation")
     p.add_argument("--conditional", action="store_true", help="also the guided class-conditional study")
-    p.add_argument("--train-subset", type=int, default=10_000, help="the training images the points' codes cover")
+    p.add_argument("--train-subset", type=int, default=10_000,
+                   help="the training images the --rd-runs points' codes cover")
     p.add_argument("--val-size", type=int, default=5000, help="the validation hold-out (the points' split)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws")
     p.add_argument("--classifier-width", type=int, default=32)
     p.add_argument("--classifier-epochs", type=int, default=8)
     p.add_argument("--classifier-cache", type=Path, default=Path("runs/classifier"))
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=Path("reports/sample_quality"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="report.md and results.json (default: reports/sample_quality; with --long-runs "
+                        "reports/generative)")
+    long = p.add_argument_group("--long-runs only", "the priors trained here, one budget for every point")
+    long.add_argument("--work", type=Path, default=Path("runs/sample_quality_long"),
+                      help="what is derived from each run (codes, priors), read back on a rerun")
+    rd.add_prior_arguments(long)
+    long.add_argument("--soft-targets", type=float, nargs="+", default=[], metavar="A",
+                      help="DDCL points: also a prior per A in (0, 1] trained on the soft assignments "
+                           "(CodePrior(soft_targets=A)); one A chosen on validation")
+    long.add_argument("--soft-top-k", type=int, default=16, help="assignments kept per token for the soft targets")
     args = p.parse_args(argv)
+    args.out = args.out or Path("reports/generative" if args.long_runs is not None else "reports/sample_quality")
+    only_long = [name for name in ("work", "prior_layers", "prior_dim", "prior_epochs", "prior_seed", "soft_targets",
+                                   "soft_top_k") if getattr(args, name) != p.get_default(name)]
+    if args.long_runs is None and only_long:
+        p.error(f"{', '.join('--' + d.replace('_', '-') for d in only_long)} apply to --long-runs only")
+    if args.long_runs is not None and args.train_subset != p.get_default("train_subset"):
+        p.error("--train-subset applies to --rd-runs only (a long run's codes cover its own training images)")
+    for name in ("prior_layers", "prior_dim", "prior_epochs", "soft_top_k"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.prior_dim % 4:
+        p.error(f"--prior-dim must be a multiple of the prior's 4 heads, got {args.prior_dim}")
+    for a in args.soft_targets:
+        if not 0 < a <= 1:
+            p.error(f"--soft-targets must lie in (0, 1], got {a}")
+    if len(set(args.soft_targets)) != len(args.soft_targets):
+        p.error(f"--soft-targets repeats a value: {args.soft_targets}")
     if args.samples < 2 or args.classifier_width < 1 or args.classifier_epochs < 1:
         p.error("--samples must be >= 2 and --classifier-width / --classifier-epochs positive")
     for t in args.temperatures:

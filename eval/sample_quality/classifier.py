@@ -256,3 +256,19 @@ def load_or_train(train: Dataset, val: Dataset, test: Dataset, settings: dict[st
         return model, record, path
     model, record = train_classifier(train, val, test, settings, path, progress)
     return model, record, path
+
+
+def interval_text(x: dict[str, float], sign: str = "") -> str:
+    """``value [low, high]`` of an interval (:func:`bootstrap_frechet`'s form), two decimals; ``sign="+"`` signs
+    them."""
+    return f"{x['value']:{sign}.2f} [{x['low']:{sign}.2f}, {x['high']:{sign}.2f}]"
+
+
+def describe(c: dict[str, Any]) -> str:
+    """A report's paragraph on the classifier of record ``c`` (its ``sha256`` and ``test_accuracy``) and on what the
+    distance is."""
+    return (f"Scored with a CIFAR-10 classifier trained here (a small ResNet; test accuracy {c['test_accuracy']:.3f}, "
+            f"sha256 {c['sha256'][:16]}...): the **classifier Fréchet distance** (CFD) of its penultimate features, "
+            f"computed by torchmetrics' FrechetInceptionDistance with that network as its feature extractor. It is "
+            f"not Inception FID and compares only with runs of the same classifier file. Intervals: 95% bootstrap "
+            f"percentiles.")
