@@ -284,7 +284,9 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     lines = [
         "# DDCL against its peers across codebook sizes", "",
         f"Regenerate: `{s['command']}` (runs are kept in `{s['runs']}`; finished ones are read).", "",
-        f"Code: {s.get('code') or code_commit()}", "",
+        f"Code: report written at {s.get('code') or code_commit()}; runs trained at "
+        f"{', '.join(sorted({r['code'] for r in runs if r.get('code')})) or 'commits their records do not name'}.",
+        "",
         f"The peers' setting (`eval/peers/`): width {s['width']}, {s['res_blocks']} residual blocks, D = "
         f"{s['code_dim']}, Adam {s['lr']:g}, batch {s['batch_size']}, {s['train_subset']} training images, "
         f"{s['epochs']} epochs; seeds {s['seeds']} at K in {s['full_k']}, the first seed elsewhere. {held_out} FSQ "

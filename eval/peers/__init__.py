@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 import softvq
 from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED, HARD_RESTART_FLAGS  # noqa: F401 (importable from here)
-from eval._provenance import repo_relative
+from eval._provenance import code_commit, repo_relative
 from eval.peers.report import write_report
 from softvq._compat import upgrade_quantizer_kwargs
 from softvq.cli.common import run_command
@@ -306,7 +306,7 @@ def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
         row["train_images_per_s"] = speed_row
         row["train_cpu_s"] = cpu  # the training loop's CPU seconds in this process (data-loader workers excluded)
     result = {"method": method, "seed": seed, "settings": settings_of(args), "history": history, "test": scores,
-              "wall_s": time.perf_counter() - start}
+              "wall_s": time.perf_counter() - start, "code": code_commit()}  # the commit it trained at (+: edited)
     return model, data, result
 
 
