@@ -216,11 +216,12 @@ def code_splits(model: VQVAE, sha256: str, data: CIFAR10DataModule, cache_dir: s
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     small = torch.int16 if model.num_codes <= torch.iinfo(torch.int16).max else torch.int32
+    stored = {split: _stored(s, small) for split, s in out.items()}
     try:
-        torch.save({"key": key, **{split: _stored(s, small) for split, s in out.items()}}, partial)
+        torch.save({"key": key, **stored}, partial)
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
     # what a later call reads from the cache (float16 assignments, renormalised), so both calls train alike
-    return {split: _loaded(_stored(s, small)) for split, s in out.items()}
+    return {split: _loaded(s) for split, s in stored.items()}

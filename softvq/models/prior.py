@@ -131,29 +131,22 @@ class CodePrior(L.LightningModule):
         model, ``w = 0`` the unconditional one (the null class), ``w > 1`` pushes samples toward their class."""
         return guide(self(codes, labels), self(codes, null=True), guidance)
 
-    def nll(self, codes: Tensor, labels: Tensor | None = None, null: bool = False) -> Tensor:
-        """Per-position negative log-likelihood in nats of whole code grids ``(B, h, w)``: ``(B, h * w)``
-        (``null``: under the null class, the unconditional model of a guided conditional prior)."""
+    def _grid_logits(self, codes: Tensor, labels: Tensor | None, null: bool) -> Tensor:
+        """Next-code logits ``(B, L, K)`` of whole code grids ``codes (B, h, w)``; a grid of another shape is an
+        error naming it."""
         c = self.config
         if codes.shape[1:] != (c.height, c.width):
             raise ValueError(f"expected code grids of shape (B, {c.height}, {c.width}), got {tuple(codes.shape)}")
-        logits = self(codes, labels, null)  # (B, L, K)
+        return self(codes, labels, null)
+
+    @staticmethod
+    def _hard_cross_entropy(logits: Tensor, codes: Tensor) -> Tensor:
         targets = rearrange(codes, "b h w -> b (h w)").to(logits.device, torch.long)
         return F.cross_entropy(rearrange(logits, "b l k -> b k l").float(), targets, reduction="none")
 
-    def soft_nll(self, codes: Tensor, probs: Tensor, prob_codes: Tensor, labels: Tensor | None = None,
-                 null: bool = False) -> Tensor:
-        """Per-position cross-entropy in nats, ``(B, h * w)``, of the next-code distribution given the hard codes
-        ``codes (B, h, w)`` to the soft targets ``probs (B, h, w, k)`` on the codes ``prob_codes (B, h, w, k)``
-        (rows summing to 1): ``-sum_j probs_j log p(prob_codes_j | codes before)``. One-hot targets on the hard
-        codes give :meth:`nll` (up to float rounding: another reduction order)."""
-        c = self.config
-        if codes.shape[1:] != (c.height, c.width):
-            raise ValueError(f"expected code grids of shape (B, {c.height}, {c.width}), got {tuple(codes.shape)}")
-        if probs.shape != prob_codes.shape or probs.shape[:-1] != codes.shape:
-            raise ValueError(f"soft targets must be (B, {c.height}, {c.width}, k) probabilities and codes beside the "
-                             f"codes {tuple(codes.shape)}, got {tuple(probs.shape)} and {tuple(prob_codes.shape)}")
-        logits = self(codes, labels, null)  # (B, L, K); half precision (autocast) upcast as nll does
+    @staticmethod
+    def _soft_cross_entropy(logits: Tensor, probs: Tensor, prob_codes: Tensor) -> Tensor:
+        # half precision (autocast) upcast as the hard cross-entropy does
         log_p = (logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits).log_softmax(-1)
         where = rearrange(prob_codes, "b h w k -> b (h w) k").to(log_p.device, torch.long)
         weights = rearrange(probs, "b h w k -> b (h w) k").to(log_p)
@@ -161,18 +154,40 @@ class CodePrior(L.LightningModule):
         terms = torch.where(weights > 0, weights * log_p.gather(-1, where), weights.new_zeros(()))
         return -terms.sum(-1)
 
+    def nll(self, codes: Tensor, labels: Tensor | None = None, null: bool = False) -> Tensor:
+        """Per-position negative log-likelihood in nats of whole code grids ``(B, h, w)``: ``(B, h * w)``
+        (``null``: under the null class, the unconditional model of a guided conditional prior)."""
+        return self._hard_cross_entropy(self._grid_logits(codes, labels, null), codes)
+
+    def _check_soft(self, codes: Tensor, probs: Tensor, prob_codes: Tensor) -> None:
+        c = self.config
+        if probs.shape != prob_codes.shape or probs.shape[:-1] != codes.shape:
+            raise ValueError(f"soft targets must be (B, {c.height}, {c.width}, k) probabilities and codes beside the "
+                             f"codes {tuple(codes.shape)}, got {tuple(probs.shape)} and {tuple(prob_codes.shape)}")
+
+    def soft_nll(self, codes: Tensor, probs: Tensor, prob_codes: Tensor, labels: Tensor | None = None,
+                 null: bool = False) -> Tensor:
+        """Per-position cross-entropy in nats, ``(B, h * w)``, of the next-code distribution given the hard codes
+        ``codes (B, h, w)`` to the soft targets ``probs (B, h, w, k)`` on the codes ``prob_codes (B, h, w, k)``
+        (rows summing to 1): ``-sum_j probs_j log p(prob_codes_j | codes before)``. One-hot targets on the hard
+        codes give :meth:`nll` (up to float rounding: another reduction order)."""
+        self._check_soft(codes, probs, prob_codes)
+        return self._soft_cross_entropy(self._grid_logits(codes, labels, null), probs, prob_codes)
+
     def _loss(self, codes: Tensor, labels: Tensor | None, null: bool, soft: tuple[Tensor, Tensor] | None) -> Tensor:
         """The training loss of the sequences ``codes`` per position: the hard codes' cross-entropy, mixed with the
-        soft targets' at ``soft_targets``."""
+        soft targets' at ``soft_targets``; one forward pass of the network either way."""
         if self.soft_targets == 0.0:
             return self.nll(codes, labels, null)
         if soft is None:
             raise ValueError(f"soft_targets={self.soft_targets} needs batches with soft targets (codes, labels, "
                              f"probs, prob_codes); this batch has codes and labels only")
-        soft_loss = self.soft_nll(codes, *soft, labels, null)
+        self._check_soft(codes, *soft)
+        logits = self._grid_logits(codes, labels, null)
+        soft_loss = self._soft_cross_entropy(logits, *soft)
         if self.soft_targets == 1.0:
             return soft_loss
-        return (1.0 - self.soft_targets) * self.nll(codes, labels, null) + self.soft_targets * soft_loss
+        return (1.0 - self.soft_targets) * self._hard_cross_entropy(logits, codes) + self.soft_targets * soft_loss
 
     @torch.no_grad()
     def sample(self, n: int, labels: Tensor | None = None, temperature: float = 1.0, top_k: int | None = None,
