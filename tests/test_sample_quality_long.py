@@ -51,7 +51,7 @@ def study(tmp_path_factory, tiny_cifar):
     events, soft_batches, steps = [], {}, {}
     selecting = [False]
     select, images_of = long_runs.select, clf.images_of
-    soft_nll, training_step = CodePrior.soft_nll, CodePrior.training_step
+    check_soft, training_step = CodePrior._check_soft, CodePrior.training_step
 
     def watched_select(points, *args):
         val_only = [p._replace(codes={"val": p.codes["val"]}) for p in points]  # no train or test codes
@@ -67,9 +67,9 @@ def study(tmp_path_factory, tiny_cifar):
             events.append("test images read while choosing" if selecting[0] else "test images")
         return images_of(dataset, limit)
 
-    def watched_soft_nll(self, codes, probs, *rest, **kw):
+    def watched_soft(self, codes, probs, prob_codes):  # every soft-target loss checks its batch's targets first
         soft_batches.setdefault(id(self), []).append(probs.detach().clone())
-        return soft_nll(self, codes, probs, *rest, **kw)
+        return check_soft(self, codes, probs, prob_codes)
 
     def watched_step(self, batch, batch_idx):
         steps.setdefault((self.soft_targets, self.conditional), []).append(id(self))
@@ -78,7 +78,7 @@ def study(tmp_path_factory, tiny_cifar):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(long_runs, "select", watched_select)
         mp.setattr(clf, "images_of", watched_images_of)
-        mp.setattr(CodePrior, "soft_nll", watched_soft_nll)
+        mp.setattr(CodePrior, "_check_soft", watched_soft)
         mp.setattr(CodePrior, "training_step", watched_step)
         summary = sample_quality.main(_argv(base, tiny))
     yield {"base": base, "tiny": tiny, "summary": summary, "events": events, "soft_batches": soft_batches,
@@ -242,7 +242,10 @@ def test_bad_flags_are_errors_that_name_them(extra, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
         sample_quality.parse_args(["--long-runs", str(tmp_path), *extra])
     assert re.search(message, capsys.readouterr().err)
-    with pytest.raises(SystemExit):  # and the --long-runs flags without --long-runs
+
+
+def test_the_long_runs_flags_without_long_runs_are_an_error_that_names_them(capsys):
+    with pytest.raises(SystemExit):
         sample_quality.parse_args(["--prior-epochs", "3", "--soft-targets", "0.5"])
     assert "--prior-epochs, --soft-targets apply to --long-runs only" in capsys.readouterr().err
 

@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     data = CIFAR10DataModule(args.data_root, val_size=args.val_size, num_workers=0)
     data.setup()
-    settings = {"width": args.classifier_width, "epochs": args.classifier_epochs, "batch_size": 128, "lr": 0.1,
-                "seed": 0, "data": str(args.data_root)}
+    settings = clf.study_settings(args.classifier_width, args.classifier_epochs, args.data_root)
     classifier, record, path = clf.load_or_train(data.train_set, data.val_set, data.test_set, settings,
                                                  args.classifier_cache)
     val_x, val_y = clf.images_of(data.val_set)

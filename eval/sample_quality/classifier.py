@@ -165,6 +165,12 @@ def images_of(dataset: Dataset, limit: int | None = None) -> tuple[Tensor, Tenso
     return torch.cat(xs), torch.cat(ys)
 
 
+def study_settings(width: int, epochs: int, data_root: Path | str) -> dict[str, Any]:
+    """The classifier's settings as the sample-quality study trains it (and as its cache key names it): ``width`` and
+    ``epochs`` from ``--classifier-width`` / ``--classifier-epochs``, the data as ``--data-root`` spells it."""
+    return {"width": width, "epochs": epochs, "batch_size": 128, "lr": 0.1, "seed": 0, "data": str(data_root)}
+
+
 def settings_key(settings: dict[str, Any]) -> str:
     text = json.dumps({**settings, "version": CACHE_VERSION}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -77,6 +77,25 @@ def find_runs(runs: Path, num_codes: list[int] | None = None, methods: list[str]
     return found
 
 
+def final_vqvae(run: Path) -> tuple[dict[str, Any], VQVAE, Path]:
+    """A finished long run's record (``result.json``), its VQ-VAE with the final weights of its kept checkpoint (eval
+    mode) and that checkpoint's path.
+
+    Raises:
+        ValueError: the checkpoint is not the last epoch's.
+    """
+    result = json.loads((run / "result.json").read_text())
+    s = result["settings"]
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    stored = load_torch_file(checkpoint, "checkpoint")
+    if int(stored["epoch"]) + 1 != s["epochs"]:
+        raise ValueError(f"{checkpoint} ends epoch {int(stored['epoch']) + 1}, but the run finished {s['epochs']}: not "
+                         f"its final weights")
+    vqvae = peers.vqvae_of(result["method"], s)
+    vqvae.load_state_dict(stored["state_dict"])
+    return result, vqvae.eval(), checkpoint
+
+
 def claim(work: Path, sha256: str, checkpoint: Path) -> None:
     """Bind ``work`` to the checkpoint of hash ``sha256`` (``point.json``), or check that it is bound to it.
 
@@ -155,19 +174,11 @@ def prepare(run: Path, args: argparse.Namespace) -> Point:
         ValueError: the run holds out another validation split than ``--val-size``; its checkpoint is not its last
             epoch's; its work directory was derived from another checkpoint (naming both hashes).
     """
-    result = json.loads((run / "result.json").read_text())
+    result, vqvae, checkpoint = final_vqvae(run)
     method, s = result["method"], result["settings"]
     if s["val_size"] != args.val_size:
         raise ValueError(f"{run} held out {s['val_size']} validation images, --val-size is {args.val_size}: the "
                          f"samples are chosen against the runs' validation split; pass --val-size {s['val_size']}")
-    checkpoint = run / "checkpoints" / "last.ckpt"
-    stored = load_torch_file(checkpoint, "checkpoint")
-    if int(stored["epoch"]) + 1 != s["epochs"]:
-        raise ValueError(f"{checkpoint} ends epoch {int(stored['epoch']) + 1}, but the run finished {s['epochs']}: not "
-                         f"its final weights")
-    vqvae = peers.vqvae_of(method, s)
-    vqvae.load_state_dict(stored["state_dict"])
-    vqvae.eval()
     sha = sha256_file(checkpoint)
     name = run.relative_to(args.long_runs).as_posix()
     work = args.work / name

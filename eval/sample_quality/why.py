@@ -36,16 +36,16 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+from torchmetrics.functional.image import peak_signal_noise_ratio
 
 import softvq
 from eval import peers
 from eval._provenance import code_commit, portable, repo_relative
 from eval.sample_quality import classifier as clf
-from eval.sample_quality.long_runs import find_runs
+from eval.sample_quality.long_runs import final_vqvae, find_runs
 from eval.sample_quality.sampling import reconstruct
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule, sha256_file
-from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.files import write_atomic
 
 NUM_CLASSES = 10
@@ -131,9 +131,11 @@ def two_nearest(tokens: Tensor, codebook: Tensor, block: int = 4096) -> tuple[Te
 
 
 def psnr(reconstruction: Tensor, x: Tensor) -> float:
-    """The mean over images of ``10 log10(1 / MSE)`` (data range 1), ``reconstruction`` clamped to [0, 1]."""
-    mse = (reconstruction.clamp(0, 1).double() - x.double()).square().flatten(1).mean(1)
-    return float((10 * torch.log10(1 / mse)).mean())
+    """The mean over images of each image's PSNR (data range 1; torchmetrics'), ``reconstruction`` clamped to
+    [0, 1]."""
+    per_image = peak_signal_noise_ratio(reconstruction.clamp(0, 1).double(), x.double(), data_range=1.0,
+                                        reduction="none", dim=(1, 2, 3))
+    return float(per_image.mean())
 
 
 def spectrum(x: Tensor, recon: Tensor, bands: int) -> dict[str, Any]:
@@ -150,15 +152,8 @@ def spectrum(x: Tensor, recon: Tensor, bands: int) -> dict[str, Any]:
 def measure(run: Path, args: argparse.Namespace, classifier: clf.SmallResNet,
             images: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict[str, Any]:
     """One run's figures on its validation split (``images``: ``val_size -> (x, y, real predictions)``, filled)."""
-    result = json.loads((run / "result.json").read_text())
+    result, vqvae, checkpoint = final_vqvae(run)
     method, s = result["method"], result["settings"]
-    checkpoint = run / "checkpoints" / "last.ckpt"
-    stored = load_torch_file(checkpoint, "checkpoint")
-    if int(stored["epoch"]) + 1 != s["epochs"]:
-        raise ValueError(f"{checkpoint} ends epoch {int(stored['epoch']) + 1}, but the run finished {s['epochs']}")
-    vqvae = peers.vqvae_of(method, s)
-    vqvae.load_state_dict(stored["state_dict"])
-    vqvae.eval()
     if s["val_size"] not in images:
         data = CIFAR10DataModule(args.data_root, val_size=s["val_size"], train_subset=s["train_subset"],
                                  num_workers=0)
@@ -220,8 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = find_runs(args.long_runs, args.num_codes, args.methods)
-    settings = {"width": args.classifier_width, "epochs": args.classifier_epochs, "batch_size": 128, "lr": 0.1,
-                "seed": 0, "data": str(args.data_root)}  # eval.sample_quality's, whose cache holds the classifier
+    settings = clf.study_settings(args.classifier_width, args.classifier_epochs, args.data_root)
     path = args.classifier_cache / f"classifier-{clf.settings_key(settings)}.pt"
     if not path.is_file():
         raise FileNotFoundError(f"no cached classifier {path}: train it first with python -m eval.sample_quality "
