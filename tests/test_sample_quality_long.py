@@ -204,6 +204,38 @@ def test_a_rerun_reads_the_work_back_and_trains_nothing(study, monkeypatch):
     assert again["rows"] == study["summary"]["rows"] and again["protocol"] == study["summary"]["protocol"]
 
 
+def test_the_stages_train_priors_and_classifier_apart_and_the_study_reads_both_back(study, tmp_path, monkeypatch):
+    base, summary = tmp_path / "staged", study["summary"]
+    shutil.copytree(study["base"] / "runs", base / "runs")
+    argv = _argv(base, study["tiny"])
+    prepared = sample_quality.main([*argv, "--stage", "prepare"])
+    assert not (base / "classifier").exists() and not (base / "out").exists()  # no classifier, no report
+    rows = {r["point"]: r for r in summary["rows"]}
+    assert sorted(r["point"] for r in prepared["points"]) == sorted(rows)
+    for point in prepared["points"]:  # the study's priors: the same seed, batches and steps
+        study_priors = rows[point["point"]]["priors"]
+        assert point["priors"].keys() == study_priors.keys()
+        for name, record in point["priors"].items():
+            assert record["val_bits_per_image"] == pytest.approx(study_priors[name]["val_bits_per_image"], rel=1e-4)
+    trained = sample_quality.main([*argv, "--stage", "classifier"])
+    assert Path(trained["path"]).parent == base / "classifier" and Path(trained["path"]).is_file()
+    assert not (base / "out").exists()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the study trained or encoded what the stages left")
+
+    monkeypatch.setattr(CodePrior, "training_step", refuse)
+    monkeypatch.setattr(codes_module, "extract_codes", refuse)
+    monkeypatch.setattr(clf, "train_classifier", refuse)
+    staged = sample_quality.main(argv)
+    assert staged["protocol"]["temperature"] == summary["protocol"]["temperature"]
+    for row in staged["rows"]:
+        assert row["reconstruction_fd"]["value"] == pytest.approx(rows[row["point"]]["reconstruction_fd"]["value"],
+                                                                  rel=1e-4)
+        assert row["one_hot"]["bits_per_image"]["value"] == pytest.approx(
+            rows[row["point"]]["one_hot"]["bits_per_image"]["value"], rel=1e-4)
+
+
 def test_work_from_another_checkpoint_or_a_replaced_prior_is_refused(study, tmp_path):
     base = tmp_path / "copy"
     for name in ("runs", "work"):
@@ -248,6 +280,9 @@ def test_the_long_runs_flags_without_long_runs_are_an_error_that_names_them(caps
     with pytest.raises(SystemExit):
         sample_quality.parse_args(["--prior-epochs", "3", "--soft-targets", "0.5"])
     assert "--prior-epochs, --soft-targets apply to --long-runs only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sample_quality.parse_args(["--stage", "prepare"])
+    assert "--stage prepare derives the priors of --long-runs; it needs --long-runs" in capsys.readouterr().err
 
 
 def test_runs_that_do_not_fit_the_study_are_named(study):

@@ -21,6 +21,9 @@ it; ``eval.sample_quality.classifier.images_of``) is read once, for the final ta
 
 With ``--long-runs`` instead, the points are the VQ-VAEs of ``eval/long_run`` (their kept checkpoints), each given
 its priors here at one budget, beside a prior trained on the soft assignments: :mod:`eval.sample_quality.long_runs`.
+Its priors are most of its compute, and resume per prior: ``--stage prepare`` trains those of the runs finished so far
+(no classifier, no report), ``--stage classifier`` trains the classifier alone, and the full study then reads both
+back.
 """
 
 from __future__ import annotations
@@ -87,15 +90,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.stage == "prepare":
+        return long_runs.prepare_all(args)
     data = CIFAR10DataModule(args.data_root, val_size=args.val_size, num_workers=0)
     data.setup()
     settings = clf.study_settings(args.classifier_width, args.classifier_epochs, args.data_root)
     classifier, record, path = clf.load_or_train(data.train_set, data.val_set, data.test_set, settings,
                                                  args.classifier_cache)
-    val_x, val_y = clf.images_of(data.val_set)
-    val_f = clf.features_of(classifier, val_x)
     header = {"command": args.command, "commit": code_commit(), "classifier": {
         "file": path.name, "sha256": record["sha256"], "test_accuracy": record["test_accuracy"], "settings": settings}}
+    if args.stage == "classifier":
+        return {**header, "stage": "classifier", "path": str(path)}
+    val_x, val_y = clf.images_of(data.val_set)
+    val_f = clf.features_of(classifier, val_x)
     if args.long_runs is not None:
         summary = portable({**header, **long_runs.study(args, data, classifier, val_f)})
         args.out.mkdir(parents=True, exist_ok=True)
@@ -222,6 +229,9 @@ def subset_labels(subset: torch.utils.data.Subset, n: int) -> torch.Tensor:
     return torch.as_tensor([targets[i] for i in subset.indices[:n]], dtype=torch.long)
 
 
+STAGES = ("all", "classifier", "prepare")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.sample_quality", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -247,6 +257,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classifier-epochs", type=int, default=8)
     p.add_argument("--classifier-cache", type=Path, default=Path("runs/classifier"))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--stage", choices=STAGES, default="all",
+                   help="all: the study; classifier: train (or read) the cached classifier and stop; prepare "
+                        "(--long-runs): derive each finished run's codes and priors into --work and stop, without the "
+                        "classifier, so that a long study's priors train beside runs still in flight")
     p.add_argument("--out", type=Path, default=None,
                    help="report.md and results.json (default: reports/sample_quality; with --long-runs "
                         "reports/generative)")
@@ -264,6 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "soft_top_k") if getattr(args, name) != p.get_default(name)]
     if args.long_runs is None and only_long:
         p.error(f"{', '.join('--' + d.replace('_', '-') for d in only_long)} apply to --long-runs only")
+    if args.stage == "prepare" and args.long_runs is None:
+        p.error("--stage prepare derives the priors of --long-runs; it needs --long-runs")
     if args.long_runs is not None and args.train_subset != p.get_default("train_subset"):
         p.error("--train-subset applies to --rd-runs only (a long run's codes cover its own training images)")
     for name in ("prior_layers", "prior_dim", "prior_epochs", "soft_top_k"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import math
 import statistics
 import time
@@ -39,6 +40,7 @@ from softvq.models.prior import LN2, CodePrior
 from softvq.models.transformer import PriorConfig
 
 ONE_HOT, CONDITIONAL = "one_hot", "conditional"
+log = logging.getLogger(__name__)
 
 
 def soft_name(a: float) -> str:
@@ -157,7 +159,9 @@ def load_or_fit(work: Path, spec: dict[str, Any], fit: Callable[[], tuple[CodePr
         prior = CodePrior(PriorConfig(**stored["config"]))
         prior.load_state_dict(stored["state_dict"])
         return prior.eval(), record
+    log.info("%s: training prior %s", work, spec["prior"])
     prior, seconds = fit()
+    log.info("%s: prior %s trained in %.0f s", work, spec["prior"], seconds)
     state = {"config": prior.config.to_dict(), "state_dict": prior.state_dict()}
     write_atomic(path, lambda f: torch.save(state, f))
     bits = image_bits(prior, val.codes, val.labels if prior.conditional else None)
@@ -280,13 +284,35 @@ def score(point: Point, classifier: clf.SmallResNet, test: tuple[Tensor, Tensor,
     return row
 
 
+def selected_runs(args: argparse.Namespace) -> list[Path]:
+    """The finished runs that ``--num-codes`` and ``--methods`` select (:func:`find_runs`).
+
+    Raises:
+        ValueError: ``--soft-targets`` is given and none of them is a DDCL run.
+    """
+    runs = find_runs(args.long_runs, args.num_codes, args.methods)
+    if args.soft_targets and not any(run.parts[-2].startswith("ddcl") for run in runs):
+        raise ValueError(f"--soft-targets trains soft priors for DDCL points, and none of {len(runs)} runs is one")
+    return runs
+
+
+def prepare_all(args: argparse.Namespace) -> dict[str, Any]:
+    """``--stage prepare``: every selected finished run's codes and priors derived into ``--work`` (or read back),
+    with no classifier and no report; returns the points' records. The full study, run later, reads them back and
+    trains nothing that is there. Two of these may run side by side on disjoint runs (each point has its own
+    directory), e.g. one per ``--methods``."""
+    begin = time.perf_counter()
+    with peers.study_run(args.threads):
+        records = [prepare(run, args).record for run in selected_runs(args)]
+    log.info("prepared %d point(s) in %.0f s", len(records), time.perf_counter() - begin)
+    return {"stage": "prepare", "work": repo_relative(args.work), "points": records}
+
+
 def study(args: argparse.Namespace, data: CIFAR10DataModule, classifier: clf.SmallResNet,
           val_f: Tensor) -> dict[str, Any]:
     """Prepare every selected run, choose the protocol on the validation features ``val_f``, then score every point
     on the test split, read here once, after the choices: the summary's study part."""
-    runs = find_runs(args.long_runs, args.num_codes, args.methods)
-    if args.soft_targets and not any(run.parts[-2].startswith("ddcl") for run in runs):
-        raise ValueError(f"--soft-targets trains soft priors for DDCL points, and none of {len(runs)} runs is one")
+    runs = selected_runs(args)
     begin = time.perf_counter()
     with peers.study_run(args.threads):
         points = [prepare(run, args) for run in runs]
