@@ -236,6 +236,14 @@ def test_the_stages_train_priors_and_classifier_apart_and_the_study_reads_both_b
             rows[row["point"]]["one_hot"]["bits_per_image"]["value"], rel=1e-4)
 
 
+def test_a_classifier_trained_beside_another_validation_split_is_not_read(study, tmp_path):
+    argv = _argv(study["base"], study["tiny"], "--classifier-cache", str(tmp_path), "--stage", "classifier")
+    held_32 = sample_quality.main(argv)
+    held_40 = sample_quality.main([*argv, "--val-size", "40"])  # its training images include 8 of the 32's
+    assert held_32["path"] != held_40["path"] and held_40["classifier"]["settings"]["val_size"] == 40
+    assert sorted(tmp_path.glob("classifier-*.pt")) == sorted(Path(r["path"]) for r in (held_32, held_40))
+
+
 def test_work_from_another_checkpoint_or_a_replaced_prior_is_refused(study, tmp_path):
     base = tmp_path / "copy"
     for name in ("runs", "work"):

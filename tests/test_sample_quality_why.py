@@ -126,7 +126,7 @@ def tiny_runs(tmp_path_factory, tiny_cifar):
                    "--methods", "ddcl", *PEERS, "--seeds", "0", *VQVAE])
     data = CIFAR10DataModule(tiny, val_size=32, num_workers=0)
     data.setup()
-    settings = {"width": 4, "epochs": 1, "batch_size": 128, "lr": 0.1, "seed": 0, "data": str(tiny)}
+    settings = {"width": 4, "epochs": 1, "batch_size": 128, "lr": 0.1, "seed": 0, "data": str(tiny), "val_size": 32}
     clf.load_or_train(data.train_set, data.val_set, data.test_set, settings, base / "classifier", progress=False)
     yield base, tiny
     torch.set_num_threads(threads)

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return long_runs.prepare_all(args)
     data = CIFAR10DataModule(args.data_root, val_size=args.val_size, num_workers=0)
     data.setup()
-    settings = clf.study_settings(args.classifier_width, args.classifier_epochs, args.data_root)
+    settings = clf.study_settings(args.classifier_width, args.classifier_epochs, args.data_root, args.val_size)
     classifier, record, path = clf.load_or_train(data.train_set, data.val_set, data.test_set, settings,
                                                  args.classifier_cache)
     header = {"command": args.command, "commit": code_commit(), "classifier": {

@@ -165,10 +165,13 @@ def images_of(dataset: Dataset, limit: int | None = None) -> tuple[Tensor, Tenso
     return torch.cat(xs), torch.cat(ys)
 
 
-def study_settings(width: int, epochs: int, data_root: Path | str) -> dict[str, Any]:
+def study_settings(width: int, epochs: int, data_root: Path | str, val_size: int) -> dict[str, Any]:
     """The classifier's settings as the sample-quality study trains it (and as its cache key names it): ``width`` and
-    ``epochs`` from ``--classifier-width`` / ``--classifier-epochs``, the data as ``--data-root`` spells it."""
-    return {"width": width, "epochs": epochs, "batch_size": 128, "lr": 0.1, "seed": 0, "data": str(data_root)}
+    ``epochs`` from ``--classifier-width`` / ``--classifier-epochs``, the data as ``--data-root`` spells it, and the
+    validation hold-out it was trained without (a classifier trained beside another hold-out has seen validation
+    images, so it is another cache entry)."""
+    return {"width": width, "epochs": epochs, "batch_size": 128, "lr": 0.1, "seed": 0, "data": str(data_root),
+            "val_size": val_size}
 
 
 def settings_key(settings: dict[str, Any]) -> str:

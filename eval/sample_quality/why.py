@@ -215,7 +215,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = find_runs(args.long_runs, args.num_codes, args.methods)
-    settings = clf.study_settings(args.classifier_width, args.classifier_epochs, args.data_root)
+    val_sizes = sorted({json.loads((run / "result.json").read_text())["settings"]["val_size"] for run in runs})
+    if len(val_sizes) != 1:  # the classifier must have been trained without every run's validation images
+        raise ValueError(f"the runs hold out different validation splits ({val_sizes} images); pick runs of one with "
+                         f"--num-codes / --methods")
+    settings = clf.study_settings(args.classifier_width, args.classifier_epochs, args.data_root, val_sizes[0])
     path = args.classifier_cache / f"classifier-{clf.settings_key(settings)}.pt"
     if not path.is_file():
         raise FileNotFoundError(f"no cached classifier {path}: train it first with python -m eval.sample_quality "
