@@ -130,6 +130,15 @@ def test_the_report_tables_the_numbers_of_results_json(study):
     for cells in _table(text, "## Guided class-conditional samples"):
         c = rows[cells[0]]["conditional"]
         assert cells[1:4] == [f"{c['samples_accuracy']:.3f}", fd(c["samples_fd"]), fd(c["bits_per_image"])]
+    methods = _table(text, "## By method (test split)")[1:]  # below its header
+    assert [(c[0], c[1], c[2]) for c in methods] == [(str(m["num_codes"]), m["method"], str(len(m["seeds"])))
+                                                      for m in saved["methods"]]
+    ddcl = next(m for m in saved["methods"] if m["method"] == "ddcl")["figures"]["reconstructions CFD"]
+    assert methods[0][4] == f"{ddcl['mean']:.2f} ± {ddcl['std']:.2f}" and methods[0][1] == "ddcl"
+    assert ddcl["values"] == [rows[f"K64/ddcl/seed{s}"]["reconstruction_fd"]["value"] for s in (0, 1)]
+    verdicts = _table(text, "## Targets (test split)")[1:]
+    assert [c[1] for c in verdicts] == [t["target"] for t in saved["targets"]]
+    assert all(c[3].startswith("**not met**") for c in verdicts)  # two DDCL seeds: no target can be met
     priors = _table(text, "## Priors (validation split)")
     assert len(priors) == 4 * 2 + 2 * len(PEERS)  # one-hot and conditional each; two soft priors per DDCL point
     for point, name, _, bits in priors:
@@ -302,3 +311,55 @@ def test_runs_that_do_not_fit_the_study_are_named(study):
     args = sample_quality.parse_args(_argv(base, tiny, "--val-size", "40"))
     with pytest.raises(ValueError, match="held out 32 validation images, --val-size is 40"):
         long_runs.prepare(base / "runs" / "K64" / "ddcl" / "seed0", args)
+
+
+def _iv(value: float, half: float = 0.2) -> dict[str, float]:
+    return {"value": value, "low": value - half, "high": value + half}
+
+
+def _row(method: str, seed: int, fd: float, soft: float | None = None, bits_rise: float = 0.0) -> dict:
+    """A test row whose reconstruction and sample distances are all ``fd`` (intervals ± 0.2), 100 bits per image."""
+    row = {"num_codes": 512, "method": method, "seed": seed, "psnr_hard": 25.0 + seed, "reconstruction_fd": _iv(fd),
+           "reconstruction_accuracy": 0.5, "one_hot": {"samples_fd": _iv(fd), "bits_per_image": _iv(100.0)},
+           "conditional": {"samples_fd": _iv(fd), "samples_accuracy": 0.4}}
+    if soft is not None:
+        row["soft"] = {"samples_fd": _iv(soft), "bits_per_image": _iv(100.0 + bits_rise)}
+        row["soft_minus_one_hot_bits"] = _iv(bits_rise)
+    return row
+
+
+def _verdicts(rows: list[dict]) -> dict[str, bool]:
+    return {t["target"]: t["met"] for t in long_runs.targets(rows)}
+
+
+def test_the_targets_ask_every_ddcl_interval_below_every_peer_interval_at_three_seeds():
+    rows = [_row("ddcl", s, 5.0 + 0.1 * s, soft=4.0) for s in range(3)] + [_row("hard_ema", s, 6.0) for s in range(3)]
+    rows.append(_row("vqp_fsq", 0, 5.5))  # 5.2 + 0.2 = 5.4 against 5.5 - 0.2 = 5.3: overlaps
+    verdicts = _verdicts(rows)
+    for label in ("reconstructions CFD", "samples CFD, one-hot prior", "guided samples CFD"):
+        assert verdicts[f"{label}: ddcl below hard_ema"] is True
+        assert verdicts[f"{label}: ddcl below vqp_fsq"] is False
+    soft = next(t for t in long_runs.targets(rows) if t["target"].startswith("soft"))
+    assert soft["met"] and soft["points_apart"] == 3 and soft["largest_bits_rise"] == 0.0
+    two = [r for r in rows if r["method"] != "ddcl" or r["seed"] < 2]  # intervals apart, but two DDCL seeds
+    found = next(t for t in long_runs.targets(two) if t["target"] == "reconstructions CFD: ddcl below hard_ema")
+    assert not found["met"] and found["why"] == "2 ddcl seed(s), fewer than 3"
+    close = [_row("ddcl", s, 5.0, soft=4.7 if s == 1 else 4.0) for s in range(3)]  # 4.9 > 4.8 at seed 1
+    assert not next(t for t in long_runs.targets(close) if t["target"].startswith("soft"))["met"]
+    costly = [_row("ddcl", s, 5.0, soft=4.0, bits_rise=2.5 if s == 2 else 1.0) for s in range(3)]
+    found = next(t for t in long_runs.targets(costly) if t["target"].startswith("soft"))
+    assert not found["met"] and found["largest_bits_rise"] == pytest.approx(0.025)
+    assert next(t for t in long_runs.targets(costly[:2] + [_row("ddcl", 2, 5.0, soft=4.0, bits_rise=2.0)])
+                if t["target"].startswith("soft"))["met"]  # 2% is allowed
+
+
+def test_the_methods_summary_is_the_mean_and_sample_std_over_seeds():
+    rows = [_row("ddcl", s, fd) for s, fd in enumerate((5.0, 6.0, 7.5))] + [_row("hard_ema", 0, 6.0)]
+    rows[0].pop("conditional")  # a figure one seed lacks is left out, not averaged over the others
+    methods = {m["method"]: m for m in long_runs.by_method(rows)}
+    ddcl = methods["ddcl"]["figures"]
+    assert methods["ddcl"]["seeds"] == [0, 1, 2] and "guided samples CFD" not in ddcl
+    assert ddcl["reconstructions CFD"]["mean"] == pytest.approx(18.5 / 3)
+    assert ddcl["reconstructions CFD"]["std"] == pytest.approx(statistics.stdev([5.0, 6.0, 7.5]))
+    assert ddcl["PSNR hard (the run's)"]["values"] == [25.0, 26.0, 27.0]
+    assert methods["hard_ema"]["figures"]["guided samples CFD"] == {"mean": 6.0, "std": 0.0, "values": [6.0]}

@@ -27,6 +27,7 @@ from torch import Tensor
 from eval import peers
 from eval import rate_distortion as rd
 from eval._provenance import repo_relative
+from eval._spread import MIN_SEEDS, summarize
 from eval.sample_quality import classifier as clf
 from eval.sample_quality.classifier import describe
 from eval.sample_quality.classifier import interval_text as _fd
@@ -327,8 +328,90 @@ def study(args: argparse.Namespace, data: CIFAR10DataModule, classifier: clf.Sma
                       "soft_top_k": args.soft_top_k if args.soft_targets else None, "conditional": args.conditional},
             "protocol": protocol, "real_test_accuracy": float((clf.predict(classifier, test_x) == test_y).double()
                                                               .mean()),
-            "rows": rows, "wall_s": {"prepare": prepared - begin, "select": selected - prepared,
+            "rows": rows, "methods": by_method(rows), "targets": targets(rows),
+            "wall_s": {"prepare": prepared - begin, "select": selected - prepared,
                                      "test": time.perf_counter() - selected}}
+
+
+# the figures the report summarises per method and judges: (name, path into a row, lower is better)
+FIGURES = (("PSNR hard (the run's)", ("psnr_hard",), False),
+           ("reconstructions CFD", ("reconstruction_fd", "value"), True),
+           ("reconstructions classified right", ("reconstruction_accuracy",), False),
+           ("samples CFD, one-hot prior", ("one_hot", "samples_fd", "value"), True),
+           ("bits / image, one-hot prior", ("one_hot", "bits_per_image", "value"), True),
+           ("guided samples CFD", ("conditional", "samples_fd", "value"), True),
+           ("guided samples classified as their class", ("conditional", "samples_accuracy"), False))
+# the target's comparisons: DDCL against every peer, each point's interval (lower is better)
+JUDGED = (("reconstructions CFD", "reconstruction_fd"), ("samples CFD, one-hot prior", "one_hot"),
+          ("guided samples CFD", "conditional"))
+BITS_TOLERANCE = 0.02  # the soft prior may raise bits per image by at most this share of the one-hot prior's
+
+
+def _get(row: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(row, dict) or key not in row:
+            return None
+        row = row[key]
+    return row
+
+
+def by_method(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per codebook size and method: the seeds and each :data:`FIGURES` figure's mean, sample std and values over
+    them (:func:`eval._spread.summarize`), for the figures its rows have."""
+    out = []
+    for k, method in sorted({(r["num_codes"], r["method"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["num_codes"], r["method"]) == (k, method)), key=lambda r: r["seed"])
+        figures = {}
+        for name, path, _ in FIGURES:
+            values = [_get(r, path) for r in mine]
+            if all(v is not None for v in values):
+                figures[name] = summarize([float(v) for v in values])
+        out.append({"num_codes": k, "method": method, "seeds": [r["seed"] for r in mine], "figures": figures})
+    return out
+
+
+def _fd_of(row: dict[str, Any], key: str) -> dict[str, float] | None:
+    return row.get(key) if key == "reconstruction_fd" else _get(row, (key, "samples_fd"))
+
+
+def targets(rows: list[dict[str, Any]], ours: str = "ddcl") -> list[dict[str, Any]]:
+    """The issue's targets, judged per codebook size from the test rows.
+
+    - For each :data:`JUDGED` distance and each peer method: ``met`` when the highest upper end of ``ours``'s points'
+      intervals lies below the lowest lower end of the peer's (no interval overlaps; every seed of both counted) and
+      ``ours`` has at least :data:`~eval._spread.MIN_SEEDS` seeds.
+    - The soft-target prior against the one-hot prior on the same codes: ``met`` when every point's soft samples
+      interval lies below its one-hot interval, the paired bits difference is at most :data:`BITS_TOLERANCE` of the
+      one-hot bits at every point, and there are at least ``MIN_SEEDS`` points.
+    """
+    out = []
+    for k in sorted({r["num_codes"] for r in rows}):
+        mine = [r for r in rows if r["num_codes"] == k and r["method"] == ours]
+        if not mine:
+            continue
+        enough = len(mine) >= MIN_SEEDS
+        for label, key in JUDGED:
+            if any(_fd_of(r, key) is None for r in mine):
+                continue
+            high = max(_fd_of(r, key)["high"] for r in mine)
+            for peer in sorted({r["method"] for r in rows if r["num_codes"] == k and r["method"] != ours}):
+                theirs = [_fd_of(r, key) for r in rows if r["num_codes"] == k and r["method"] == peer]
+                if any(x is None for x in theirs):
+                    continue
+                low = min(x["low"] for x in theirs)
+                out.append({"num_codes": k, "target": f"{label}: {ours} below {peer}", "ours_high": high,
+                            "theirs_low": low, "seeds": [len(mine), len(theirs)], "met": high < low and enough,
+                            "why": "" if enough else f"{len(mine)} {ours} seed(s), fewer than {MIN_SEEDS}"})
+        soft = [r for r in mine if "soft" in r]
+        if soft:
+            apart = [r["soft"]["samples_fd"]["high"] < r["one_hot"]["samples_fd"]["low"] for r in soft]
+            rise = [r["soft_minus_one_hot_bits"]["value"] / r["one_hot"]["bits_per_image"]["value"] for r in soft]
+            ok = all(apart) and max(rise) <= BITS_TOLERANCE and len(soft) >= MIN_SEEDS
+            out.append({"num_codes": k, "target": "soft-target prior: samples CFD below the one-hot prior's, bits "
+                        f"+{BITS_TOLERANCE:.0%} at most", "points_apart": sum(apart), "points": len(soft),
+                        "largest_bits_rise": max(rise), "met": ok,
+                        "why": "" if len(soft) >= MIN_SEEDS else f"{len(soft)} point(s), fewer than {MIN_SEEDS}"})
+    return out
 
 
 def _mean(values: dict[str, list[float]]) -> str:
@@ -372,6 +455,25 @@ def report(summary: dict[str, Any]) -> str:
     lines[-1] += (f". Test figures: fresh draws (seed {proto['test_seed']}) against {proto['samples']} test images (a "
                   f"fixed random subset, every class). Real test images are classified right "
                   f"{summary['real_test_accuracy']:.3f} of the time.")
+    lines += ["", "## By method (test split)", "", "Mean ± sample std over the seeds (the values in results.json).",
+              "", "| K | method | seeds | " + " | ".join(name for name, _, _ in FIGURES) + " |",
+              "|---|---|---|" + "---|" * len(FIGURES)]
+    for m in summary["methods"]:
+        cells = [(f"{f['mean']:.3f} ± {f['std']:.3f}" if "classified" in name else f"{f['mean']:.2f} ± {f['std']:.2f}")
+                 if (f := m["figures"].get(name)) else "-" for name, _, _ in FIGURES]
+        lines.append(f"| {m['num_codes']} | {m['method']} | {len(m['seeds'])} | " + " | ".join(cells) + " |")
+    lines += ["", "## Targets (test split)", "", "DDCL's distances against every peer's: met when the highest upper "
+              f"end of DDCL's points' intervals lies below the lowest lower end of the peer's, with at least "
+              f"{MIN_SEEDS} DDCL seeds. The soft-target prior: met when at every DDCL point its samples' interval lies "
+              f"below the one-hot prior's and its bits per image rise by at most {BITS_TOLERANCE:.0%}, at "
+              f"{MIN_SEEDS} points or more.", "", "| K | target | figures | verdict |", "|---|---|---|---|"]
+    for t in summary["targets"]:
+        figures = (f"DDCL's highest {t['ours_high']:.2f}, the peer's lowest {t['theirs_low']:.2f} (seeds "
+                   f"{t['seeds'][0]} and {t['seeds'][1]})" if "ours_high" in t else
+                   f"{t['points_apart']} of {t['points']} points apart; largest bits rise "
+                   f"{t['largest_bits_rise']:+.1%}")
+        verdict = "**met**" if t["met"] else "**not met**" + (f" ({t['why']})" if t["why"] else "")
+        lines.append(f"| {t['num_codes']} | {t['target']} | {figures} | {verdict} |")
     lines += ["", "## VQ-VAEs (test split)", "", "| point | checkpoint sha256 | epochs | PSNR hard (the run's) | "
               "reconstructions CFD (the floor) | reconstructions classified right |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['point']} | {r['checkpoint_sha256'][:16]} | {r['epochs']} | {r['psnr_hard']:.2f} | "
