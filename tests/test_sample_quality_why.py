@@ -181,6 +181,28 @@ def test_a_study_of_tiny_runs_writes_its_figures_without_the_test_split(tiny_run
         assert 0 <= q[0] <= q[1] <= q[2] <= 1 and 0 <= c["margin"]["mean"] <= 1
         assert c["swap"]["psnr_drop"] == pytest.approx(r["psnr_hard"] - c["swap"]["psnr"])
     assert saved["commit"] and saved["command"].startswith("python -m eval.sample_quality.why --data-root")
+    text = (base / "out" / "why.md").read_text()  # its tables are why.json's numbers
+    rows = {r["point"]: r for r in saved["runs"]}
+
+    def table(heading: str, skip: int = 0) -> list[list[str]]:
+        section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+        return [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+                if line.startswith("| K")][skip:]
+
+    spectrum = table("## The error spectrum")
+    assert [c[0] for c in spectrum[:len(rows)]] == list(rows)
+    for cells in spectrum[:len(rows)]:
+        r = rows[cells[0]]
+        assert cells[1:] == [f"{r['psnr_hard']:.2f}", *(f"{v:.3f}" for v in r["spectrum"]["error_share"]),
+                             f"{r['spectrum']['total_error']:.2f}"]
+    for cells in table("## The classifier")[:len(rows)]:
+        a = rows[cells[0]]["accuracy"]
+        assert cells[1:] == [f"{a['real']['overall']:.3f}", f"{a['reconstruction']['overall']:.3f}",
+                             f"{a['changed']['overall']:.3f}"]
+    for cells in table("## The codes"):
+        c = rows[cells[0]]["codes"]
+        assert cells[1] == f"{c['mutual_information']['bits']:.3f}" and cells[-1] == f"{c['swap']['psnr_drop']:.2f} dB"
+    assert "validation split" in text and saved["commit"] in text
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -210,6 +210,54 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+def report(summary: dict[str, Any]) -> str:
+    """``why.md``: the figures of ``why.json`` in tables, one row per run (validation images only)."""
+    runs, edges = summary["runs"], summary["band_edges"]
+    bands = [f"{a:.2f}-{b:.2f}" for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    lines = ["# Where the reconstruction error goes", "", f"Regenerate: `{summary['command']}`", "",
+             f"Code: {summary['commit']}. The **validation split** only ({summary['settings']['images']} held-out "
+             f"training images, a fixed random subset; the test split is not read). Classifier: "
+             f"`{summary['classifier']['file']}` (eval.sample_quality's cached one). Each run is its kept final "
+             "checkpoint; the reconstructions decode the hard codes.", "",
+             "## The error spectrum", "", "Share of each run's squared error in radial frequency bands (|f| in cycles "
+             "per pixel, DC to the Nyquist corner), then the error's total energy per image.", "",
+             "| point | PSNR | " + " | ".join(bands) + " | error energy / image |", "|---|---|" + "---|" * len(bands)
+             + "---|"]
+    lines += [f"| {r['point']} | {r['psnr_hard']:.2f} | " + " | ".join(f"{v:.3f}" for v in r["spectrum"]["error_share"])
+              + f" | {r['spectrum']['total_error']:.2f} |" for r in runs]
+    lines += ["", "Error energy over the images' own energy, per band:", "",
+              "| point | " + " | ".join(bands) + " |", "|---|" + "---|" * len(bands)]
+    lines += [f"| {r['point']} | " + " | ".join(f"{v:.3g}" for v in r["spectrum"]["error_to_image"]) + " |"
+              for r in runs]
+    lines += ["", "## The classifier", "", "Accuracy on the real images and on their reconstructions, and the share of "
+              "images whose predicted class changes; then the reconstructions' accuracy per class.", "",
+              "| point | real | reconstructions | prediction changed |", "|---|---|---|---|"]
+    lines += [f"| {r['point']} | {r['accuracy']['real']['overall']:.3f} | "
+              f"{r['accuracy']['reconstruction']['overall']:.3f} | {r['accuracy']['changed']['overall']:.3f} |"
+              for r in runs]
+    lines += ["", "| point | " + " | ".join(CLASSES) + " |", "|---|" + "---|" * len(CLASSES)]
+    lines += [f"| {r['point']} | " + " | ".join("-" if v is None else f"{v:.2f}"
+                                                for v in r["accuracy"]["reconstruction"]["per_class"]) + " |"
+              for r in runs]
+    lines += ["", "## The codes", "", "Mutual information between an image's class and each of its tokens' codes "
+              "(bits, plug-in), beside the same with the labels shuffled (the estimate's bias); H(code); the margin "
+              "d1 / d2 (squared distance to the nearest code over the second nearest, in the layer's own space: 0 on "
+              "a code, 1 on a boundary); the share of tokens whose nearest code there is the assigned one; the PSNR "
+              "lost when every token takes its nearest other code.", "",
+              "| point | I(class; code) | shuffled | H(code) | margin mean | margin median | nearest = assigned | "
+              "PSNR lost to one swap |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        c = r["codes"]
+        mi = c["mutual_information"]
+        lines.append(f"| {r['point']} | {mi['bits']:.3f} | {mi['shuffled_labels_bits']:.3f} | "
+                     f"{mi['h_code_bits']:.2f} | {c['margin']['mean']:.3f} | {c['margin']['quartiles'][1]:.3f} | "
+                     f"{c['nearest_is_assigned']:.3f} | {c['swap']['psnr_drop']:.2f} dB |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
@@ -235,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, json.dumps(summary, indent=1))
     plot(summary, args.out.with_suffix(".png"))
+    write_atomic(args.out.with_suffix(".md"), report(summary))
     return summary
 
 
@@ -252,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bands", type=int, default=8, help="radial frequency bands, DC to the Nyquist corner")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("reports/generative/why.json"),
-                   help="the JSON; the figure beside it with .png")
+                   help="the JSON; the figure beside it with .png, its tables with .md")
     args = p.parse_args(argv)
     for name in ("images", "bands", "classifier_width", "classifier_epochs"):
         if getattr(args, name) < 1:
