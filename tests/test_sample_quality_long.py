@@ -48,9 +48,9 @@ def study(tmp_path_factory, tiny_cifar):
     for methods, seeds in ((["ddcl"], ["0", "1"]), (PEERS, ["0"])):
         long_run.main(["--data-root", str(tiny), "--runs", str(base / "runs"), "--out", str(base / "lr_report"),
                        "--methods", *methods, "--seeds", *seeds, *VQVAE])
-    events, soft_batches, steps = [], {}, {}
+    events, soft_batches, steps, draws = [], {}, {}, []
     selecting = [False]
-    select, images_of = long_runs.select, clf.images_of
+    select, images_of, draw = long_runs.select, clf.images_of, long_runs.draw
     check_soft, training_step = CodePrior._check_soft, CodePrior.training_step
 
     def watched_select(points, *args):
@@ -71,6 +71,11 @@ def study(tmp_path_factory, tiny_cifar):
         soft_batches.setdefault(id(self), []).append(probs.detach().clone())
         return check_soft(self, codes, probs, prob_codes)
 
+    def watched_draw(vqvae, prior, n, temperature, seed, *args, **kwargs):
+        draws.append({"selecting": selecting[0], "soft": prior.soft_targets, "conditional": prior.conditional,
+                      "temperature": temperature, "seed": seed})
+        return draw(vqvae, prior, n, temperature, seed, *args, **kwargs)
+
     def watched_step(self, batch, batch_idx):
         steps.setdefault((self.soft_targets, self.conditional), []).append(id(self))
         return training_step(self, batch, batch_idx)
@@ -80,9 +85,10 @@ def study(tmp_path_factory, tiny_cifar):
         mp.setattr(clf, "images_of", watched_images_of)
         mp.setattr(CodePrior, "_check_soft", watched_soft)
         mp.setattr(CodePrior, "training_step", watched_step)
+        mp.setattr(long_runs, "draw", watched_draw)
         summary = sample_quality.main(_argv(base, tiny))
     yield {"base": base, "tiny": tiny, "summary": summary, "events": events, "soft_batches": soft_batches,
-           "steps": steps}
+           "steps": steps, "draws": draws}
     torch.set_num_threads(threads)
 
 
@@ -176,11 +182,19 @@ def test_the_protocol_is_chosen_on_validation_alone(study):
     mean = statistics.fmean
     assert float(min(proto["validation_fd"], key=lambda t: mean(proto["validation_fd"][t]))) == proto["temperature"]
     soft = proto["validation_soft"]
-    assert float(min(soft, key=lambda a: (mean(soft[a]["fd"]), mean(soft[a]["bits"])))) == proto["soft_targets"]
-    assert len(soft["0.5"]["fd"]) == 2  # averaged over the two DDCL points
+    chosen = min(((a, t) for a in soft for t in soft[a]["fd"]),
+                 key=lambda at: (mean(soft[at[0]]["fd"][at[1]]), mean(soft[at[0]]["bits"])))
+    assert (float(chosen[0]), float(chosen[1])) == (proto["soft_targets"], proto["soft_temperature"])
+    assert sorted(soft["0.5"]["fd"]) == sorted(proto["validation_fd"])  # every temperature, for every A
+    assert len(soft["0.5"]["fd"]["1.0"]) == 2  # averaged over the two DDCL points
     guided = proto["validation_guidance"]
     assert float(min(guided, key=lambda w: mean(r["fd"] for r in guided[w]))) == proto["guidance"]
     assert proto["test_seed"] != proto["seed"]  # the test figures are fresh draws
+    tested = [d for d in study["draws"] if not d["selecting"]]
+    assert {d["seed"] for d in tested} == {proto["test_seed"]} and len(tested) == 2 * (2 + len(PEERS)) + 2
+    for d in tested:  # each prior samples the test figures at the temperature chosen for its kind
+        expected = 1.0 if d["conditional"] else proto["soft_temperature"] if d["soft"] else proto["temperature"]
+        assert d["temperature"] == expected and d["soft"] in (0.0, proto["soft_targets"])
 
 
 def test_the_soft_prior_learns_the_stored_assignments_at_the_one_hot_priors_steps(study):
