@@ -155,6 +155,23 @@ def long_run_curves(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = 
     return lines[:-1]
 
 
+def generative_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The long runs' sample-quality study (``eval.sample_quality --long-runs``): its by-method table and its targets'
+    verdicts, from its ``results.json``."""
+    from eval.sample_quality.long_runs import TARGETS_RULE, methods_table, targets_table
+
+    lines: list[str] = []
+    for path, rel in sources:
+        data = _load(path)
+        s = data["prior"]["settings"]
+        setting = (f"K = {', '.join(str(k) for k in sorted({r['num_codes'] for r in data['rows']}))}, the long runs' "
+                   f"final checkpoints; priors of {s['layers']} layers, width {s['dim']}, {s['epochs']} epochs; "
+                   f"protocol chosen on validation")
+        lines += [*methods_table(data["methods"]), "", *targets_table(data["targets"]), "", TARGETS_RULE, "",
+                  _source(rel, [data["commit"]], setting, "test"), ""]
+    return lines[:-1]
+
+
 # every renderer takes the block's flags; the long run's ignore them: its records name their own methods
 # (``ddcl_h25``: the former defaults)
 RENDERERS: dict[str, Callable[[Sequence[tuple[Path, str]], Sequence[str]], list[str]]] = {
@@ -162,6 +179,7 @@ RENDERERS: dict[str, Callable[[Sequence[tuple[Path, str]], Sequence[str]], list[
     "dropin_test": dropin_test,
     "long_run_test": long_run_test,
     "long_run_curves": long_run_curves,
+    "generative_test": generative_test,
 }
 
 

@@ -377,3 +377,16 @@ def test_the_methods_summary_is_the_mean_and_sample_std_over_seeds():
     assert ddcl["reconstructions CFD"]["std"] == pytest.approx(statistics.stdev([5.0, 6.0, 7.5]))
     assert ddcl["PSNR hard (the run's)"]["values"] == [25.0, 26.0, 27.0]
     assert methods["hard_ema"]["figures"]["guided samples CFD"] == {"mean": 6.0, "std": 0.0, "values": [6.0]}
+
+
+def test_the_readme_block_renders_the_reports_method_and_target_tables(study):
+    from eval import render
+
+    base = study["base"]
+    saved = json.loads((base / "out" / "results.json").read_text())
+    text = render.render_block("generative_test out/results.json", root=base)
+    report = (base / "out" / "report.md").read_text()
+    methods, targets = long_runs.methods_table(saved["methods"]), long_runs.targets_table(saved["targets"])
+    assert "\n".join(methods) in text and "\n".join(methods) in report  # the same table in both
+    assert "\n".join(targets) in text and "\n".join(targets) in report
+    assert f"(code {saved['commit']};" in text and "2 epochs" in text and "test split)." in text

@@ -416,6 +416,36 @@ def targets(rows: list[dict[str, Any]], ours: str = "ddcl") -> list[dict[str, An
     return out
 
 
+TARGETS_RULE = (f"DDCL's distances against every peer's: met when the highest upper end of DDCL's points' intervals "
+                f"lies below the lowest lower end of the peer's, with at least {MIN_SEEDS} DDCL seeds. The soft-target "
+                f"prior: met when at every DDCL point its samples' interval lies below the one-hot prior's and its "
+                f"bits per image rise by at most {BITS_TOLERANCE:.0%}, at {MIN_SEEDS} points or more.")
+
+
+def methods_table(methods: list[dict[str, Any]]) -> list[str]:
+    """The lines of the by-method table (:func:`by_method`'s rows): mean ± sample std of each figure."""
+    lines = ["| K | method | seeds | " + " | ".join(name for name, _, _ in FIGURES) + " |",
+             "|---|---|---|" + "---|" * len(FIGURES)]
+    for m in methods:
+        cells = [(f"{f['mean']:.3f} ± {f['std']:.3f}" if "classified" in name else f"{f['mean']:.2f} ± {f['std']:.2f}")
+                 if (f := m["figures"].get(name)) else "-" for name, _, _ in FIGURES]
+        lines.append(f"| {m['num_codes']} | {m['method']} | {len(m['seeds'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def targets_table(found: list[dict[str, Any]]) -> list[str]:
+    """The lines of the targets table (:func:`targets`' verdicts, :data:`TARGETS_RULE`)."""
+    lines = ["| K | target | figures | verdict |", "|---|---|---|---|"]
+    for t in found:
+        figures = (f"DDCL's highest {t['ours_high']:.2f}, the peer's lowest {t['theirs_low']:.2f} (seeds "
+                   f"{t['seeds'][0]} and {t['seeds'][1]})" if "ours_high" in t else
+                   f"{t['points_apart']} of {t['points']} points apart; largest bits rise "
+                   f"{t['largest_bits_rise']:+.1%}")
+        verdict = "**met**" if t["met"] else "**not met**" + (f" ({t['why']})" if t["why"] else "")
+        lines.append(f"| {t['num_codes']} | {t['target']} | {figures} | {verdict} |")
+    return lines
+
+
 def _mean(values: dict[str, list[float]]) -> str:
     return ", ".join(f"{k}: {statistics.fmean(v):.2f}" for k, v in values.items())
 
@@ -460,25 +490,9 @@ def report(summary: dict[str, Any]) -> str:
                   f"fixed random subset, every class). Real test images are classified right "
                   f"{summary['real_test_accuracy']:.3f} of the time.")
     lines += ["", "## By method (test split)", "", "Mean ± sample std over the seeds (the values in results.json).",
-              "", "| K | method | seeds | " + " | ".join(name for name, _, _ in FIGURES) + " |",
-              "|---|---|---|" + "---|" * len(FIGURES)]
-    for m in summary["methods"]:
-        cells = [(f"{f['mean']:.3f} ± {f['std']:.3f}" if "classified" in name else f"{f['mean']:.2f} ± {f['std']:.2f}")
-                 if (f := m["figures"].get(name)) else "-" for name, _, _ in FIGURES]
-        lines.append(f"| {m['num_codes']} | {m['method']} | {len(m['seeds'])} | " + " | ".join(cells) + " |")
-    lines += ["", "## Targets (test split)", "", "DDCL's distances against every peer's: met when the highest upper "
-              f"end of DDCL's points' intervals lies below the lowest lower end of the peer's, with at least "
-              f"{MIN_SEEDS} DDCL seeds. The soft-target prior: met when at every DDCL point its samples' interval lies "
-              f"below the one-hot prior's and its bits per image rise by at most {BITS_TOLERANCE:.0%}, at "
-              f"{MIN_SEEDS} points or more.", "", "| K | target | figures | verdict |", "|---|---|---|---|"]
-    for t in summary["targets"]:
-        figures = (f"DDCL's highest {t['ours_high']:.2f}, the peer's lowest {t['theirs_low']:.2f} (seeds "
-                   f"{t['seeds'][0]} and {t['seeds'][1]})" if "ours_high" in t else
-                   f"{t['points_apart']} of {t['points']} points apart; largest bits rise "
-                   f"{t['largest_bits_rise']:+.1%}")
-        verdict = "**met**" if t["met"] else "**not met**" + (f" ({t['why']})" if t["why"] else "")
-        lines.append(f"| {t['num_codes']} | {t['target']} | {figures} | {verdict} |")
-    lines += ["", "## VQ-VAEs (test split)", "", "| point | checkpoint sha256 | epochs | PSNR hard (the run's) | "
+              "", *methods_table(summary["methods"]), "", "## Targets (test split)", "", TARGETS_RULE, "",
+              *targets_table(summary["targets"]), "", "## VQ-VAEs (test split)", "",
+              "| point | checkpoint sha256 | epochs | PSNR hard (the run's) | "
               "reconstructions CFD (the floor) | reconstructions classified right |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['point']} | {r['checkpoint_sha256'][:16]} | {r['epochs']} | {r['psnr_hard']:.2f} | "
               f"{_fd(r['reconstruction_fd'])} | {r['reconstruction_accuracy']:.3f} |" for r in rows]
