@@ -61,6 +61,22 @@ def test_a_constant_offset_is_all_in_band_zero():
     assert float(energies[1:].abs().max()) < 1e-15
 
 
+def test_correcting_one_band_removes_exactly_that_bands_error():
+    g = torch.Generator().manual_seed(0)
+    x, recon = torch.rand(3, 3, 32, 32, generator=g), torch.rand(3, 3, 32, 32, generator=g)
+    fixed = [why.band_corrected(x, recon, b, 8) for b in range(8)]
+    # the bands partition the frequencies: the corrections add up to the whole error
+    assert torch.allclose(recon + sum(f - recon for f in fixed), x, atol=1e-5)
+    for b, f in enumerate(fixed):  # what is left of the error has nothing in band b and all else unchanged
+        left, before = why.band_energies((x - f).double(), 8), why.band_energies((x - recon).double(), 8)
+        assert float(left[b]) < 1e-8 * float(before.sum())
+        others = [c for c in range(8) if c != b]
+        assert torch.allclose(left[others], before[others], rtol=1e-4)
+    wave = 0.1 * _wave(32, 32, 0, 8).float().expand(1, 3, 32, 32)  # an error all in band 2
+    assert torch.allclose(why.band_corrected(recon[:1] + wave, recon[:1], 2, 8), recon[:1] + wave, atol=1e-6)
+    assert torch.allclose(why.band_corrected(recon[:1] + wave, recon[:1], 3, 8), recon[:1], atol=1e-6)
+
+
 def test_per_class_accuracy_against_a_prediction_table():
     labels = torch.tensor([0, 0, 1, 1, 1, 2])
     real = torch.tensor([0, 1, 1, 1, 0, 2])
@@ -173,6 +189,9 @@ def test_a_study_of_tiny_runs_writes_its_figures_without_the_test_split(tiny_run
         real, rec = clf.predict(classifier, x), clf.predict(classifier, recon)
         assert r["accuracy"]["reconstruction"]["overall"] == pytest.approx(float((rec == y).double().mean()))
         assert r["accuracy"]["changed"]["overall"] == pytest.approx(float((rec != real).double().mean()))
+        fixed = clf.predict(classifier, why.band_corrected(x, recon, 3, 8))  # band 3's error removed
+        assert r["accuracy"]["band_corrected"][3] == pytest.approx(float((fixed == y).double().mean()))
+        assert len(r["accuracy"]["band_corrected"]) == 8
         c = r["codes"]
         mi = c["mutual_information"]
         assert 0 <= mi["bits"] <= min(mi["h_code_bits"], mi["h_class_bits"]) + 1e-12

@@ -10,6 +10,7 @@ For each finished long run (``eval/long_run``: ``K<K>/<method>/seed<S>/`` with `
    own spectrum (:func:`band_energies`; by Parseval the bands sum to the squared error);
 2. the cached classifier of ``eval.sample_quality`` (its settings key; it is not trained here, which would read the
    test split) on the images and on their reconstructions, per class, and the share whose predicted class changes;
+   and on the reconstructions with one band's error removed (:func:`band_corrected`), band by band;
 3. the codes: the plug-in mutual information in bits between an image's class and each of its tokens' hard codes
    (:func:`mutual_information`, every token a sample), with ``H(code)``, ``H(class)`` and the same estimate with the
    images' labels shuffled (seed 0: the estimate's bias at this many tokens, their dependence within an image
@@ -51,17 +52,40 @@ from softvq.models.files import write_atomic
 NUM_CLASSES = 10
 
 
-def band_energies(x: Tensor, bands: int) -> Tensor:
-    """``(bands,)`` float64: the energy of ``x (N, C, H, W)`` in each radial frequency band, summed over images and
-    channels. A frequency ``(f_y, f_x)`` (``torch.fft.fftfreq``, cycles per pixel) falls in band
-    ``floor(|f| / w)``, ``w = (sqrt(2) / 2) / bands``, the corner itself in the last; its energy is
-    ``|fft2(x)|^2 / (H W)``, so the bands sum to ``(x ** 2).sum()`` (Parseval)."""
-    h, w = x.shape[-2:]
+def band_index(h: int, w: int, bands: int) -> Tensor:
+    """``(H, W)`` int64: the radial band of each frequency ``(f_y, f_x)`` of an ``H x W`` image (``torch.fft.fftfreq``,
+    cycles per pixel): ``floor(|f| / w)``, ``w = (sqrt(2) / 2) / bands``, the Nyquist corner itself in the last."""
     radius = torch.hypot(torch.fft.fftfreq(h, dtype=torch.float64)[:, None],
-                         torch.fft.fftfreq(w, dtype=torch.float64)[None, :])  # (H, W)
-    band = (radius / (math.sqrt(0.5) / bands)).floor().long().clamp_max(bands - 1)
+                         torch.fft.fftfreq(w, dtype=torch.float64)[None, :])
+    return (radius / (math.sqrt(0.5) / bands)).floor().long().clamp_max(bands - 1)
+
+
+def band_energies(x: Tensor, bands: int) -> Tensor:
+    """``(bands,)`` float64: the energy of ``x (N, C, H, W)`` in each radial frequency band (:func:`band_index`),
+    summed over images and channels; a frequency's energy is ``|fft2(x)|^2 / (H W)``, so the bands sum to
+    ``(x ** 2).sum()`` (Parseval)."""
+    h, w = x.shape[-2:]
+    band = band_index(h, w, bands)
     power = torch.fft.fft2(x.double()).abs().square().sum((0, 1)) / (h * w)  # (H, W)
     return torch.zeros(bands, dtype=torch.float64).index_add_(0, band.flatten(), power.flatten())
+
+
+def band_corrected(x: Tensor, recon: Tensor, band: int, bands: int) -> Tensor:
+    """``recon`` with its error in one radial band removed: ``recon + P_b(x - recon)``, ``P_b`` keeping the
+    frequencies of band ``band`` (:func:`band_index`); float32, not clamped. The bands partition the frequencies, so
+    correcting all of them gives back ``x``."""
+    keep = (band_index(*x.shape[-2:], bands) == band).to(torch.complex128)
+    error = torch.fft.fft2((x - recon).double()) * keep
+    return (recon.double() + torch.fft.ifft2(error).real).float()
+
+
+@torch.no_grad()
+def band_accuracy(classifier: nn.Module, x: Tensor, recon: Tensor, labels: Tensor, bands: int) -> list[float]:
+    """Per band, the classifier's accuracy on the reconstructions with that band's error removed
+    (:func:`band_corrected`): which frequencies hold what a reconstruction loses for the classifier."""
+    return [float((clf.predict(classifier, torch.cat([band_corrected(x[i:i + 500], recon[i:i + 500], b, bands)
+                                                      for i in range(0, len(x), 500)])) == labels).double().mean())
+            for b in range(bands)]
 
 
 def class_accuracy(labels: Tensor, real: Tensor, reconstructed: Tensor, num_classes: int = NUM_CLASSES
@@ -178,7 +202,8 @@ def measure(run: Path, args: argparse.Namespace, classifier: clf.SmallResNet,
     return {"point": run.relative_to(args.long_runs).as_posix(), "method": method, "num_codes": vqvae.num_codes,
             "seed": result["seed"], "run": repo_relative(run), "checkpoint_sha256": sha256_file(checkpoint),
             "settings": s, "images": len(x), "psnr_hard": psnr_hard, "spectrum": spectrum(x, recon, args.bands),
-            "accuracy": class_accuracy(y, real, clf.predict(classifier, recon)),
+            "accuracy": {**class_accuracy(y, real, clf.predict(classifier, recon)),
+                         "band_corrected": band_accuracy(classifier, x, recon, y, args.bands)},
             "codes": {"mutual_information": {**mutual_information(labels, assigned, NUM_CLASSES, vqvae.num_codes),
                                              "shuffled_labels_bits": mutual_information(
                                                  shuffled, assigned, NUM_CLASSES, vqvae.num_codes)["bits"]},
@@ -237,6 +262,11 @@ def report(summary: dict[str, Any]) -> str:
               "| point | real | reconstructions | prediction changed |", "|---|---|---|---|"]
     lines += [f"| {r['point']} | {r['accuracy']['real']['overall']:.3f} | "
               f"{r['accuracy']['reconstruction']['overall']:.3f} | {r['accuracy']['changed']['overall']:.3f} |"
+              for r in runs]
+    lines += ["", "The reconstructions' accuracy with the error of one band removed (the reconstruction plus that "
+              "band of the real image's difference from it): where the reconstruction loses what the classifier "
+              "reads.", "", "| point | " + " | ".join(bands) + " |", "|---|" + "---|" * len(bands)]
+    lines += [f"| {r['point']} | " + " | ".join(f"{v:.3f}" for v in r["accuracy"]["band_corrected"]) + " |"
               for r in runs]
     lines += ["", "| point | " + " | ".join(CLASSES) + " |", "|---|" + "---|" * len(CLASSES)]
     lines += [f"| {r['point']} | " + " | ".join("-" if v is None else f"{v:.2f}"
