@@ -267,6 +267,23 @@ def test_a_classifier_trained_beside_another_validation_split_is_not_read(study,
     assert sorted(tmp_path.glob("classifier-*.pt")) == sorted(Path(r["path"]) for r in (held_32, held_40))
 
 
+def test_a_point_another_process_prepares_is_skipped_by_prepare_and_refused_by_the_study(study):
+    import os
+
+    from softvq.models.files import RunLock, RunLockedError
+
+    args = sample_quality.parse_args([*_argv(study["base"], study["tiny"]), "--stage", "prepare"])
+    held = study["base"] / "work" / "K64" / "ddcl" / "seed1"
+    with RunLock(held):  # a second open file description: flock refuses it as it would another process
+        prepared = long_runs.prepare_all(args)
+        assert prepared["skipped"] == ["K64/ddcl/seed1"]
+        assert "K64/ddcl/seed1" not in [r["point"] for r in prepared["points"]] and len(prepared["points"]) >= 3
+        with pytest.raises(RunLockedError, match=f"seed1 is being prepared by another process \\(pid {os.getpid()}\\)"):
+            long_runs.prepare(study["base"] / "runs" / "K64" / "ddcl" / "seed1", args)
+    assert not (held / RunLock.NAME).exists()  # and each prepare released its own lock
+    assert not (study["base"] / "work" / "K64" / "ddcl" / "seed0" / RunLock.NAME).exists()
+
+
 def test_work_from_another_checkpoint_or_a_replaced_prior_is_refused(study, tmp_path):
     base = tmp_path / "copy"
     for name in ("runs", "work"):

@@ -36,7 +36,7 @@ from softvq.data.cifar10 import CIFAR10DataModule, sha256_file
 from softvq.models import VQVAE
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.codes import CodeSet, code_splits
-from softvq.models.files import write_atomic
+from softvq.models.files import RunLock, RunLockedError, write_atomic
 from softvq.models.prior import LN2, CodePrior
 from softvq.models.transformer import PriorConfig
 
@@ -175,10 +175,28 @@ def prepare(run: Path, args: argparse.Namespace) -> Point:
     """A finished long run made ready to score: its VQ-VAE from the kept checkpoint, its codes and its priors, each
     read from its work directory when there, else derived and written there.
 
+    The work directory is locked while it is prepared (:class:`~softvq.models.files.RunLock`), so two processes never
+    write one point's files.
+
     Raises:
         ValueError: the run holds out another validation split than ``--val-size``; its checkpoint is not its last
             epoch's; its work directory was derived from another checkpoint (naming both hashes).
+        RunLockedError: another live process is preparing the point (naming its pid).
     """
+    work = args.work / run.relative_to(args.long_runs).as_posix()
+    try:
+        lock = RunLock(work).acquire()
+    except RunLockedError:
+        holder = (work / RunLock.NAME).read_text().strip() or "unknown"
+        raise RunLockedError(f"{work} is being prepared by another process (pid {holder}): wait for it to finish "
+                             f"(--stage prepare skips such a point)") from None
+    try:
+        return _prepare(run, work, args)
+    finally:
+        lock.release()
+
+
+def _prepare(run: Path, work: Path, args: argparse.Namespace) -> Point:
     result, vqvae, checkpoint = final_vqvae(run)
     method, s = result["method"], result["settings"]
     if s["val_size"] != args.val_size:
@@ -186,7 +204,6 @@ def prepare(run: Path, args: argparse.Namespace) -> Point:
                          f"samples are chosen against the runs' validation split; pass --val-size {s['val_size']}")
     sha = sha256_file(checkpoint)
     name = run.relative_to(args.long_runs).as_posix()
-    work = args.work / name
     claim(work, sha, checkpoint)
     data = CIFAR10DataModule(args.data_root, val_size=s["val_size"], train_subset=s["train_subset"], num_workers=0)
     soft_k = args.soft_top_k if args.soft_targets and method.startswith("ddcl") else None
@@ -301,14 +318,21 @@ def selected_runs(args: argparse.Namespace) -> list[Path]:
 
 def prepare_all(args: argparse.Namespace) -> dict[str, Any]:
     """``--stage prepare``: every selected finished run's codes and priors derived into ``--work`` (or read back),
-    with no classifier and no report; returns the points' records. The full study, run later, reads them back and
-    trains nothing that is there. Two of these may run side by side on disjoint runs (each point has its own
-    directory), e.g. one per ``--methods``."""
+    with no classifier and no report; returns the points' records and the points it skipped because another process
+    was preparing them. The full study, run later, reads them back and trains nothing that is there. Several of these
+    may run side by side, one per core: each takes the points no other one holds."""
     begin = time.perf_counter()
+    records, skipped = [], []
     with peers.study_run(args.threads):
-        records = [prepare(run, args).record for run in selected_runs(args)]
-    log.info("prepared %d point(s) in %.0f s", len(records), time.perf_counter() - begin)
-    return {"stage": "prepare", "work": repo_relative(args.work), "points": records}
+        for run in selected_runs(args):
+            try:
+                records.append(prepare(run, args).record)
+            except RunLockedError as err:
+                log.info("skipped: %s", err)
+                skipped.append(run.relative_to(args.long_runs).as_posix())
+    log.info("prepared %d point(s) in %.0f s; %d held by another process", len(records), time.perf_counter() - begin,
+             len(skipped))
+    return {"stage": "prepare", "work": repo_relative(args.work), "points": records, "skipped": skipped}
 
 
 def study(args: argparse.Namespace, data: CIFAR10DataModule, classifier: clf.SmallResNet,
