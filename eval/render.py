@@ -158,7 +158,7 @@ def long_run_curves(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = 
 def generative_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
     """The long runs' sample-quality study (``eval.sample_quality --long-runs``): its by-method table and its targets'
     verdicts, from its ``results.json``."""
-    from eval.sample_quality.long_runs import TARGETS_RULE, methods_table, targets_table
+    from eval.sample_quality.long_report import TARGETS_RULE, methods_table, targets_table
 
     lines: list[str] = []
     for path, rel in sources:

@@ -17,7 +17,7 @@ import torch
 
 from eval import long_run, sample_quality
 from eval.sample_quality import classifier as clf
-from eval.sample_quality import long_runs
+from eval.sample_quality import long_report, long_runs
 from softvq.data.cifar10 import CIFAR10DataModule, sha256_file
 from softvq.models import codes as codes_module
 from softvq.models.checkpoint_io import load_torch_file
@@ -360,7 +360,7 @@ def _row(method: str, seed: int, fd: float, soft: float | None = None, bits_rise
 
 
 def _verdicts(rows: list[dict]) -> dict[str, bool]:
-    return {t["target"]: t["met"] for t in long_runs.targets(rows)}
+    return {t["target"]: t["met"] for t in long_report.targets(rows)}
 
 
 def test_the_targets_ask_every_ddcl_interval_below_every_peer_interval_at_three_seeds():
@@ -370,24 +370,24 @@ def test_the_targets_ask_every_ddcl_interval_below_every_peer_interval_at_three_
     for label in ("reconstructions CFD", "samples CFD, one-hot prior", "guided samples CFD"):
         assert verdicts[f"{label}: ddcl below hard_ema"] is True
         assert verdicts[f"{label}: ddcl below vqp_fsq"] is False
-    soft = next(t for t in long_runs.targets(rows) if t["target"].startswith("soft"))
+    soft = next(t for t in long_report.targets(rows) if t["target"].startswith("soft"))
     assert soft["met"] and soft["points_apart"] == 3 and soft["largest_bits_rise"] == 0.0
     two = [r for r in rows if r["method"] != "ddcl" or r["seed"] < 2]  # intervals apart, but two DDCL seeds
-    found = next(t for t in long_runs.targets(two) if t["target"] == "reconstructions CFD: ddcl below hard_ema")
+    found = next(t for t in long_report.targets(two) if t["target"] == "reconstructions CFD: ddcl below hard_ema")
     assert not found["met"] and found["why"] == "2 ddcl seed(s), fewer than 3"
     close = [_row("ddcl", s, 5.0, soft=4.7 if s == 1 else 4.0) for s in range(3)]  # 4.9 > 4.8 at seed 1
-    assert not next(t for t in long_runs.targets(close) if t["target"].startswith("soft"))["met"]
+    assert not next(t for t in long_report.targets(close) if t["target"].startswith("soft"))["met"]
     costly = [_row("ddcl", s, 5.0, soft=4.0, bits_rise=2.5 if s == 2 else 1.0) for s in range(3)]
-    found = next(t for t in long_runs.targets(costly) if t["target"].startswith("soft"))
+    found = next(t for t in long_report.targets(costly) if t["target"].startswith("soft"))
     assert not found["met"] and found["largest_bits_rise"] == pytest.approx(0.025)
-    assert next(t for t in long_runs.targets(costly[:2] + [_row("ddcl", 2, 5.0, soft=4.0, bits_rise=2.0)])
+    assert next(t for t in long_report.targets(costly[:2] + [_row("ddcl", 2, 5.0, soft=4.0, bits_rise=2.0)])
                 if t["target"].startswith("soft"))["met"]  # 2% is allowed
 
 
 def test_the_methods_summary_is_the_mean_and_sample_std_over_seeds():
     rows = [_row("ddcl", s, fd) for s, fd in enumerate((5.0, 6.0, 7.5))] + [_row("hard_ema", 0, 6.0)]
     rows[0].pop("conditional")  # a figure one seed lacks is left out, not averaged over the others
-    methods = {m["method"]: m for m in long_runs.by_method(rows)}
+    methods = {m["method"]: m for m in long_report.by_method(rows)}
     ddcl = methods["ddcl"]["figures"]
     assert methods["ddcl"]["seeds"] == [0, 1, 2] and "guided samples CFD" not in ddcl
     assert ddcl["reconstructions CFD"]["mean"] == pytest.approx(18.5 / 3)
@@ -403,7 +403,7 @@ def test_the_readme_block_renders_the_reports_method_and_target_tables(study):
     saved = json.loads((base / "out" / "results.json").read_text())
     text = render.render_block("generative_test out/results.json", root=base)
     report = (base / "out" / "report.md").read_text()
-    methods, targets = long_runs.methods_table(saved["methods"]), long_runs.targets_table(saved["targets"])
+    methods, targets = long_report.methods_table(saved["methods"]), long_report.targets_table(saved["targets"])
     assert "\n".join(methods) in text and "\n".join(methods) in report  # the same table in both
     assert "\n".join(targets) in text and "\n".join(targets) in report
     assert f"(code {saved['commit']};" in text and "2 epochs" in text and "test split)." in text

@@ -42,7 +42,7 @@ from eval import rate_distortion as rd
 from eval._provenance import code_commit, portable
 from eval._spread import MIN_SEEDS
 from eval.sample_quality import classifier as clf
-from eval.sample_quality import long_runs
+from eval.sample_quality import long_report, long_runs
 from eval.sample_quality.classifier import interval_text as _fd
 from eval.sample_quality.sampling import draw, fit_conditional_prior, reconstruct
 from softvq.cli.common import run_command
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary = portable({**header, **long_runs.study(args, data, classifier, val_f)})
         args.out.mkdir(parents=True, exist_ok=True)
         write_atomic(args.out / "results.json", json.dumps(summary, indent=1))
-        write_atomic(args.out / "report.md", long_runs.report(summary))
+        write_atomic(args.out / "report.md", long_report.report(summary))
         return summary
     test_x, test_y = clf.images_of(data.test_set, args.samples)
     test_f = clf.features_of(classifier, test_x)
