@@ -149,6 +149,11 @@ def test_the_report_tables_the_numbers_of_results_json(study):
     assert len(priors) == 4 * 2 + 2 * len(PEERS)  # one-hot and conditional each; two soft priors per DDCL point
     for point, name, _, bits in priors:
         assert bits == f"{rows[point]['priors'][name]['val_bits_per_image']:.2f}"
+    trained = sorted({json.loads((base / "runs" / point / "result.json").read_text())["code"] for point in rows})
+    code_line = next(line for line in text.splitlines() if line.startswith("Code: "))
+    assert [r["code"] for r in saved["rows"]] == [
+        json.loads((base / "runs" / r["point"] / "result.json").read_text())["code"] for r in saved["rows"]]
+    assert code_line.startswith(f"Code: VQ-VAEs trained at {', '.join(trained)}; study run at {saved['commit']}.")
     for part in ("validation split", "test split", "Prior budget", "2 epochs", "128 images, 2 steps", "Wall time",
                  saved["commit"], "python -m eval.sample_quality"):
         assert part in text, part

@@ -125,6 +125,12 @@ def _mean(values: dict[str, list[float]]) -> str:
     return ", ".join(f"{k}: {statistics.fmean(v):.2f}" for k, v in values.items())
 
 
+def _codes(rows: list[dict[str, Any]]) -> str:
+    """The commits the runs were trained at, as the ``Code:`` line names them (records before they were kept: none)."""
+    codes = sorted({c for r in rows if (c := r.get("code"))})
+    return f"VQ-VAEs trained at {', '.join(codes)}; " if codes else ""
+
+
 def report(summary: dict[str, Any]) -> str:
     """``report.md``: what was scored and how (budget, protocol, splits), then the test tables, the priors'
     validation figures and the wall times."""
@@ -132,7 +138,8 @@ def report(summary: dict[str, Any]) -> str:
     s, a, w = prior["settings"], proto["soft_targets"], proto["guidance"]
     sizes = "; ".join(sorted({f"{r['train_images']:,} images, {r['prior_steps']:,} steps" for r in rows}))
     lines = ["# Sample quality of the long runs' VQ-VAEs", "", f"Regenerate: `{summary['command']}`", "",
-             f"Code: {summary['commit']}. Runs: `{summary['runs']}` (each its kept final checkpoint, hashed below); "
+             f"Code: {_codes(rows)}study run at {summary['commit']}. Runs: `{summary['runs']}` (each its kept final "
+             f"checkpoint, hashed below); "
              f"what is derived from them (codes, priors): `{summary['work']}`.", "",
              describe(summary["classifier"]) + " Bits per image: the mean over every test image of the "
              "prior's NLL of the image's hard code grid (summed over positions), with the same interval over images.",

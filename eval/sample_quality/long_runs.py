@@ -225,7 +225,7 @@ def _prepare(run: Path, work: Path, args: argparse.Namespace) -> Point:
         spec = {"prior": prior_name, "settings": settings, "checkpoint_sha256": sha, "soft_top_k": k}
         priors[prior_name], records[prior_name] = load_or_fit(work, spec, fit, codes["val"])
     record = {"point": name, "method": method, "num_codes": num_codes, "seed": result["seed"],
-              "run": repo_relative(run), "checkpoint_sha256": sha, "epochs": s["epochs"],
+              "run": repo_relative(run), "code": result.get("code"), "checkpoint_sha256": sha, "epochs": s["epochs"],
               "psnr_hard": result["test"]["psnr_hard"], "psnr_images": result["test"].get("images"),
               "train_images": len(train.codes),
               "prior_steps": settings["epochs"] * math.ceil(len(train.codes) / settings["batch_size"]),
