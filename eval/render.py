@@ -168,7 +168,8 @@ def generative_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = 
                    f"final checkpoints; priors of {s['layers']} layers, width {s['dim']}, {s['epochs']} epochs; "
                    f"protocol chosen on validation")
         lines += [*methods_table(data["methods"]), "", *targets_table(data["targets"]), "", TARGETS_RULE, "",
-                  _source(rel, [data["commit"]], setting, "test"), ""]
+                  _source(rel, sorted({r["code"] for r in data["rows"] if r.get("code")}) + [data["commit"]], setting,
+                          "test"), ""]  # the VQ-VAEs' commits, then the study's
     return lines[:-1]
 
 

@@ -411,4 +411,5 @@ def test_the_readme_block_renders_the_reports_method_and_target_tables(study):
     methods, targets = long_report.methods_table(saved["methods"]), long_report.targets_table(saved["targets"])
     assert "\n".join(methods) in text and "\n".join(methods) in report  # the same table in both
     assert "\n".join(targets) in text and "\n".join(targets) in report
-    assert f"(code {saved['commit']};" in text and "2 epochs" in text and "test split)." in text
+    code = ", ".join(dict.fromkeys([*sorted(r["code"] for r in saved["rows"]), saved["commit"]]))  # VQ-VAEs', study's
+    assert f"(code {code};" in text and "2 epochs" in text and "test split)." in text
