@@ -399,6 +399,13 @@ def test_the_methods_summary_is_the_mean_and_sample_std_over_seeds():
     assert ddcl["reconstructions CFD"]["std"] == pytest.approx(statistics.stdev([5.0, 6.0, 7.5]))
     assert ddcl["PSNR hard (the run's)"]["values"] == [25.0, 26.0, 27.0]
     assert methods["hard_ema"]["figures"]["guided samples CFD"] == {"mean": 6.0, "std": 0.0, "values": [6.0]}
+    table = {c[1]: c for c in ([x.strip() for x in line.strip("|").split("|")]
+                                for line in long_report.methods_table(list(methods.values()))[2:])}
+    names = [name for name, _ in long_report.FIGURES]
+    spread = statistics.stdev([5.0, 6.0, 7.5])
+    assert table["ddcl"][3 + names.index("reconstructions CFD")] == f"{18.5 / 3:.2f} ± {spread:.2f}"
+    assert table["ddcl"][3 + names.index("guided samples CFD")] == "-"
+    assert table["hard_ema"][3 + names.index("guided samples CFD")] == "6.00"  # one seed: no spread shown
 
 
 def test_the_readme_block_renders_the_reports_method_and_target_tables(study):

@@ -98,12 +98,19 @@ TARGETS_RULE = (f"DDCL's distances against every peer's: met when the highest up
 
 
 def methods_table(methods: list[dict[str, Any]]) -> list[str]:
-    """The lines of the by-method table (:func:`by_method`'s rows): mean ± sample std of each figure."""
+    """The lines of the by-method table (:func:`by_method`'s rows): mean ± sample std of each figure; the value alone
+    for a method of one seed (it has no spread to show)."""
     lines = ["| K | method | seeds | " + " | ".join(name for name, _ in FIGURES) + " |",
              "|---|---|---|" + "---|" * len(FIGURES)]
+
+    def cell(name: str, f: dict[str, Any] | None, seeds: int) -> str:
+        if f is None:
+            return "-"
+        digits = 3 if "classified" in name else 2
+        return f"{f['mean']:.{digits}f}" + (f" ± {f['std']:.{digits}f}" if seeds > 1 else "")
+
     for m in methods:
-        cells = [(f"{f['mean']:.3f} ± {f['std']:.3f}" if "classified" in name else f"{f['mean']:.2f} ± {f['std']:.2f}")
-                 if (f := m["figures"].get(name)) else "-" for name, _ in FIGURES]
+        cells = [cell(name, m["figures"].get(name), len(m["seeds"])) for name, _ in FIGURES]
         lines.append(f"| {m['num_codes']} | {m['method']} | {len(m['seeds'])} | " + " | ".join(cells) + " |")
     return lines
 
