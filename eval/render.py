@@ -158,7 +158,7 @@ def long_run_curves(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = 
 def generative_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
     """The long runs' sample-quality study (``eval.sample_quality --long-runs``): its by-method table and its targets'
     verdicts, from its ``results.json``."""
-    from eval.sample_quality.long_report import TARGETS_RULE, methods_table, targets_table
+    from eval.sample_quality.long_report import TARGETS_RULE, methods_table, targets_table, trained_at
 
     lines: list[str] = []
     for path, rel in sources:
@@ -168,8 +168,7 @@ def generative_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = 
                    f"final checkpoints; priors of {s['layers']} layers, width {s['dim']}, {s['epochs']} epochs; "
                    f"protocol chosen on validation")
         lines += [*methods_table(data["methods"]), "", *targets_table(data["targets"]), "", TARGETS_RULE, "",
-                  _source(rel, sorted({r["code"] for r in data["rows"] if r.get("code")}) + [data["commit"]], setting,
-                          "test"), ""]  # the VQ-VAEs' commits, then the study's
+                  _source(rel, [*trained_at(data["rows"]), data["commit"]], setting, "test"), ""]
     return lines[:-1]
 
 

@@ -132,9 +132,14 @@ def _mean(values: dict[str, list[float]]) -> str:
     return ", ".join(f"{k}: {statistics.fmean(v):.2f}" for k, v in values.items())
 
 
+def trained_at(rows: list[dict[str, Any]]) -> list[str]:
+    """The commits the points' VQ-VAEs were trained at, sorted (records from before they were kept name none): what
+    the report's ``Code:`` line and the README's ``Source:`` line name beside the study's commit."""
+    return sorted({c for r in rows if (c := r.get("code"))})
+
+
 def _codes(rows: list[dict[str, Any]]) -> str:
-    """The commits the runs were trained at, as the ``Code:`` line names them (records before they were kept: none)."""
-    codes = sorted({c for r in rows if (c := r.get("code"))})
+    codes = trained_at(rows)
     return f"VQ-VAEs trained at {', '.join(codes)}; " if codes else ""
 
 
