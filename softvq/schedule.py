@@ -4,7 +4,9 @@ separated; T -> 0 is hard VQ).
 Two ways: :func:`anneal_temperature`, a schedule over the run's progress, and :func:`adapt_temperature`, a feedback
 rule that keeps the assignments' entropy H(Q) at a target, i.e. ties T to the current distance scale. The rule itself
 lives in ``softvq/parts/temperature.py`` (:func:`softvq.parts.temperature.entropy_control_factor`), with the
-temperature of a DDCL layer (:class:`softvq.parts.TemperatureControl`); this is its form on Python floats.
+temperature of a DDCL layer (:class:`softvq.parts.TemperatureControl`); this is its form on Python floats. A VQ-VAE
+applies both to layers that do not hold their own ``T`` through subclasses of that part
+(``softvq/models/_temperature.py``).
 """
 
 from __future__ import annotations

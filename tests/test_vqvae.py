@@ -12,8 +12,9 @@ from helpers import exact_cdist
 
 import softvq
 from softvq.models import VQVAE, Decoder, Encoder, build_quantizer
+from softvq.models._temperature import ModelEntropyControl, ScheduledTemperature
 from softvq.models.vqvae import LatentNorm
-from softvq.parts import NormalInit
+from softvq.parts import NormalInit, TemperatureControl
 from softvq.schedule import anneal_temperature
 
 SMALL = {"num_codes": 16, "code_dim": 8, "width": 16, "res_hidden": 8, "res_blocks": 1}
@@ -262,6 +263,39 @@ def test_entropy_controlled_temperature_follows_the_measured_entropy(recwarn):
         VQVAE("ddcl", target_entropy=1.0, **SMALL)
     with pytest.raises(ValueError, match="target_entropy"):
         VQVAE("hard", target_entropy=1.0, **SMALL)
+
+
+def test_the_model_side_temperature_is_the_layers_own_part_with_the_models_rule(recwarn):
+    """The model's mechanism takes the codebook's TemperatureControl's place, carrying its T: the layer reads, saves
+    and restores that T as any part's, its own control stays off, and the part is kept from step to step."""
+    torch.manual_seed(4)
+    model = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "recipe": "plain"}, target_entropy=0.5,
+                  temperature_rate=0.2, **SMALL)
+    assert type(model.quantizer.temperature_control) is TemperatureControl  # nothing taken over before training
+    x = torch.rand(4, 3, 32, 32)
+    model.training_step((x, torch.zeros(4)), 0)
+    part = model.quantizer.temperature_control
+    assert isinstance(part, ModelEntropyControl) and isinstance(part, TemperatureControl)
+    assert part.settings == (0.5, 0.2) and model.quantizer.target_entropy is None
+    assert model.quantizer.temperature != 0.3 and part.temperature == model.quantizer.temperature
+    model.training_step((x, torch.zeros(4)), 1)
+    assert model.quantizer.temperature_control is part
+    fresh = VQVAE("ddcl", quantizer_kwargs={"temperature": 0.3, "recipe": "plain"}, target_entropy=0.5,
+                  temperature_rate=0.2, **SMALL)
+    fresh.load_state_dict(model.state_dict())  # T travels in the layer's extra state, as the plain part's
+    assert fresh.quantizer.temperature == part.temperature
+
+    scheduled = VQVAE("ddcl", levels=2, level_codes=8, temperature_schedule="linear", temperature_final=0.5, **SMALL)
+
+    class FakeTrainer:
+        estimated_stepping_batches = 5
+        global_step = 4
+
+    scheduled.trainer = FakeTrainer()
+    scheduled.on_train_batch_start(None, 0)
+    for level in scheduled.quantizer.levels:  # each level's own part, at the schedule's end
+        assert isinstance(level.temperature_control, ScheduledTemperature)
+        assert level.temperature == pytest.approx(0.5)
 
 
 def test_plain_layer_with_its_own_target_keeps_its_temperature_to_itself():

@@ -244,7 +244,7 @@ class VQVAE(L.LightningModule):
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        model_temperature.anneal_(self)  # a temperature schedule's T for this step (softvq/models/_temperature.py)
+        model_temperature.begin_step_(self)  # the model-side temperature (softvq/models/_temperature.py)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x = batch[0]
@@ -265,8 +265,7 @@ class VQVAE(L.LightningModule):
         # a residual stack says how many levels ran (quantize dropout): a host number, no device sync
         ran = out.quantizer.terms.get("levels") if is_residual(self.quantizer) else None
         entropies = metrics.update_train(self, views, rec.detach(), n, None if ran is None else int(ran))
-        if self.target_entropy is not None:
-            model_temperature.control_(self, entropies)  # softvq/models/_temperature.py
+        model_temperature.end_step_(self, entropies)  # the model-side temperature (softvq/models/_temperature.py)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=n)
         self.log("train/mse", rec.detach(), batch_size=n)
         return loss
