@@ -18,6 +18,8 @@ from typing import Any, NoReturn
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
+from softvq._compat import former_flags
+
 CONFIG_EXTRA = ("config", "__path__")  # keys jsonargparse itself puts in a configuration
 
 
@@ -25,12 +27,19 @@ class FormerFlags:
     """The names one command's flags had before (docs/training.md, "Commands and config files"), refused with the
     name that replaced them. ``renames`` maps a former option to today's (``"--data-root": "--data.data_root"``);
     ``switches`` maps a former on/off flag to the option that replaced it and the value it stood for
-    (``"--no-progress-bar": ("--trainer.progress_bar", "false")``; ``None``: the new one is a flag too)."""
+    (``"--no-progress-bar": ("--trainer.progress_bar", "false")``; ``None``: the new one is a flag too). The commands'
+    tables are :data:`softvq._compat.FORMER_FLAGS` (:meth:`of`)."""
 
     def __init__(self, renames: Mapping[str, str] | None = None,
                  switches: Mapping[str, tuple[str, str | None]] | None = None) -> None:
         self.renames = dict(renames or {})
         self.switches = dict(switches or {})
+
+    @classmethod
+    def of(cls, prog: str, sections: Sequence[str] = ()) -> FormerFlags:
+        """Command ``prog``'s former flags, with the former option names of its quantizer ``sections``
+        (:func:`softvq._compat.former_flags`)."""
+        return cls(**former_flags(prog, tuple(sections)))
 
     def replacement(self, flag: str) -> str | None:
         """What replaced the former ``flag`` (``"--trainer.progress_bar false"``), or ``None`` if it is not one."""

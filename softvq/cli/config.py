@@ -28,10 +28,10 @@ from jsonargparse import ArgumentParser, Namespace
 
 from softvq import DDCLQuantizer, HardVQ, ResidualDDCL, ResidualHardVQ
 from softvq._checks import check_non_negative_int, check_positive_int
-from softvq._compat import upgrade_settings
+from softvq._compat import newer_settings, upgrade_settings
 from softvq.cli import parsing
 from softvq.cli.common import Hardware
-from softvq.cli.parsing import command_parser, quantizer_former_flags, refuse
+from softvq.cli.parsing import command_parser, refuse
 from softvq.data import CIFAR10DataModule
 from softvq.models import QUANTIZERS, RESIDUAL_QUANTIZERS, VQVAE
 from softvq.parts.temperature import DEFAULT_RATE
@@ -103,7 +103,7 @@ def build_parser() -> ArgumentParser:
 def parse(argv: Sequence[str] | None = None) -> Namespace:
     """Parsed flags and config files (:func:`softvq.cli.parsing.parse`: a bad flag, config key or value, or a former
     option name such as ``--ddcl.dead_code_threshold``, exits 2 with one ``error:`` line naming it)."""
-    cfg = parsing.parse(build_parser(), quantizer_former_flags(tuple(QUANTIZER_CLASSES)), argv)
+    cfg = parsing.parse(build_parser(), argv, tuple(QUANTIZER_CLASSES))
     if len(set(cfg.quantizer)) != len(cfg.quantizer):
         refuse(f"--quantizer: each name once, got {' '.join(cfg.quantizer)}")
     return cfg
@@ -234,7 +234,7 @@ def config_changes(recorded: dict[str, Any], now: dict[str, Any], ignore: set[st
     newer than the run) whose value now is its default. A record's former option names are today's, and a setting it
     predates has the value it had then (:func:`softvq._compat.upgrade_settings`)."""
     a, b = upgrade_settings(flat(recorded)), flat(now)  # a record's former option names, today's (softvq._compat)
-    newer = {k for k in b.keys() - a.keys() if defaults is not None and k in defaults and _same(b[k], defaults[k])}
+    newer = set() if defaults is None else newer_settings(a, b, defaults, _same)  # options newer than the record
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys())
             if k not in ignore and k not in newer and not _same(a.get(k), b.get(k))}
 

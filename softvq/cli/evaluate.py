@@ -33,7 +33,7 @@ from jsonargparse.typing import PositiveInt
 from torch.utils.data import Subset
 
 from softvq.cli.common import Hardware, quiet_lightning, run_command
-from softvq.cli.parsing import FormerFlags, command_parser, parse, resolved
+from softvq.cli.parsing import command_parser, parse, resolved
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.files import write_atomic
@@ -150,11 +150,6 @@ def check_output_file(path: Path) -> None:
 
 
 PROG = "softvq-evaluate"
-# The spellings before the shared convention (docs/training.md, "Commands and config files"): refused with today's.
-FORMER = FormerFlags(renames={"--data-root": "--data.data_root", "--batch-size": "--data.batch_size",
-                              "--num-workers": "--data.num_workers", "--accelerator": "--trainer.accelerator"},
-                     switches={"--download": ("--data.download", "true"),
-                               "--no-progress-bar": ("--trainer.progress_bar", "false")})
 # What of the shared sections a test-split evaluation uses: the data's location and loader, and one device.
 DATA_SKIP = {"val_size", "train_subset", "seed"}
 TRAINER_KEEP = {"accelerator", "precision", "progress_bar"}
@@ -178,7 +173,7 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    cfg = parse(build_parser(), FORMER, argv)
+    cfg = parse(build_parser(), argv)
     data = CIFAR10DataModule(**cfg.data.as_dict())  # the data module's own checks, before anything runs
     hardware = Hardware(**cfg.trainer.as_dict())
     if cfg.out is not None:

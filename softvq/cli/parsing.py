@@ -11,10 +11,11 @@ A command saves the configuration it resolved beside its outputs.
 most two lines more), before jsonargparse sees the input:
 
 - a flag or config key that does not exist: the close matches and the names its section accepts;
-- a former name (:class:`FormerFlags`: a command's flags before the shared convention, such as ``--data-root``; a
-  quantizer's options before they became settings classes, :data:`softvq._compat.FORMER_OPTIONS`): the name that
-  replaced it. Only user input is refused; a run's recorded ``config.json`` and a checkpoint's hyperparameters are
-  upgraded when a run resumes (:func:`softvq._compat.upgrade_settings`), never parsed here;
+- a former name (:class:`FormerFlags`: a command's flags before the shared convention, such as ``--data-root``,
+  :data:`softvq._compat.FORMER_FLAGS`; a quantizer's options before they became settings classes,
+  :data:`softvq._compat.FORMER_OPTIONS`): the name that replaced it, never a translation. Only user input is refused;
+  a run's recorded ``config.json`` and a checkpoint's hyperparameters are upgraded when a run resumes
+  (:func:`softvq._compat.upgrade_settings`), never parsed here;
 - contradictory settings of one part (an option whose value is a settings class, or one of several:
   ``prototype_update`` takes an ``Ema`` or a ``Gradient``): fields of two classes, or a whole value (``--ddcl.restart
   null``, ``--ddcl.target_entropy 1.0``) and fields of the part both on the command line, or fields that would replace
@@ -35,7 +36,6 @@ from typing import Any, NoReturn
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
-from softvq._compat import FORMER_OPTIONS
 from softvq.cli._input import CONFIG_EXTRA, FormerFlags, UsageError, _Checker, _Schema
 
 
@@ -56,15 +56,9 @@ def command_parser(prog: str, description: str, epilog: str | None = None) -> Ar
     return p
 
 
-def quantizer_former_flags(sections: Sequence[str]) -> FormerFlags:
-    """The former option names of the quantizer sections (``--ddcl.*``, ``--hard.*``, ...) as flags:
-    ``--ddcl.dead_code_threshold`` was renamed ``--ddcl.restart.threshold`` (:data:`softvq._compat.FORMER_OPTIONS`)."""
-    return FormerFlags({f"--{section}.{old}": f"--{section}.{new}" for section in sections
-                        for old, new in FORMER_OPTIONS.get(section, {}).items()})
-
-
-def parse(parser: ArgumentParser, former: FormerFlags | None, argv: Sequence[str] | None) -> Namespace:
-    """``argv`` (``sys.argv[1:]`` when ``None``) parsed by ``parser``, its config files included.
+def parse(parser: ArgumentParser, argv: Sequence[str] | None, sections: Sequence[str] = ()) -> Namespace:
+    """``argv`` (``sys.argv[1:]`` when ``None``) parsed by ``parser``, its config files included. A former flag of the
+    command (:meth:`FormerFlags.of` its ``prog``, with the quantizer ``sections`` it has) is refused.
 
     Raises:
         SystemExit: status 2 (``--help`` and ``--print_config``: 0), after printing ``error:`` and one line naming
@@ -76,7 +70,7 @@ def parse(parser: ArgumentParser, former: FormerFlags | None, argv: Sequence[str
     given = args[:args.index("--")] if "--" in args else args
     try:
         if not any(token in ("-h", "--help") or token.endswith(".help") for token in given):  # help, as it was
-            args = _Checker(schema, former or FormerFlags(), parser.prog).check(args)
+            args = _Checker(schema, FormerFlags.of(parser.prog, sections), parser.prog).check(args)
         return parser.parse_args(args)
     except UsageError as err:
         refuse(str(err))

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from softvq.cli.common import GracefulStop, Hardware, Interrupted, claim_run_directory, run_command
 from softvq.cli.parsing import command_parser, parse, resolved
-from softvq.cli.prior_settings import FORMER, PROG, TRAINER_SKIP, PriorModel, PriorRun, cfg_section
+from softvq.cli.prior_settings import PROG, TRAINER_SKIP, PriorModel, PriorRun, cfg_section
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes, sha256_file
 from softvq.models.callbacks import EpochCheckpoint, HistoryWriter, read_history
 from softvq.models.checkpoint_io import load_torch_file
@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command's settings, checked by their constructors, as one flat namespace (``args.data_root``,
     ``args.lr``, ...; ``args.hardware`` the :class:`Hardware`, ``args.config`` the resolved configuration that
     ``config.json`` records)."""
-    cfg = parse(build_parser(), FORMER, argv)
+    cfg = parse(build_parser(), argv)
     run, model, hardware = PriorRun(**cfg_section(cfg, PriorRun)), PriorModel(**cfg.model.as_dict()), \
         Hardware(**cfg.trainer.as_dict())
     data = CIFAR10DataModule(**cfg.data.as_dict())  # its checks, before anything is read

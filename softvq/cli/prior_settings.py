@@ -1,7 +1,7 @@
-"""The settings of ``softvq-prior`` (:mod:`softvq.cli.prior`): its command name, the former spellings of its flags
-(refused with today's), and the two dataclasses whose fields are its flags (:class:`PriorRun` at the top level,
-:class:`PriorModel` under ``--model.*``). The parser that combines them with ``--data.*`` and ``--trainer.*`` is
-:func:`softvq.cli.prior.build_parser`; these names are also importable from there.
+"""The settings of ``softvq-prior`` (:mod:`softvq.cli.prior`): its command name and the two dataclasses whose fields
+are its flags (:class:`PriorRun` at the top level, :class:`PriorModel` under ``--model.*``). The parser that combines
+them with ``--data.*`` and ``--trainer.*`` is :func:`softvq.cli.prior.build_parser`; these names are also importable
+from there.
 """
 
 from __future__ import annotations
@@ -11,22 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from softvq._checks import check_float, check_non_negative_int, check_positive_int
-from softvq.cli.parsing import FormerFlags
 
 PROG = "softvq-prior"
-# The spellings before the shared convention (docs/training.md, "Commands and config files"): refused with today's.
-FORMER = FormerFlags(
-    renames={"--batch-size": "--batch_size", "--cache-dir": "--codes_cache", "--data-root": "--data.data_root",
-             "--train-subset": "--data.train_subset", "--val-size": "--data.val_size",
-             "--num-workers": "--data.num_workers", "--encode-batch-size": "--data.batch_size",
-             "--label-dropout": "--model.label_dropout", "--layers": "--model.layers", "--heads": "--model.heads",
-             "--dim": "--model.dim", "--mlp-ratio": "--model.mlp_ratio", "--dropout": "--model.dropout",
-             "--lr": "--model.lr", "--weight-decay": "--model.weight_decay", "--warmup-steps": "--model.warmup_steps",
-             "--min-lr-ratio": "--model.min_lr_ratio", "--accelerator": "--trainer.accelerator",
-             "--devices": "--trainer.devices", "--num-nodes": "--trainer.num_nodes", "--strategy": "--trainer.strategy",
-             "--precision": "--trainer.precision"},
-    switches={"--download": ("--data.download", "true"), "--class-conditional": ("--model.class_conditional", "true"),
-              "--no-progress-bar": ("--trainer.progress_bar", "false")})
 TRAINER_SKIP = {"compile"}  # the prior is not compiled
 
 

@@ -27,7 +27,7 @@ from jsonargparse.typing import NonNegativeFloat, PositiveFloat, PositiveInt
 from torchvision.utils import make_grid, save_image
 
 from softvq.cli.common import run_command
-from softvq.cli.parsing import FormerFlags, command_parser, parse, resolved
+from softvq.cli.parsing import command_parser, parse, resolved
 from softvq.data.cifar10 import CLASSES, sha256_file
 from softvq.models.files import write_atomic
 from softvq.models.prior import check_pairing, class_index, load_prior
@@ -37,9 +37,6 @@ log = logging.getLogger("softvq")
 
 
 PROG = "softvq-sample"
-# The spellings before the shared convention (docs/training.md, "Commands and config files"): refused with today's.
-FORMER = FormerFlags(renames={"--top-k": "--top_k", "--class": "--label"},
-                     switches={"--allow-other-vqvae": ("--allow_other_vqvae", None)})
 
 
 def build_parser() -> ArgumentParser:
@@ -87,7 +84,7 @@ def sample_labels(n: int, label: str | None, num_classes: int,
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse(build_parser(), FORMER, argv)
+    args = parse(build_parser(), argv)
     if args.prior is None:
         raise ValueError("--prior is required: a prior checkpoint of softvq-prior")
     device = torch.device(args.device)

@@ -22,6 +22,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from softvq._checks import check_choice, check_float, check_non_negative_int, check_positive_int
+from softvq._compat import upgrade_prior_config
 from softvq.models._pairing import VQVAERecord, check_pairing, latent_grid, vqvae_record
 from softvq.models._prior_scores import LN2, PriorEvaluation, evaluate_prior, unigram_bits, unigram_cross_entropy_bits
 from softvq.models.loading import load_module
@@ -77,9 +78,8 @@ class CodePrior(L.LightningModule):
         soft_targets: float = 0.0,
     ) -> None:
         super().__init__()
-        if isinstance(config, dict):
-            # a checkpoint saved before the null class existed has no "null_class": it has no such start token
-            config = PriorConfig(**{"null_class": False, **config})
+        if isinstance(config, dict):  # a checkpoint's, in today's fields (softvq._compat)
+            config = PriorConfig(**upgrade_prior_config(config))
         self.config = config
         self.vqvae = VQVAERecord(**vqvae) if isinstance(vqvae, dict) else vqvae
         if self.vqvae is not None and self.vqvae.num_codes != self.config.num_codes:
