@@ -437,14 +437,24 @@ FORMER_OPTIONS: dict[str, dict[str, str]] = {
 
 # ---- models and commands (softvq.models, softvq.cli) ---------------------------------------------------------------
 # A VQVAE's recorded quantizer_kwargs take today's names through upgrade_quantizer_kwargs (above); a run's recorded
-# settings through upgrade_settings (above) and newer_settings; a CodePrior's recorded config through
-# upgrade_prior_config; a command's former flag names are FORMER_FLAGS, refused (never translated) by softvq.cli.
+# settings through upgrade_settings (above) and newer_settings; a CodePrior's recorded config and hyperparameters
+# through upgrade_prior_config and upgrade_prior_hparams; a command's former flag names are FORMER_FLAGS, refused
+# (never translated) by softvq.cli.
 
 
 def upgrade_prior_config(config: dict[str, Any]) -> dict[str, Any]:
     """A :class:`softvq.models.CodePrior`'s recorded network config (its ``PriorConfig`` as a mapping) in today's
     fields: one saved before the null class existed has no ``null_class`` and no such start token (``False``)."""
     return {"null_class": False, **config}
+
+
+def upgrade_prior_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """A :class:`softvq.models.CodePrior` checkpoint's hyperparameters in today's: its ``config``
+    (:func:`upgrade_prior_config`) and ``soft_targets`` 0.0 (the hard codes alone) for one saved before the option."""
+    out = {"soft_targets": 0.0, **hparams}
+    if isinstance(out.get("config"), dict):
+        out["config"] = upgrade_prior_config(out["config"])
+    return out
 
 
 def newer_settings(recorded: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any],

@@ -20,6 +20,7 @@ from softvq.cli import sample
 from softvq.cli import train as train_vqvae
 from softvq.models import load_prior, load_vqvae
 from softvq.models.codes import extract_codes
+from softvq.models.transformer import PriorConfig
 
 VQVAE_TINY = ["--data.train_subset", "96", "--data.val_size", "0", "--data.batch_size", "32", "--model.width", "16",
               "--model.res_hidden", "8", "--model.res_blocks", "1", "--model.code_dim", "8", "--data.num_workers", "0",
@@ -309,3 +310,19 @@ def test_a_rebuilt_sample_command_parses_back_to_its_settings():
     after = words[words.index("--allow_other_vqvae") + 1:]  # a switch: no value follows it
     assert not after or after[0].startswith("--")
     assert parser.parse_args(words[1:]).as_dict() == expected
+
+
+def test_a_prior_checkpoint_saved_before_the_null_class_and_soft_targets_resumes_as_it_was_trained(tmp_path):
+    """A checkpoint whose config has no ``null_class`` and whose hyperparameters have no ``soft_targets`` is a
+    conditional prior without the null class trained on the hard codes: it matches exactly that config and loss, and
+    another is refused naming the setting."""
+    today = PriorConfig(16, 4, 4, num_classes=10, null_class=False, layers=1, heads=2, dim=32)
+    old_config = {k: v for k, v in today.to_dict().items() if k != "null_class"}
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"config": old_config, "vqvae": {"sha256": "ab" * 32}}}, path)
+    assert train_prior.saved_null_class(path) is False
+    train_prior.check_prior_checkpoint(path, today, "ab" * 32)  # the same prior: accepted
+    with pytest.raises(ValueError, match="null_class: checkpoint False vs now True"):
+        train_prior.check_prior_checkpoint(path, PriorConfig(**{**today.to_dict(), "null_class": True}), "ab" * 32)
+    with pytest.raises(ValueError, match="soft_targets 0.0, not 0.5"):
+        train_prior.check_prior_checkpoint(path, today, "ab" * 32, soft_targets=0.5)

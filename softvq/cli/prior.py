@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+from softvq._compat import upgrade_prior_config, upgrade_prior_hparams
 from softvq.cli.common import GracefulStop, Hardware, Interrupted, claim_run_directory, run_command
 from softvq.cli.parsing import command_parser, parse, resolved
 from softvq.cli.prior_settings import PROG, TRAINER_SKIP, PriorModel, PriorRun, cfg_section
@@ -112,17 +113,18 @@ def check_prior_checkpoint(path: Path, config: PriorConfig, sha256: str, soft_ta
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
     ckpt = load_torch_file(path, "checkpoint")  # weights_only=True; UnsafeCheckpointError / ValueError naming it
-    saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
-    if "config" not in saved or "state_dict" not in ckpt:
+    # in today's fields, a checkpoint saved before the null class or soft_targets included (softvq._compat)
+    saved = upgrade_prior_hparams(ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {})
+    if not isinstance(saved.get("config"), dict) or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint of train_prior.py (no prior config in it)")
     now = config.to_dict()
-    before = {"null_class": False, **saved["config"]}  # saved before the null class existed: it has none
+    before = saved["config"]
     diff = [f"{k}: checkpoint {before.get(k)!r} vs now {v!r}" for k, v in now.items() if before.get(k) != v]
     if diff:
         raise ValueError(f"checkpoint {path} is a prior of another configuration; pass the same flags to resume "
                          f"it:\n  " + "\n  ".join(diff))
-    if float(saved.get("soft_targets", 0.0)) != float(soft_targets):  # saved before the option: hard codes only
-        raise ValueError(f"checkpoint {path} trained with --model.soft_targets {saved.get('soft_targets', 0.0)}, not "
+    if float(saved["soft_targets"]) != float(soft_targets):
+        raise ValueError(f"checkpoint {path} trained with --model.soft_targets {saved['soft_targets']}, not "
                          f"{soft_targets}; pass the same value to resume it")
     old = (saved.get("vqvae") or {}).get("sha256")
     if old != sha256:
@@ -136,7 +138,7 @@ def saved_null_class(path: Path) -> bool:
         raise FileNotFoundError(f"checkpoint to resume from not found: {path}")
     ckpt = load_torch_file(path, "checkpoint")
     config = (ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}).get("config") or {}
-    return bool(config.get("null_class", False))
+    return bool(upgrade_prior_config(config)["null_class"])  # softvq._compat
 
 
 def prepare_out(args: argparse.Namespace) -> None:
