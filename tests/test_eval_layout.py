@@ -101,7 +101,7 @@ def test_the_graph_sees_a_loop_through_a_package_init_and_an_upward_import(tmp_p
 
 def test_no_import_loop_among_the_eval_modules():
     graph = import_graph(EVAL)
-    assert "eval.compare.report" in graph["eval.hierarchy.report"]  # the graph does see the studies' imports
+    assert "eval.peers.report" in graph["eval.dropin"]  # the graph does see the studies' imports
     assert cycles(graph) == []
 
 
@@ -115,7 +115,7 @@ def test_no_part_imports_its_own_package():
 
 def test_every_study_package_has_its_command():
     """``__init__`` with a ``main`` or ``cli`` -> ``__main__.py`` that imports it from the package and calls it."""
-    assert len(packages()) >= 10
+    assert len(packages()) >= 4
     for package in packages():
         entry = {"main", "cli"} & top_level_names(ast.parse((package / "__init__.py").read_text())).keys()
         if not entry:

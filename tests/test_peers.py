@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eval import dropin, peers
-from eval.compare.report import mean_std
+from eval._spread import mean_std
 
 vqp = pytest.importorskip("vector_quantize_pytorch")
 
@@ -132,89 +132,21 @@ def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_opt
     assert run["test"]["psnr_hard_running_stats"] != run["test"]["psnr_hard"]
 
 
-def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_path, tiny_cifar):
-    from eval import peers_sweep as sweep
-    from eval.compare.report import _fmt
-
-    argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "vqp_fsq", "--num-codes", "256", "64",
-            "--seeds", "0", "1", "--full-k", "64", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-            *TINY[:TINY.index("--num-codes")], *TINY[TINY.index("--num-codes") + 2:], "--epochs", "1"]
-    summary = sweep.main(argv)
-    got = {(r["settings"]["num_codes"], r["method"], r["seed"]) for r in summary["runs"]}
-    # every seed at the sizes in --full-k, the first seed elsewhere
-    assert got == {(64, "ddcl", 0), (64, "ddcl", 1), (64, "vqp_fsq", 0), (64, "vqp_fsq", 1), (256, "ddcl", 0),
-                   (256, "vqp_fsq", 0)}
-    assert (tmp_path / "runs" / "K256" / "ddcl" / "seed0" / "result.json").is_file()
-    text = (tmp_path / "out" / "report.md").read_text()
-    ddcl64 = [r for r in summary["runs"] if r["method"] == "ddcl" and r["settings"]["num_codes"] == 64]
-    psnr = np.array([r["test"]["psnr_hard"] for r in ddcl64])
-    restarts = np.mean([[row["restarts"] for row in r["history"]] for r in ddcl64], axis=1)  # per run, by hand
-    ppl = np.array([r["test"]["perplexity"] / 64 for r in ddcl64])
-    row = next(line for line in text.splitlines() if line.startswith("| 64 (64) | softvq DDCL"))
-    for mean, std, fmt in ((psnr.mean(), psnr.std(ddof=1), "{:.2f}"), (ppl.mean(), ppl.std(ddof=1), "{:.2f}"),
-                           (restarts.mean(), restarts.std(ddof=1), "{:.0f}")):
-        assert _fmt(float(mean), float(std), fmt, 2) in row
-    assert "| 256 (256) | vqp FSQ" in text
-    assert "- K = 64: DDCL" in text and "not below the best peer" in text and "ahead of every peer" in text
-    assert (tmp_path / "out" / "psnr_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    result = tmp_path / "runs" / "K64" / "ddcl" / "seed1" / "result.json"
-    stamp = result.stat().st_mtime_ns
-    again = sweep.main([*argv, "--no-train"])  # read, not retrained
-    assert result.stat().st_mtime_ns == stamp and len(again["runs"]) == 6
-
-
-def test_sweep_on_validation_never_reads_the_test_split_and_tables_the_last_epoch_and_the_step_cost(tmp_path,
-                                                                                                   tiny_cifar):
-    from eval import peers_sweep as sweep
-
-    argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "hard_ema_cap", "--num-codes", "64",
-            "--seeds", "0", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--split", "validation",
-            *TINY[:TINY.index("--num-codes")], *TINY[TINY.index("--num-codes") + 2:], "--epochs", "2",
-            "--step-cost", "--cost-steps", "2", "--cost-warmup", "0", "--cost-rounds", "2"]
-    summary = sweep.main(argv)
-    assert [r["test"] for r in summary["runs"]] == [None, None]  # fit_run(test=False): the test split unread
-    assert all(r["settings"]["split"] == "validation" for r in summary["runs"])
-    text = (tmp_path / "out" / "report.md").read_text()
-    assert "## Validation split" in text and "the test split was not read" in text and "validation util %" in text
-    for run in summary["runs"]:
-        last = run["history"][-1]
-        label = peers.LABELS[run["method"]]
-        row = next(line for line in text.splitlines() if line.startswith(f"| 64 (64) | {label} |"))
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[3] == f"{last['val_psnr_hard']:.2f}" and cells[4] == f"{100 * last['val_utilization']:.1f}"
-        assert cells[5] == f"{last['val_perplexity'] / 64:.2f}"
-    cost = json.loads((tmp_path / "out" / "step_cost.json").read_text())
-    assert set(cost["cost"]) == {"K64 ddcl", "K64 hard_ema_cap"} and cost["rounds"] == 2
-    for c in cost["cost"].values():
-        assert len(c["steps_ms"]) == 4 and c["median_ms"] == pytest.approx(float(np.median(c["steps_ms"])), abs=0.11)
-        assert math.isfinite(c["peak_mib"])
-    ours, hard = cost["cost"]["K64 ddcl"], cost["cost"]["K64 hard_ema_cap"]
-    row = next(line for line in text.splitlines() if line.startswith(f"| 64 | {peers.LABELS['hard_ema_cap']} |"))
-    assert f"| {hard['median_ms'] / ours['median_ms']:.2f} |" in row
-    # a test-split run of the same method is another run: its settings have no split key, as before it existed
-    on_test = [a for a in argv if a not in ("--split", "validation")]
-    assert "split" not in peers.settings_of(sweep.run_args(64, sweep.parse_args(on_test)))
-
-
 def test_fsq_levels_of_the_sweep_sizes_name_their_true_code_count():
     assert [int(np.prod(peers.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]
 
 
 def test_a_probe_of_a_peer_overrides_one_option_of_its_recommended_configuration():
-    from eval.probe import build_quantizer
-
     def restarts(kwargs):
         torch.manual_seed(0)
-        adapter = build_quantizer("vqp_vq", 16, 4, kwargs)
+        adapter = peers.build("vqp_vq", 16, 4, kwargs)
         for _ in range(3):
             adapter(torch.randn(2, 32, 4) + 10.0 * (torch.arange(4) == 0))  # most codes win nothing
         return adapter.restarts
 
     assert restarts({}) > 0  # the recipe's dead-code replacement (threshold 2) moves the codes that win nothing
     assert restarts({"threshold_ema_dead_code": 0}) == 0  # the probe switches it off, and only that
-    assert build_quantizer("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
-    with pytest.raises(ValueError, match="level-gradient"):
-        build_quantizer("vqp_vq", 16, 4, {}, level_gradient="straight_through")
+    assert peers.build("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
 
 
 def _numbers(history: list[dict]) -> list[dict]:

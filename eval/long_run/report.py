@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from eval._provenance import ROOT, code_commit
-from eval._spread import by_seed, describe
-from eval.compare.report import _fmt, mean_std
+from eval._spread import by_seed, describe, format_mean_std, mean_std
 from eval.long_run.curves import THRESHOLDS_DB, _curve, _label, plot_curves
 from eval.long_run.equal_compute import equal_compute, load_step_times
 from eval.peers import LABELS
@@ -103,7 +102,7 @@ def test_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
         for key, _, fmt, scale in COLUMNS:
             values = np.array([np.nan if r["test"].get(key) is None else r["test"][key] for r in runs], dtype=float)
             mean, std = mean_std(values * scale)
-            cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
+            cells.append(format_mean_std(float(mean), float(std), fmt, len(runs)))
         lines.append(f"| {_label(runs[0])} | {len(runs)} | " + " | ".join(cells) + " |")
     return lines
 
