@@ -97,7 +97,7 @@ def _merged(sources: Sequence[tuple[Path, str]], setting: Callable[[dict[str, An
 
 def peers_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
     """The test table of ``eval.peers`` results files (``eval.peers.report.test_table``)."""
-    from eval.peers import LABELS
+    from eval.harness import LABELS
     from eval.peers.report import group, test_table
 
     runs, lines = _merged(sources, _setting, lambda s: "test")

@@ -1,5 +1,5 @@
-"""eval.peers and eval.dropin: the adapter against the wrapped library, the runs end to end on a tiny data set, the
-report's statistics by hand, and reuse of finished runs."""
+"""eval.harness, eval.peers and eval.dropin: the adapter against the wrapped library, the runs end to end on a tiny
+data set, the report's statistics by hand, and reuse of finished runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from eval import dropin, peers
+from eval import dropin, harness, peers
 from eval._spread import mean_std
 
 vqp = pytest.importorskip("vector_quantize_pytorch")
@@ -24,7 +24,7 @@ TINY = ["--train-subset", "64", "--val-size", "32", "--batch-size", "16", "--num
 @pytest.mark.parametrize("method", ["vqp_vq", "vqp_fsq", "vqp_simvq"])
 def test_adapter_passes_the_library_output_through_and_decodes_its_indices(method):
     torch.manual_seed(0)
-    adapter = peers.build(method, 64, 8)
+    adapter = harness.build(method, 64, 8)
     z = torch.randn(3, 4, 4, 8)
     adapter.train()
     out = adapter(z)
@@ -40,7 +40,7 @@ def test_adapter_passes_the_library_output_through_and_decodes_its_indices(metho
 def test_adapter_counts_the_library_dead_code_replacements():
     torch.manual_seed(0)
     module = vqp.VectorQuantize(dim=4, codebook_size=16, threshold_ema_dead_code=1e9)  # every code expires
-    adapter = peers.PeerAdapter(module, "vq", 16, 4)
+    adapter = harness.PeerAdapter(module, "vq", 16, 4)
     for _ in range(3):
         adapter(torch.randn(2, 32, 4))
     assert adapter.restarts == 3 * 16
@@ -133,20 +133,20 @@ def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_opt
 
 
 def test_fsq_levels_of_the_sweep_sizes_name_their_true_code_count():
-    assert [int(np.prod(peers.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]
+    assert [int(np.prod(harness.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]
 
 
 def test_a_probe_of_a_peer_overrides_one_option_of_its_recommended_configuration():
     def restarts(kwargs):
         torch.manual_seed(0)
-        adapter = peers.build("vqp_vq", 16, 4, kwargs)
+        adapter = harness.build("vqp_vq", 16, 4, kwargs)
         for _ in range(3):
             adapter(torch.randn(2, 32, 4) + 10.0 * (torch.arange(4) == 0))  # most codes win nothing
         return adapter.restarts
 
     assert restarts({}) > 0  # the recipe's dead-code replacement (threshold 2) moves the codes that win nothing
     assert restarts({"threshold_ema_dead_code": 0}) == 0  # the probe switches it off, and only that
-    assert peers.build("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
+    assert harness.build("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
 
 
 def _numbers(history: list[dict]) -> list[dict]:
@@ -160,32 +160,33 @@ def test_same_seed_same_numbers_for_every_method(tmp_path, tiny_cifar):
     its codebook at construction, so a module built beforehand started from the caller's random state."""
     args = peers.parse_args(["--data-root", str(tiny_cifar["folder"]), *TINY, "--train-subset", "32",
                              "--test-limit", "16", "--epochs", "1"])
-    for method in peers.LABELS:
-        first = peers.fit_run(method, 3, args, tmp_path / method / "a")[2]
+    for method in harness.LABELS:
+        first = harness.fit_run(method, 3, args, tmp_path / method / "a")[2]
         torch.rand(7)  # another random state at the call: it must not matter
-        builder = None if method != "hard_ema" else (lambda: peers.build("hard_ema", args.num_codes, args.code_dim))
-        second = peers.fit_run(method, 3, args, tmp_path / method / "b", quantizer=builder)[2]
+        builder = None if method != "hard_ema" else (lambda: harness.build("hard_ema", args.num_codes, args.code_dim))
+        second = harness.fit_run(method, 3, args, tmp_path / method / "b", quantizer=builder)[2]
         assert first["test"] == second["test"], method
         assert _numbers(first["history"]) == _numbers(second["history"]), method
     with pytest.raises(TypeError, match="a function that builds the bottleneck"):
-        peers.fit_run("hard_ema", 3, args, tmp_path / "module", quantizer=peers.build("hard_ema", 8, 8))
+        harness.fit_run("hard_ema", 3, args, tmp_path / "module", quantizer=harness.build("hard_ema", 8, 8))
     # test=False (a study tuned on validation) trains the same run and never calls the test loop
-    model, _, untested = peers.fit_run("ddcl", 3, args, tmp_path / "untested", test=False)
+    model, _, untested = harness.fit_run("ddcl", 3, args, tmp_path / "untested", test=False)
     assert untested["test"] is None and model.test_summary == {}
-    assert _numbers(untested["history"]) == _numbers(peers.fit_run("ddcl", 3, args, tmp_path / "tested")[2]["history"])
+    tested = harness.fit_run("ddcl", 3, args, tmp_path / "tested")[2]
+    assert _numbers(untested["history"]) == _numbers(tested["history"])
     assert all(row["train_cpu_s"] > 0 for row in untested["history"])
 
 
 def test_the_wide_candidate_holds_h_at_half_log_k_below_log_d_plus_one():
     # sqrt(K) prototypes share a token up to K = (D + 1)^2, then D + 1 of them (enough to span D directions)
-    assert peers.wide_entropy_target(512, 64) == pytest.approx(math.log(512) / 2)  # 3.12 nats
-    assert peers.wide_entropy_target(4096, 64) == pytest.approx(math.log(64))  # 4.16: 64 prototypes
-    assert peers.wide_entropy_target(16384, 64) == pytest.approx(math.log(65))  # capped: 65 prototypes
-    layer = peers.build("ddcl_wide", 4096, 64)
+    assert harness.wide_entropy_target(512, 64) == pytest.approx(math.log(512) / 2)  # 3.12 nats
+    assert harness.wide_entropy_target(4096, 64) == pytest.approx(math.log(64))  # 4.16: 64 prototypes
+    assert harness.wide_entropy_target(16384, 64) == pytest.approx(math.log(65))  # capped: 65 prototypes
+    layer = harness.build("ddcl_wide", 4096, 64)
     assert layer.target_entropy == pytest.approx(math.log(64))
-    assert peers.build("ddcl_wide", 4096, 64, {"target_entropy": 3.0}).target_entropy == 3.0  # an override wins
+    assert harness.build("ddcl_wide", 4096, 64, {"target_entropy": 3.0}).target_entropy == 3.0  # an override wins
     with pytest.raises(ValueError, match="num_codes >= 2"):
-        peers.wide_entropy_target(1, 64)
+        harness.wide_entropy_target(1, 64)
 
 
 def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h25_the_former_defaults():
@@ -196,7 +197,7 @@ def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h
     layers = []
     for method in ("ddcl", "ddcl_wide"):
         torch.manual_seed(1)
-        layer = peers.build(method, 64, 8)  # 64 < (8 + 1)^2 = 81
+        layer = harness.build(method, 64, 8)  # 64 < (8 + 1)^2 = 81
         layers.append((layer, [layer(x) for x in batches]))
     (a, outs_a), (b, outs_b) = layers
     assert a.target_entropy == b.target_entropy == 0.5 * math.log(64)
@@ -204,14 +205,14 @@ def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h
         assert torch.equal(x.quantized, y.quantized) and torch.equal(x.indices, y.indices)
     for (name, u), (_, v) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name
-    assert peers.build("ddcl_wide", 128, 8).target_entropy == pytest.approx(math.log(9))  # above it, capped
+    assert harness.build("ddcl_wide", 128, 8).target_entropy == pytest.approx(math.log(9))  # above it, capped
     for k in (512, 4096):  # the records' sizes (D = 64): the same target to the bit, log K / 2
-        assert peers.build("ddcl_wide", k, 64).target_entropy == peers.build("ddcl", k, 64).target_entropy \
+        assert harness.build("ddcl_wide", k, 64).target_entropy == harness.build("ddcl", k, 64).target_entropy \
             == 0.5 * math.log(k)
     # the former defaults: 2.5 nats from K = 149 on, log K / 2 below
-    assert peers.build("ddcl_h25", 512, 64).target_entropy == 2.5
-    assert peers.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))
-    assert peers.build("ddcl_h25", 1, 8).target_entropy is None
+    assert harness.build("ddcl_h25", 512, 64).target_entropy == 2.5
+    assert harness.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))
+    assert harness.build("ddcl_h25", 1, 8).target_entropy is None
 
 
 def test_the_capped_hard_peer_restarts_only_codes_below_a_quarter_of_the_mean_usage():
@@ -221,20 +222,21 @@ def test_the_capped_hard_peer_restarts_only_codes_below_a_quarter_of_the_mean_us
     z = torch.randn(64, 4)
     moved = {}
     for method in ("hard_ema", "hard_ema_cap"):
-        layer = peers.build(method, 16, 4)
+        layer = harness.build(method, 16, 4)
         layer.dead_codes.usage.copy_(usage)
         moved[method] = layer.dead_codes.restart_(layer.codebook.clone(), z)
     assert moved["hard_ema"].all()  # every code is below one token a batch
     assert torch.equal(moved["hard_ema_cap"], usage < 0.25 * usage.mean())
     assert int(moved["hard_ema_cap"].sum()) == 4
-    assert peers.build("hard_ema_cap", 16, 4).dead_codes.settings == dataclasses.replace(peers.HARD_RESTART, cap=0.25)
+    capped = harness.build("hard_ema_cap", 16, 4).dead_codes.settings
+    assert capped == dataclasses.replace(harness.HARD_RESTART, cap=0.25)
 
 
 @pytest.mark.parametrize(("method", "k"), [("ddcl_top128", 128), ("ddcl_top256", 256)])
 def test_the_top_k_candidates_are_the_defaults_layer_truncated_to_k_prototypes(method, k):
-    layer = peers.build(method, 512, 8)
-    assert isinstance(layer, peers.softvq.DDCLQuantizer) and layer.top_k == k
-    default = peers.build("ddcl", 512, 8)
+    layer = harness.build(method, 512, 8)
+    assert isinstance(layer, harness.softvq.DDCLQuantizer) and layer.top_k == k
+    default = harness.build("ddcl", 512, 8)
     assert default.top_k is None and layer.target_entropy == default.target_entropy  # only the truncation differs
-    assert peers.build(method, 512, 8, {"top_k": 64}).top_k == 64  # an override wins
-    assert method in peers.METHODS and method in peers.LABELS
+    assert harness.build(method, 512, 8, {"top_k": 64}).top_k == 64  # an override wins
+    assert method in harness.METHODS and method in harness.LABELS

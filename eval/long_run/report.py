@@ -20,9 +20,9 @@ import numpy as np
 
 from eval._provenance import ROOT, code_commit
 from eval._spread import by_seed, describe, format_mean_std, mean_std
+from eval.harness import LABELS
 from eval.long_run.curves import THRESHOLDS_DB, _curve, _label, plot_curves
 from eval.long_run.equal_compute import equal_compute, load_step_times
-from eval.peers import LABELS
 from softvq.models.callbacks import read_history
 from softvq.models.files import write_atomic
 
