@@ -38,6 +38,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,10 @@ from torch import Tensor, nn
 from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
+from eval import render
 from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe
-from eval.peers.report import test_table, values
+from eval.peers.report import group, test_table, values
 from softvq._compat import upgrade_quantizer_kwargs
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
@@ -354,3 +356,13 @@ def cli(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise SystemExit(cli())
 
+
+def render_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The README/docs block ``dropin_test`` (:mod:`eval.render`): the test table of ``eval.dropin`` results files."""
+
+    def setting(s: dict[str, Any]) -> str:
+        return f"{s['steps']} steps of {s['batch_size']} images, K = {s['num_codes']}, " \
+               f"seeds {', '.join(map(str, s['seeds']))}"
+
+    runs, lines = render.merged(sources, setting, lambda s: s.get("split", "test"))
+    return [*test_table(group(runs), render.labels_of(LABELS, flags), TEST_COLUMNS), "", *lines]

@@ -170,6 +170,28 @@ def backfill_record_fingerprints(records: Path, work: Path, refresh: bool = Fals
     return found
 
 
+def report_fingerprints(records: Path, stored: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Per fingerprinted method, the fingerprints its records in ``records`` were trained with (each record's
+    ``fingerprints``, one per start or resume of its run): a run trained again replaces its record, and so its
+    prints. A method with a record from before records held them keeps its ``stored`` prints."""
+    from eval import fingerprint
+
+    prints: dict[str, set[str]] = {}
+    older: set[str] = set()
+    for path in sorted(records.glob("*.json")):
+        rec = json.loads(path.read_text())
+        name = fingerprint.canonical(rec.get("method", ""))
+        if name is None:
+            continue
+        if rec.get("fingerprints"):
+            prints.setdefault(name, set()).update(rec["fingerprints"])
+        else:
+            older.add(name)
+    for name in older:
+        prints.setdefault(name, set()).update(stored.get(name, []))
+    return {m: sorted(v) for m, v in prints.items() if v}
+
+
 def backfill_fingerprints(work: Path, store: Path | None = None, refresh: bool = False) -> None:
     """Record, for every committed report, the fingerprints of the methods its numbers come from at the commits on its
     ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with. A
@@ -180,7 +202,6 @@ def backfill_fingerprints(work: Path, store: Path | None = None, refresh: bool =
     another method's runs were trained at. A report that holds prints already is left as it is, unless ``refresh``
     (the fingerprint itself changed)."""
     from eval import fingerprint
-    from eval.long_run import report_fingerprints
 
     store = store or fingerprint.STORE
     for report in find_reports(ROOT):

@@ -254,9 +254,9 @@ def test_a_reports_fingerprints_are_rebuilt_from_its_records(tmp_path):
         rec = {"method": method, **({"fingerprints": prints} if prints else {})}
         (runs / f"{name}.json").write_text(json.dumps(rec))
     stored = {"ddcl": ["old"], "hard_ema": ["h1"]}
-    assert long_run.report_fingerprints(runs, stored) == {"ddcl": ["aaa", "bbb"], "hard_ema": ["h1"]}
+    assert reports.report_fingerprints(runs, stored) == {"ddcl": ["aaa", "bbb"], "hard_ema": ["h1"]}
     (runs / "K16_ddcl_seed1.json").write_text(json.dumps({"method": "ddcl", "fingerprints": ["aaa"]}))  # retrained
-    assert long_run.report_fingerprints(runs, stored)["ddcl"] == ["aaa"]
+    assert reports.report_fingerprints(runs, stored)["ddcl"] == ["aaa"]
 
 
 def test_seconds_to_reach_interpolates_linearly_between_epochs():

@@ -47,10 +47,11 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from eval import fingerprint, harness
+from eval import fingerprint, harness, render
 from eval._provenance import ROOT, code_commit, git, repo_relative, study_command
 from eval.long_run.metrics import EightBitPSNR, psnr_8bit
 from eval.long_run.report import write_report
+from eval.reports import report_fingerprints
 from softvq.cli.common import run_command
 from softvq.cli.train import checkpoint_callbacks
 from softvq.data.cifar10 import CIFAR10DataModule
@@ -221,16 +222,6 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     return record
 
 
-def _render_unedited() -> list[str]:
-    """Re-render the README's and docs' tables (``python -m eval.render --unedited``: pages nobody is editing) and
-    return the paths it rewrote. A subprocess, not an import: eval.render reads this study's records through
-    ``eval.long_run.report``, and the study importing the renderer back would be an import loop."""
-    done = subprocess.run([sys.executable, "-m", "eval.render", "--unedited"], cwd=ROOT, check=True,
-                          capture_output=True, text=True)
-    return [str(ROOT / line.removeprefix("rendered ")) for line in done.stdout.splitlines()
-            if line.startswith("rendered ")]
-
-
 def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     """Write ``record`` to ``out/runs/<run.name>.json`` unless it holds it already; with ``commit`` git-commit that
     file alone, with the fingerprint store and, for the committed study, every README or docs page whose rendered
@@ -257,32 +248,12 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     try:
         files = [str(path.resolve()), str(store)]
         if inside:  # the README's and docs' tables rendered from these records (eval.render), where nobody edits them
-            files += _render_unedited()
+            files += [str(path) for path in render.render_files(ROOT, only_unedited=True)]
         git("add", "--", *files)
         git("commit", "--only", "-m", message, "--", *files)
     except (OSError, subprocess.CalledProcessError) as err:
         log.warning("git commit of %s failed (%s); the file is written", path,
                     getattr(err, "stderr", None) or err)
-
-
-def report_fingerprints(records: Path, stored: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Per fingerprinted method, the fingerprints its records in ``records`` were trained with (each record's
-    ``fingerprints``, one per start or resume of its run): a run trained again replaces its record, and so its
-    prints. A method with a record from before records held them keeps its ``stored`` prints."""
-    prints: dict[str, set[str]] = {}
-    older: set[str] = set()
-    for path in sorted(records.glob("*.json")):
-        rec = json.loads(path.read_text())
-        name = fingerprint.canonical(rec.get("method", ""))
-        if name is None:
-            continue
-        if rec.get("fingerprints"):
-            prints.setdefault(name, set()).update(rec["fingerprints"])
-        else:
-            older.add(name)
-    for name in older:
-        prints.setdefault(name, set()).update(stored.get(name, []))
-    return {m: sorted(v) for m, v in prints.items() if v}
 
 
 def load_or_train(run: Run, args: argparse.Namespace, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from eval import render
 from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe, format_mean_std, mean_std
+from eval.harness import LABELS
 from softvq.models.files import write_atomic  # noqa: E402
 
 TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM", "{:.3f}", 1.0),
@@ -247,3 +250,9 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     summary = {"settings": settings, "runs": runs}
     write_atomic(out / "results.json", json.dumps(portable(summary), indent=1, default=float))
     return summary
+
+
+def render_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The README/docs block ``peers_test`` (:mod:`eval.render`): the test table of ``eval.peers`` results files."""
+    runs, lines = render.merged(sources, render.setting_of, lambda s: "test")
+    return [*test_table(group(runs), render.labels_of(LABELS, flags)), "", *lines]
