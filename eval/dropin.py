@@ -53,7 +53,6 @@ from eval import render
 from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe
 from eval.peers.report import group, test_table, values
-from softvq._compat import upgrade_quantizer_kwargs
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
@@ -192,9 +191,7 @@ def _score(model: nn.Module, method: str, args: argparse.Namespace, data: CIFAR1
 
 def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
-    # (options under their former names, as the docs quote some commands, are today's: softvq._compat)
-    ddcl_kwargs = upgrade_quantizer_kwargs("ddcl", args.ddcl_kwargs) or {}
-    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **ddcl_kwargs),
+    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **args.ddcl_kwargs),
                  args.num_codes) if method == "ddcl" and args.ddcl_kwargs else None
     model = SmallAutoencoder(method, args.num_codes, num_quantizers=args.num_quantizers, quantizer=quantizer)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -262,7 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "training images (the model then trains on the others)")
     p.add_argument("--val-size", type=int, default=5000, help="held-out training images of --split validation")
     p.add_argument("--ddcl-kwargs", type=json.loads, default={}, metavar="JSON",
-                   help="DDCLQuantizer options for a probe, e.g. '{\"renorm\": false}' (recorded with the run)")
+                   help="DDCLQuantizer options for a probe, today's names, e.g. "
+                        "'{\"standardize\": {\"renorm_clip\": null}}' (recorded with the run)")
     p.add_argument("--quick", action="store_true", help="a smoke test: 20 steps, 2 seeds, 512 test images")
     args = p.parse_args(argv)
     if args.quick:

@@ -130,6 +130,9 @@ def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_opt
     # the layer's evaluation with the running moments is scored beside its default, the applied statistics
     assert math.isfinite(run["test"]["psnr_hard_running_stats"])
     assert run["test"]["psnr_hard_running_stats"] != run["test"]["psnr_hard"]
+    # options are passed on as given: a former name is the layer's to refuse, naming what replaced it
+    with pytest.raises(TypeError, match=r"renorm.*standardize"):
+        dropin.main([*argv, "--ddcl-kwargs", '{"renorm": false}', "--out", str(tmp_path / "former")])
 
 
 def test_fsq_levels_of_the_sweep_sizes_name_their_true_code_count():
