@@ -111,19 +111,16 @@ class SmallAutoencoder(nn.Module):
             library-default quantizer :func:`make_quantizer` builds.
         num_codes: codebook size asked for.
         dim: channels of the encoder's output, the code dimension.
-        quantizer: ``(module, codebook size)`` built elsewhere (``eval.robustness`` builds recipes and other sizes),
-            called with ``method``'s convention.
-        encoder_scale: multiplies the encoder's output before the quantizer: an encoder whose output scale nobody
-            tuned (``eval.robustness`` tries 0.01 and 100).
+        quantizer: ``(module, codebook size)`` built elsewhere (a probe's options), called with ``method``'s
+            convention.
     """
 
     def __init__(self, method: str, num_codes: int, *, dim: int = DIM, quantizer: tuple[nn.Module, int] | None = None,
-                 encoder_scale: float = 1.0, num_quantizers: int = NUM_QUANTIZERS) -> None:
+                 num_quantizers: int = NUM_QUANTIZERS) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
         self.method = method
-        self.encoder_scale = float(encoder_scale)
         self.down = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.GELU(),
                                   nn.Conv2d(16, dim, 3, padding=1), nn.MaxPool2d(2))
         self.quantizer, self.num_codes = (quantizer if quantizer is not None
@@ -166,7 +163,7 @@ class SmallAutoencoder(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         z = self.down(x)
-        quantized, indices, loss = self.quantize(z * self.encoder_scale if self.encoder_scale != 1.0 else z)
+        quantized, indices, loss = self.quantize(z)
         return self.up(quantized), indices, loss
 
 
