@@ -8,11 +8,33 @@ otherwise it is "within the spread". :func:`by_seed` pairs two methods' per-seed
 
 from __future__ import annotations
 
+import math
 import statistics
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 MIN_SEEDS = 3
+
+
+def mean_std(values: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and sample standard deviation (ddof 1; 0 for a single run) over ``axis``, ignoring NaN."""
+    values = np.asarray(values, dtype=float)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column, or one value (no spread)
+        mean = np.nanmean(values, axis=axis)
+        count = np.sum(~np.isnan(values), axis=axis)
+        std = np.where(count > 1, np.nanstd(values, axis=axis, ddof=1) if values.shape[axis] > 1 else 0.0, 0.0)
+    return mean, std
+
+
+def format_mean_std(mean: float, std: float, fmt: str, n: int) -> str:
+    """``mean ± std`` in ``fmt`` (the spread only for ``n`` > 1 seeds); ``n/a`` for a mean that is not finite."""
+    if not math.isfinite(mean):
+        return "n/a"
+    return fmt.format(mean) + (f" ± {fmt.format(std)}" if n > 1 else "")
 
 
 def summarize(values: list[float]) -> dict[str, Any]:

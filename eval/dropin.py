@@ -38,6 +38,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,10 @@ from torch import Tensor, nn
 from torchmetrics.image import PeakSignalNoiseRatio
 
 import softvq
+from eval import render
 from eval._provenance import code_commit, portable
 from eval._spread import by_seed, describe
-from eval.peers.report import test_table, values
-from softvq._compat import upgrade_quantizer_kwargs
+from eval.peers.report import group, test_table, values
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
@@ -110,19 +111,16 @@ class SmallAutoencoder(nn.Module):
             library-default quantizer :func:`make_quantizer` builds.
         num_codes: codebook size asked for.
         dim: channels of the encoder's output, the code dimension.
-        quantizer: ``(module, codebook size)`` built elsewhere (``eval.robustness`` builds recipes and other sizes),
-            called with ``method``'s convention.
-        encoder_scale: multiplies the encoder's output before the quantizer: an encoder whose output scale nobody
-            tuned (``eval.robustness`` tries 0.01 and 100).
+        quantizer: ``(module, codebook size)`` built elsewhere (a probe's options), called with ``method``'s
+            convention.
     """
 
     def __init__(self, method: str, num_codes: int, *, dim: int = DIM, quantizer: tuple[nn.Module, int] | None = None,
-                 encoder_scale: float = 1.0, num_quantizers: int = NUM_QUANTIZERS) -> None:
+                 num_quantizers: int = NUM_QUANTIZERS) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
         self.method = method
-        self.encoder_scale = float(encoder_scale)
         self.down = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.GELU(),
                                   nn.Conv2d(16, dim, 3, padding=1), nn.MaxPool2d(2))
         self.quantizer, self.num_codes = (quantizer if quantizer is not None
@@ -165,7 +163,7 @@ class SmallAutoencoder(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         z = self.down(x)
-        quantized, indices, loss = self.quantize(z * self.encoder_scale if self.encoder_scale != 1.0 else z)
+        quantized, indices, loss = self.quantize(z)
         return self.up(quantized), indices, loss
 
 
@@ -190,9 +188,7 @@ def _score(model: nn.Module, method: str, args: argparse.Namespace, data: CIFAR1
 
 def train_and_score(method: str, seed: int, args: argparse.Namespace, data: CIFAR10DataModule) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
-    # (options under their former names, as the docs quote some commands, are today's: softvq._compat)
-    ddcl_kwargs = upgrade_quantizer_kwargs("ddcl", args.ddcl_kwargs) or {}
-    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **ddcl_kwargs),
+    quantizer = (softvq.DDCLQuantizer(num_codes=args.num_codes, dim=DIM, channel_first=True, **args.ddcl_kwargs),
                  args.num_codes) if method == "ddcl" and args.ddcl_kwargs else None
     model = SmallAutoencoder(method, args.num_codes, num_quantizers=args.num_quantizers, quantizer=quantizer)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -260,7 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "training images (the model then trains on the others)")
     p.add_argument("--val-size", type=int, default=5000, help="held-out training images of --split validation")
     p.add_argument("--ddcl-kwargs", type=json.loads, default={}, metavar="JSON",
-                   help="DDCLQuantizer options for a probe, e.g. '{\"renorm\": false}' (recorded with the run)")
+                   help="DDCLQuantizer options for a probe, today's names, e.g. "
+                        "'{\"standardize\": {\"renorm_clip\": null}}' (recorded with the run)")
     p.add_argument("--quick", action="store_true", help="a smoke test: 20 steps, 2 seeds, 512 test images")
     args = p.parse_args(argv)
     if args.quick:
@@ -354,3 +351,13 @@ def cli(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise SystemExit(cli())
 
+
+def render_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The README/docs block ``dropin_test`` (:mod:`eval.render`): the test table of ``eval.dropin`` results files."""
+
+    def setting(s: dict[str, Any]) -> str:
+        return f"{s['steps']} steps of {s['batch_size']} images, K = {s['num_codes']}, " \
+               f"seeds {', '.join(map(str, s['seeds']))}"
+
+    runs, lines = render.merged(sources, setting, lambda s: s.get("split", "test"))
+    return [*test_table(group(runs), render.labels_of(LABELS, flags), TEST_COLUMNS), "", *lines]

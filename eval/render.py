@@ -7,11 +7,12 @@ A rendered block in a markdown file is a pair of comments around generated text:
     Source: reports/peers/k512_9998ce5/results.json (code 9998ce5; ...)
     <!-- /render -->
 
-The first comment names a renderer (:data:`RENDERERS`) and its sources, results files or folders under ``reports/``,
-repository-relative. Each renderer draws the table with the study's own report code (the report and the README cannot
-disagree) and ends with ``Source:`` lines: the file, the commits and the setting the numbers were measured at. Where
-several results files of one study are named, a method's rows come from the first file that has it, and each
-``Source:`` line says which methods it gave. The flag ``former-defaults`` after the sources (``<!-- render: peers_test
+The first comment names a renderer (:data:`eval.registry.RENDERERS`, filled by the studies) and its sources, results
+files or folders under ``reports/``, repository-relative. Each renderer is the study's own report code (the report and
+the README cannot disagree), imported only when a block names it; it draws the table with the helpers here and ends
+with ``Source:`` lines: the file, the commits and the setting the numbers were measured at. Where several results files
+of one study are named, a method's rows come from the first file that has it, and each ``Source:`` line says which
+methods it gave. The flag ``former-defaults`` after the sources (``<!-- render: peers_test
 reports/peers/k512_908f6de/results.json former-defaults -->``) marks results whose DDCL rows trained with the defaults
 of their commit before the entropy target became ``log(K) / 2`` (:data:`FORMER_DEFAULTS`): their labels say so.
 
@@ -31,7 +32,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from eval import registry
 from eval._provenance import ROOT
+from eval.reports import read_header
 
 BLOCK = re.compile(r"(<!-- render: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /render -->)", re.DOTALL)
 FILES = ("README.md", "docs/*.md")
@@ -42,26 +45,24 @@ FORMER_DEFAULTS = " at the time (target entropy 2.5 nats)"
 DDCL_METHODS = ("ddcl", "rddcl")
 
 
-def _labels(labels: dict[str, str], flags: Sequence[str]) -> dict[str, str]:
+def labels_of(labels: dict[str, str], flags: Sequence[str]) -> dict[str, str]:
     """``labels`` with each DDCL method's marked as the former defaults' under the flag ``former-defaults``."""
     if "former-defaults" not in flags:
         return labels
     return {k: v + FORMER_DEFAULTS if k in DDCL_METHODS else v for k, v in labels.items()}
 
 
-def _load(path: Path) -> Any:
+def load(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _report_commits(source: Path) -> list[str]:
+def report_commits(source: Path) -> list[str]:
     """The commits of the ``Code:`` line of the report beside ``source`` (its study writes both at once)."""
-    from eval.reports import read_header
-
     report = source.parent / "report.md"
     return read_header(report).commits if report.is_file() else []
 
 
-def _setting(settings: dict[str, Any]) -> str:
+def setting_of(settings: dict[str, Any]) -> str:
     images = f"{settings['train_subset']:,}" if settings.get("train_subset") else "all 45,000"
     parts = [f"K = {settings['num_codes']}" if "num_codes" in settings else None,
              f"{settings['epochs']} epochs on {images} training images" if "epochs" in settings else None,
@@ -69,7 +70,7 @@ def _setting(settings: dict[str, Any]) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _source(rel: str, commits: Sequence[str], setting: str, split: str, methods: Sequence[str] = ()) -> str:
+def source_line(rel: str, commits: Sequence[str], setting: str, split: str, methods: Sequence[str] = ()) -> str:
     """``rel`` is ``"<repository-relative path>|<link from the markdown file>"`` (see :func:`render_block`)."""
     name, link = rel.split("|")
     code = ", ".join(dict.fromkeys(commits)) or "not recorded"
@@ -77,110 +78,22 @@ def _source(rel: str, commits: Sequence[str], setting: str, split: str, methods:
     return f"Source: {which}[{name}]({link}) (code {code}; {setting}; {split} split)."
 
 
-def _merged(sources: Sequence[tuple[Path, str]], setting: Callable[[dict[str, Any]], str],
-            split: Callable[[dict[str, Any]], str]) -> tuple[list[dict[str, Any]], list[str]]:
+def merged(sources: Sequence[tuple[Path, str]], setting: Callable[[dict[str, Any]], str],
+           split: Callable[[dict[str, Any]], str]) -> tuple[list[dict[str, Any]], list[str]]:
     """The runs of several results files, each method from the first file that has it, and one ``Source:`` line
     per file that gave some."""
     runs: list[dict[str, Any]] = []
     lines: list[str] = []
     for path, rel in sources:
-        data = _load(path)
+        data = load(path)
         taken = {r["method"] for r in runs}
         new = [r for r in data["runs"] if r["method"] not in taken]
         if new:
             runs += new
             methods = list(dict.fromkeys(r["method"] for r in new)) if len(sources) > 1 else []
-            lines.append(_source(rel, _report_commits(path), setting(data["settings"]), split(data["settings"]),
-                                 methods))
+            lines.append(source_line(rel, report_commits(path), setting(data["settings"]), split(data["settings"]),
+                                     methods))
     return runs, lines
-
-
-def peers_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
-    """The test table of ``eval.peers`` results files (``eval.peers.report.test_table``)."""
-    from eval.peers import LABELS
-    from eval.peers.report import group, test_table
-
-    runs, lines = _merged(sources, _setting, lambda s: "test")
-    return [*test_table(group(runs), _labels(LABELS, flags)), "", *lines]
-
-
-def dropin_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
-    """The test table of ``eval.dropin`` results files."""
-    from eval.dropin import LABELS, TEST_COLUMNS
-    from eval.peers.report import group, test_table
-
-    def setting(s: dict[str, Any]) -> str:
-        return f"{s['steps']} steps of {s['batch_size']} images, K = {s['num_codes']}, " \
-               f"seeds {', '.join(map(str, s['seeds']))}"
-
-    runs, lines = _merged(sources, setting, lambda s: s.get("split", "test"))
-    return [*test_table(group(runs), _labels(LABELS, flags), TEST_COLUMNS), "", *lines]
-
-
-def long_run_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
-    """Per K, the test table of the long-training study's finished runs (the records in ``<folder>/runs/``)."""
-    from eval.long_run.report import _groups, load_records, test_table
-
-    lines: list[str] = []
-    for path, rel in sources:
-        for k, methods in _groups(load_records(path)).items():
-            runs = [r for rs in methods.values() for r in rs]
-            commits = [r["code"] for r in runs if r.get("code")]
-            settings = {**runs[0]["settings"], "num_codes": k}
-            lines += [*test_table(methods), "", _source(rel, commits, _setting(settings), "test"), ""]
-    return lines[:-1]
-
-
-def long_run_curves(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
-    """Per K, every method's validation hard PSNR after each epoch, the mean over its finished seeds."""
-    from eval.long_run.report import _groups, _label, load_records
-
-    lines: list[str] = []
-    for path, rel in sources:
-        for k, methods in _groups(load_records(path)).items():
-            runs = [r for rs in methods.values() for r in rs]
-            epochs = max(len(r["history"]) for r in runs)
-            lines += [f"| K = {k} | n | " + " | ".join(str(e + 1) for e in range(epochs)) + " |",
-                      "|---|---|" + "---|" * epochs]
-            for rs in methods.values():
-                cells = []
-                for e in range(epochs):
-                    vals = [r["history"][e].get("val_psnr_hard") for r in rs if len(r["history"]) > e]
-                    vals = [v for v in vals if v is not None]
-                    cells.append(f"{sum(vals) / len(vals):.2f}" if vals else "–")
-                lines.append(f"| {_label(rs[0])} | {len(rs)} | " + " | ".join(cells) + " |")
-            settings = {**runs[0]["settings"], "num_codes": k}
-            lines += ["", _source(rel, [r["code"] for r in runs if r.get("code")], _setting(settings),
-                                  "validation"), ""]
-    return lines[:-1]
-
-
-def generative_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
-    """The long runs' sample-quality study (``eval.sample_quality --long-runs``): its by-method table and its targets'
-    verdicts, from its ``results.json``."""
-    from eval.sample_quality.long_report import TARGETS_RULE, methods_table, targets_table, trained_at
-
-    lines: list[str] = []
-    for path, rel in sources:
-        data = _load(path)
-        s = data["prior"]["settings"]
-        setting = (f"K = {', '.join(str(k) for k in sorted({r['num_codes'] for r in data['rows']}))}, the long runs' "
-                   f"final checkpoints; priors of {s['layers']} layers, width {s['dim']}, {s['epochs']} epochs; "
-                   f"protocol chosen on validation")
-        lines += [*methods_table(data["methods"]), "", *targets_table(data["targets"]), "", TARGETS_RULE, "",
-                  _source(rel, [*trained_at(data["rows"]), data["commit"]], setting, "test"), ""]
-    return lines[:-1]
-
-
-# every renderer takes the block's flags; the long run's ignore them: its records name their own methods
-# (``ddcl_h25``: the former defaults)
-RENDERERS: dict[str, Callable[[Sequence[tuple[Path, str]], Sequence[str]], list[str]]] = {
-    "peers_test": peers_test,
-    "dropin_test": dropin_test,
-    "long_run_test": long_run_test,
-    "long_run_curves": long_run_curves,
-    "generative_test": generative_test,
-}
 
 
 def render_block(spec: str, root: Path = ROOT, where: Path | None = None) -> str:
@@ -189,8 +102,8 @@ def render_block(spec: str, root: Path = ROOT, where: Path | None = None) -> str
     name, *words = spec.split()
     flags = [w for w in words if w in FLAGS]
     rels = [w for w in words if w not in FLAGS]
-    if name not in RENDERERS or not rels:
-        raise ValueError(f"a render block needs one of {sorted(RENDERERS)} and a source, got {spec!r}")
+    if name not in registry.RENDERERS or not rels:
+        raise ValueError(f"a render block needs one of {sorted(registry.RENDERERS)} and a source, got {spec!r}")
     sources = []
     for rel in rels:
         path = (root / rel).resolve()
@@ -198,7 +111,7 @@ def render_block(spec: str, root: Path = ROOT, where: Path | None = None) -> str
             raise ValueError(f"render block {spec!r}: {rel!r} is not an existing path inside the repository")
         link = os.path.relpath(path, (where or root).resolve())
         sources.append((path, f"{rel}|{link}"))
-    return "\n".join(RENDERERS[name](sources, flags)) + "\n"
+    return "\n".join(registry.renderer(name)(sources, flags)) + "\n"
 
 
 def render_text(text: str, root: Path = ROOT, where: Path | None = None) -> str:
@@ -239,6 +152,13 @@ def unedited(path: Path, root: Path = ROOT) -> bool:
         return False
 
 
+def render_files(root: Path = ROOT, only_unedited: bool = False) -> list[Path]:
+    """Re-render every page's blocks in place (``only_unedited``: leave alone each page with uncommitted changes, see
+    :func:`unedited`); the pages whose text changed."""
+    return [path for path in markdown_files(root)
+            if not (only_unedited and not unedited(path, root)) and render_file(path, root)]
+
+
 def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 naming the blocks that differ from their sources")
@@ -251,11 +171,8 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
         for line in stale:
             print(f"differs from its source: {line}")
         return 1 if stale else 0
-    for path in markdown_files(root):
-        if args.unedited and not unedited(path, root):
-            continue
-        if render_file(path, root):
-            print(f"rendered {path.relative_to(root)}")
+    for path in render_files(root, args.unedited):
+        print(f"rendered {path.relative_to(root)}")
     return 0
 
 

@@ -20,6 +20,10 @@ that is not an ancestor of (or equal to) every commit its ``Code:`` line names: 
 code gives. A commit this clone does not have (a shallow
 clone, another repository) is reported as unknown, not stale. ``+`` after a commit (uncommitted changes when the
 study ran) is read as that commit.
+
+A finished one-off study leaves the tree and keeps its report: the report's command starts ``git checkout <commit> &&``
+(the commit that holds the study's code), and the list marks it ``retired`` beside the same verdict as any report's
+(judged by its fingerprints, or by ``softvq/`` alone).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ REGENERATE = re.compile(r"^Regenerate:\s*(.*)$")
 CODE = re.compile(r"^Code:\s*(.*)$")
 COMMIT = re.compile(r"(?<![0-9a-zA-Z])[0-9a-f]{7,40}(?![0-9a-zA-Z])")
 STUDY = re.compile(r"python -m (eval\.[A-Za-z_0-9]+)")
+RETIRED = re.compile(r"^git checkout ([0-9a-f]{7,40}) && ")  # a retired study's command: its code is at that commit
 HEADER_LINES = 40  # the header sits at the top; a "Code:" line further down is a table's, not the report's
 
 
@@ -52,11 +57,18 @@ class Header:
     def complete(self) -> bool:
         return bool(self.command) and bool(self.commits)
 
+    @property
+    def retired_at(self) -> str | None:
+        """The commit that holds a retired study's code (its command starts ``git checkout <commit> &&``), else
+        ``None``."""
+        match = RETIRED.match(self.command or "")
+        return match.group(1) if match else None
+
     def modules(self, root: Path) -> list[str]:
         """The study's own modules, repository-relative: its package ``eval/<study>/`` (all of its files: the study,
         its command, its report writer and other parts) when it is one, else the single file ``eval/<study>.py``."""
         match = STUDY.search(self.command or "")
-        if not match:
+        if not match or self.retired_at:  # a retired study's modules are not in the tree
             return []
         name = match.group(1).split(".", 1)[1]
         if (root / "eval" / name / "__init__.py").is_file():
@@ -158,6 +170,28 @@ def backfill_record_fingerprints(records: Path, work: Path, refresh: bool = Fals
     return found
 
 
+def report_fingerprints(records: Path, stored: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Per fingerprinted method, the fingerprints its records in ``records`` were trained with (each record's
+    ``fingerprints``, one per start or resume of its run): a run trained again replaces its record, and so its
+    prints. A method with a record from before records held them keeps its ``stored`` prints."""
+    from eval import fingerprint
+
+    prints: dict[str, set[str]] = {}
+    older: set[str] = set()
+    for path in sorted(records.glob("*.json")):
+        rec = json.loads(path.read_text())
+        name = fingerprint.canonical(rec.get("method", ""))
+        if name is None:
+            continue
+        if rec.get("fingerprints"):
+            prints.setdefault(name, set()).update(rec["fingerprints"])
+        else:
+            older.add(name)
+    for name in older:
+        prints.setdefault(name, set()).update(stored.get(name, []))
+    return {m: sorted(v) for m, v in prints.items() if v}
+
+
 def backfill_fingerprints(work: Path, store: Path | None = None, refresh: bool = False) -> None:
     """Record, for every committed report, the fingerprints of the methods its numbers come from at the commits on its
     ``Code:`` line (the report's runs and its writing): what ``eval.reports --check`` compares today's code with. A
@@ -168,7 +202,6 @@ def backfill_fingerprints(work: Path, store: Path | None = None, refresh: bool =
     another method's runs were trained at. A report that holds prints already is left as it is, unless ``refresh``
     (the fingerprint itself changed)."""
     from eval import fingerprint
-    from eval.long_run import report_fingerprints
 
     store = store or fingerprint.STORE
     for report in find_reports(ROOT):
@@ -230,6 +263,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT, store: Path | None = 
             state = status(header, root, stored.get(path.relative_to(root).as_posix()), current)
         failing = not header.complete if args.headers else not state.startswith(("fresh", "unknown commit"))
         bad += [path] if failing else []
+        state = f"retired (code at {header.retired_at}); {state}" if header.retired_at else state
         command = (header.command or "-").replace("|", "\\|")
         print(f"| {path.relative_to(root)} | {', '.join(header.commits) or '-'} | `{command}` | {state} |")
     if (args.check or args.headers) and bad:

@@ -90,13 +90,3 @@ def json_strings(node: object):
             yield from json_strings(value)
     elif isinstance(node, str):
         yield node
-
-
-def train_in_process(spec, args, threads: int, state: str) -> float:
-    """``eval.compare.train`` without its subprocess (the same argv; test_compare's failing-run test keeps the
-    subprocess path): each run would otherwise cost an interpreter and a torch import."""
-    from eval import compare
-    from softvq.cli import train as train_vqvae
-
-    train_vqvae.main(compare.train_argv(spec, args) + (["--resume"] if state == "resume" else ["--overwrite"]))
-    return 0.0

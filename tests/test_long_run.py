@@ -19,7 +19,6 @@ from helpers import json_strings
 from eval import long_run, reports
 from eval.long_run.equal_compute import reach_interpolated, value_at
 from eval.long_run.metrics import perfect_psnr_8bit, psnr_8bit
-from eval.long_run.probe import mean_psnr as probe_psnr
 from eval.long_run.report import (
     epoch_margins,
     falls,
@@ -129,21 +128,6 @@ def test_the_record_holds_the_test_figures_and_the_report_tables_them(studies):
     assert header.command.startswith("python -m eval.long_run --no-train") and header.commits
 
 
-def test_a_probe_as_long_run_trains_the_long_runs_run_epoch_for_epoch(studies, tiny_cifar, tmp_path):
-    from eval.long_run import probe
-
-    out = tmp_path / "probe.jsonl"
-    flags = TINY[TINY.index("--epochs"):TINY.index("--threads")]
-    probe.main(["--data-root", str(tiny_cifar["folder"]), "--out", str(out), "--as-long-run", "--seed", "0",
-                "--num-codes", "16", "--every", "1000", "--val-images", "8", *flags])
-    ends = [json.loads(line) for line in out.read_text().splitlines() if "epoch_end" in line]
-    history = read_history(studies["straight"] / "runs" / "K16" / "ddcl" / "seed0" / "history.jsonl")
-    assert [e["epoch_end"] for e in ends] == [h["epoch"] for h in history] == [1, 2]
-    for e, h in zip(ends, history, strict=True):
-        assert (e["train_mse"], e["val_psnr_hard"], e["restarts"]) == (h["train_mse"], h["val_psnr_hard"],
-                                                                         h["restarts"])
-
-
 def test_a_record_holds_no_absolute_path(studies):
     base = studies["resumed"]
     text = (base / "out" / "runs" / "K16_hard_ema_seed0.json").read_text()
@@ -196,72 +180,6 @@ def test_steps_to_reach_is_the_first_epoch_end_at_or_above_the_threshold():
     assert steps_to_reach([], [], 20.0) is None
     with pytest.raises(ValueError, match="same length"):
         steps_to_reach([1, 2], [20.0], 20.0)
-
-
-def test_the_jacobian_span_of_a_finished_runs_layer_at_its_own_and_at_target_entropies(studies, tiny_cifar, tmp_path):
-    from eval.long_run import checkpoint, jacobian_span
-
-    run = studies["straight"] / "runs" / "K16" / "ddcl" / "seed0"
-    out = tmp_path / "span.json"
-    result = jacobian_span.main(["--data-root", str(tiny_cifar["folder"]), "--run", str(run), "--images", "8",
-                                 "--entropies", "0.5", "2.0", "--out", str(out)])
-    assert result == json.loads(out.read_text())
-    assert result["epoch"] == 2 and result["tokens"] == 8 * 64 and result["split"] == "validation"
-    model, _ = checkpoint.load_run(run)
-    assert result["layer"]["temperature"] == pytest.approx(model.quantizer.temperature)
-    for target in (0.5, 2.0):
-        scored = result[f"H={target:g}"]
-        assert scored["entropy"] == pytest.approx(target, abs=1e-6)
-        assert 0 < scored["participation_ratio"]["mean"] <= 8  # at most D = 8 directions
-    assert 1 <= result["codebook_participation_ratio"] <= 8 and 1 <= result["tokens_participation_ratio"] <= 8
-    # a wider assignment spreads the gradient over more directions
-    assert result["H=2"]["participation_ratio"]["mean"] > result["H=0.5"]["participation_ratio"]["mean"]
-    with pytest.raises(ValueError, match="hard_ema run"):
-        checkpoint.load_run(studies["straight"] / "runs" / "K16" / "hard_ema" / "seed0")
-
-
-def test_modes_scores_evaluation_as_the_layer_does_and_leaves_the_run_untouched(studies, tiny_cifar, tmp_path):
-    from eval.long_run import checkpoint, modes
-
-    run = studies["straight"] / "runs" / "K16" / "ddcl" / "seed0"
-    model, settings = checkpoint.load_run(run)
-    images = checkpoint.validation_images(checkpoint.run_data(tiny_cifar["folder"], settings), 20)
-    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    rng = torch.get_rng_state()
-    result = modes.compare_modes(model, images, batch=8)
-    assert torch.equal(torch.get_rng_state(), rng)
-    after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)  # the training-mode copies moved nothing of it
-    with torch.no_grad():  # evaluation, recomputed by hand: decode the layer's hard codes
-        tokens = model.latents(images).movedim(1, -1)
-        expected = probe_psnr(model._decode(model.quantizer(tokens).quantized), images)
-    assert result["eval"]["psnr"] == pytest.approx(expected, abs=1e-5)
-    # the layer evaluates with its applied statistics, so setting them by hand changes no code
-    assert result["applied"] == pytest.approx(result["eval"], abs=1e-5)
-    assert {"train_mode_copy", "running", "batch_exact", "all_exact", "offsets"} <= result.keys()
-    out = tmp_path / "modes.json"
-    # the applied statistics over batches, against batch renormalisation's two limits: clipped to nothing, every batch
-    # applies its own moments (their average); unclipped, it applies the running moments in value
-    st = model.quantizer.standardizer
-    halves, clip = [images[:10], images[10:]], st.renorm_clip
-    with torch.no_grad():
-        own = [model.latents(x).movedim(1, -1).reshape(-1, model.quantizer.dim) for x in halves]
-    try:
-        st.renorm_clip = (1.0, 0.0)
-        shift, var = modes.applied_statistics(model, halves)
-        assert torch.allclose(shift, (own[0].mean(0) + own[1].mean(0)) / 2, atol=1e-6)
-        biased = [o.var(0, correction=0) for o in own]
-        assert torch.allclose(var, sum(v + st.eps * v.mean() for v in biased) / 2, rtol=1e-4)  # the scale with eps
-        st.renorm_clip = (1e6, 1e6)
-        shift, var = modes.applied_statistics(model, halves)
-        assert torch.allclose(shift, st.running_mean, atol=1e-5)
-        assert torch.allclose(var, st.running_std().square(), rtol=1e-4)
-    finally:
-        st.renorm_clip = clip
-    written = modes.main(["--data-root", str(tiny_cifar["folder"]), "--run", str(run), "--images", "20",
-                          "--train-batches", "2", "--out", str(out)])
-    assert written["train_batches"] == 2 and "applied_over_train_batches" in written
-    assert written == json.loads(out.read_text()) and written["eval"] == pytest.approx(result["eval"], abs=1e-5)
 
 
 def test_falls_are_the_drops_between_consecutive_epochs_and_the_table_sums_them_over_seeds():
@@ -336,9 +254,9 @@ def test_a_reports_fingerprints_are_rebuilt_from_its_records(tmp_path):
         rec = {"method": method, **({"fingerprints": prints} if prints else {})}
         (runs / f"{name}.json").write_text(json.dumps(rec))
     stored = {"ddcl": ["old"], "hard_ema": ["h1"]}
-    assert long_run.report_fingerprints(runs, stored) == {"ddcl": ["aaa", "bbb"], "hard_ema": ["h1"]}
+    assert reports.report_fingerprints(runs, stored) == {"ddcl": ["aaa", "bbb"], "hard_ema": ["h1"]}
     (runs / "K16_ddcl_seed1.json").write_text(json.dumps({"method": "ddcl", "fingerprints": ["aaa"]}))  # retrained
-    assert long_run.report_fingerprints(runs, stored)["ddcl"] == ["aaa"]
+    assert reports.report_fingerprints(runs, stored)["ddcl"] == ["aaa"]
 
 
 def test_seconds_to_reach_interpolates_linearly_between_epochs():

@@ -1,5 +1,5 @@
-"""eval.peers and eval.dropin: the adapter against the wrapped library, the runs end to end on a tiny data set, the
-report's statistics by hand, and reuse of finished runs."""
+"""eval.harness, eval.peers and eval.dropin: the adapter against the wrapped library, the runs end to end on a tiny
+data set, the report's statistics by hand, and reuse of finished runs."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from eval import dropin, peers
-from eval.compare.report import mean_std
+from eval import dropin, harness, peers
+from eval._spread import mean_std
 
 vqp = pytest.importorskip("vector_quantize_pytorch")
 
@@ -24,7 +24,7 @@ TINY = ["--train-subset", "64", "--val-size", "32", "--batch-size", "16", "--num
 @pytest.mark.parametrize("method", ["vqp_vq", "vqp_fsq", "vqp_simvq"])
 def test_adapter_passes_the_library_output_through_and_decodes_its_indices(method):
     torch.manual_seed(0)
-    adapter = peers.build(method, 64, 8)
+    adapter = harness.build(method, 64, 8)
     z = torch.randn(3, 4, 4, 8)
     adapter.train()
     out = adapter(z)
@@ -40,7 +40,7 @@ def test_adapter_passes_the_library_output_through_and_decodes_its_indices(metho
 def test_adapter_counts_the_library_dead_code_replacements():
     torch.manual_seed(0)
     module = vqp.VectorQuantize(dim=4, codebook_size=16, threshold_ema_dead_code=1e9)  # every code expires
-    adapter = peers.PeerAdapter(module, "vq", 16, 4)
+    adapter = harness.PeerAdapter(module, "vq", 16, 4)
     for _ in range(3):
         adapter(torch.randn(2, 32, 4))
     assert adapter.restarts == 3 * 16
@@ -130,91 +130,26 @@ def test_dropin_probe_on_validation_scores_held_out_training_images_with_the_opt
     # the layer's evaluation with the running moments is scored beside its default, the applied statistics
     assert math.isfinite(run["test"]["psnr_hard_running_stats"])
     assert run["test"]["psnr_hard_running_stats"] != run["test"]["psnr_hard"]
-
-
-def test_sweep_over_codebook_sizes_tables_each_size_and_reads_finished_runs(tmp_path, tiny_cifar):
-    from eval import peers_sweep as sweep
-    from eval.compare.report import _fmt
-
-    argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "vqp_fsq", "--num-codes", "256", "64",
-            "--seeds", "0", "1", "--full-k", "64", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-            *TINY[:TINY.index("--num-codes")], *TINY[TINY.index("--num-codes") + 2:], "--epochs", "1"]
-    summary = sweep.main(argv)
-    got = {(r["settings"]["num_codes"], r["method"], r["seed"]) for r in summary["runs"]}
-    # every seed at the sizes in --full-k, the first seed elsewhere
-    assert got == {(64, "ddcl", 0), (64, "ddcl", 1), (64, "vqp_fsq", 0), (64, "vqp_fsq", 1), (256, "ddcl", 0),
-                   (256, "vqp_fsq", 0)}
-    assert (tmp_path / "runs" / "K256" / "ddcl" / "seed0" / "result.json").is_file()
-    text = (tmp_path / "out" / "report.md").read_text()
-    ddcl64 = [r for r in summary["runs"] if r["method"] == "ddcl" and r["settings"]["num_codes"] == 64]
-    psnr = np.array([r["test"]["psnr_hard"] for r in ddcl64])
-    restarts = np.mean([[row["restarts"] for row in r["history"]] for r in ddcl64], axis=1)  # per run, by hand
-    ppl = np.array([r["test"]["perplexity"] / 64 for r in ddcl64])
-    row = next(line for line in text.splitlines() if line.startswith("| 64 (64) | softvq DDCL"))
-    for mean, std, fmt in ((psnr.mean(), psnr.std(ddof=1), "{:.2f}"), (ppl.mean(), ppl.std(ddof=1), "{:.2f}"),
-                           (restarts.mean(), restarts.std(ddof=1), "{:.0f}")):
-        assert _fmt(float(mean), float(std), fmt, 2) in row
-    assert "| 256 (256) | vqp FSQ" in text
-    assert "- K = 64: DDCL" in text and "not below the best peer" in text and "ahead of every peer" in text
-    assert (tmp_path / "out" / "psnr_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    result = tmp_path / "runs" / "K64" / "ddcl" / "seed1" / "result.json"
-    stamp = result.stat().st_mtime_ns
-    again = sweep.main([*argv, "--no-train"])  # read, not retrained
-    assert result.stat().st_mtime_ns == stamp and len(again["runs"]) == 6
-
-
-def test_sweep_on_validation_never_reads_the_test_split_and_tables_the_last_epoch_and_the_step_cost(tmp_path,
-                                                                                                   tiny_cifar):
-    from eval import peers_sweep as sweep
-
-    argv = ["--data-root", str(tiny_cifar["folder"]), "--methods", "ddcl", "hard_ema_cap", "--num-codes", "64",
-            "--seeds", "0", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--split", "validation",
-            *TINY[:TINY.index("--num-codes")], *TINY[TINY.index("--num-codes") + 2:], "--epochs", "2",
-            "--step-cost", "--cost-steps", "2", "--cost-warmup", "0", "--cost-rounds", "2"]
-    summary = sweep.main(argv)
-    assert [r["test"] for r in summary["runs"]] == [None, None]  # fit_run(test=False): the test split unread
-    assert all(r["settings"]["split"] == "validation" for r in summary["runs"])
-    text = (tmp_path / "out" / "report.md").read_text()
-    assert "## Validation split" in text and "the test split was not read" in text and "validation util %" in text
-    for run in summary["runs"]:
-        last = run["history"][-1]
-        label = peers.LABELS[run["method"]]
-        row = next(line for line in text.splitlines() if line.startswith(f"| 64 (64) | {label} |"))
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[3] == f"{last['val_psnr_hard']:.2f}" and cells[4] == f"{100 * last['val_utilization']:.1f}"
-        assert cells[5] == f"{last['val_perplexity'] / 64:.2f}"
-    cost = json.loads((tmp_path / "out" / "step_cost.json").read_text())
-    assert set(cost["cost"]) == {"K64 ddcl", "K64 hard_ema_cap"} and cost["rounds"] == 2
-    for c in cost["cost"].values():
-        assert len(c["steps_ms"]) == 4 and c["median_ms"] == pytest.approx(float(np.median(c["steps_ms"])), abs=0.11)
-        assert math.isfinite(c["peak_mib"])
-    ours, hard = cost["cost"]["K64 ddcl"], cost["cost"]["K64 hard_ema_cap"]
-    row = next(line for line in text.splitlines() if line.startswith(f"| 64 | {peers.LABELS['hard_ema_cap']} |"))
-    assert f"| {hard['median_ms'] / ours['median_ms']:.2f} |" in row
-    # a test-split run of the same method is another run: its settings have no split key, as before it existed
-    on_test = [a for a in argv if a not in ("--split", "validation")]
-    assert "split" not in peers.settings_of(sweep.run_args(64, sweep.parse_args(on_test)))
+    # options are passed on as given: a former name is the layer's to refuse, naming what replaced it
+    with pytest.raises(TypeError, match=r"renorm.*standardize"):
+        dropin.main([*argv, "--ddcl-kwargs", '{"renorm": false}', "--out", str(tmp_path / "former")])
 
 
 def test_fsq_levels_of_the_sweep_sizes_name_their_true_code_count():
-    assert [int(np.prod(peers.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]
+    assert [int(np.prod(harness.fsq_levels(k))) for k in (512, 1024, 4096, 16384)] == [512, 1000, 4375, 15360]
 
 
 def test_a_probe_of_a_peer_overrides_one_option_of_its_recommended_configuration():
-    from eval.probe import build_quantizer
-
     def restarts(kwargs):
         torch.manual_seed(0)
-        adapter = build_quantizer("vqp_vq", 16, 4, kwargs)
+        adapter = harness.build("vqp_vq", 16, 4, kwargs)
         for _ in range(3):
             adapter(torch.randn(2, 32, 4) + 10.0 * (torch.arange(4) == 0))  # most codes win nothing
         return adapter.restarts
 
     assert restarts({}) > 0  # the recipe's dead-code replacement (threshold 2) moves the codes that win nothing
     assert restarts({"threshold_ema_dead_code": 0}) == 0  # the probe switches it off, and only that
-    assert build_quantizer("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
-    with pytest.raises(ValueError, match="level-gradient"):
-        build_quantizer("vqp_vq", 16, 4, {}, level_gradient="straight_through")
+    assert harness.build("vqp_vq", 16, 4, {"threshold_ema_dead_code": 0}).module.rotation_trick  # the rest kept
 
 
 def _numbers(history: list[dict]) -> list[dict]:
@@ -228,32 +163,33 @@ def test_same_seed_same_numbers_for_every_method(tmp_path, tiny_cifar):
     its codebook at construction, so a module built beforehand started from the caller's random state."""
     args = peers.parse_args(["--data-root", str(tiny_cifar["folder"]), *TINY, "--train-subset", "32",
                              "--test-limit", "16", "--epochs", "1"])
-    for method in peers.LABELS:
-        first = peers.fit_run(method, 3, args, tmp_path / method / "a")[2]
+    for method in harness.LABELS:
+        first = harness.fit_run(method, 3, args, tmp_path / method / "a")[2]
         torch.rand(7)  # another random state at the call: it must not matter
-        builder = None if method != "hard_ema" else (lambda: peers.build("hard_ema", args.num_codes, args.code_dim))
-        second = peers.fit_run(method, 3, args, tmp_path / method / "b", quantizer=builder)[2]
+        builder = None if method != "hard_ema" else (lambda: harness.build("hard_ema", args.num_codes, args.code_dim))
+        second = harness.fit_run(method, 3, args, tmp_path / method / "b", quantizer=builder)[2]
         assert first["test"] == second["test"], method
         assert _numbers(first["history"]) == _numbers(second["history"]), method
     with pytest.raises(TypeError, match="a function that builds the bottleneck"):
-        peers.fit_run("hard_ema", 3, args, tmp_path / "module", quantizer=peers.build("hard_ema", 8, 8))
+        harness.fit_run("hard_ema", 3, args, tmp_path / "module", quantizer=harness.build("hard_ema", 8, 8))
     # test=False (a study tuned on validation) trains the same run and never calls the test loop
-    model, _, untested = peers.fit_run("ddcl", 3, args, tmp_path / "untested", test=False)
+    model, _, untested = harness.fit_run("ddcl", 3, args, tmp_path / "untested", test=False)
     assert untested["test"] is None and model.test_summary == {}
-    assert _numbers(untested["history"]) == _numbers(peers.fit_run("ddcl", 3, args, tmp_path / "tested")[2]["history"])
+    tested = harness.fit_run("ddcl", 3, args, tmp_path / "tested")[2]
+    assert _numbers(untested["history"]) == _numbers(tested["history"])
     assert all(row["train_cpu_s"] > 0 for row in untested["history"])
 
 
 def test_the_wide_candidate_holds_h_at_half_log_k_below_log_d_plus_one():
     # sqrt(K) prototypes share a token up to K = (D + 1)^2, then D + 1 of them (enough to span D directions)
-    assert peers.wide_entropy_target(512, 64) == pytest.approx(math.log(512) / 2)  # 3.12 nats
-    assert peers.wide_entropy_target(4096, 64) == pytest.approx(math.log(64))  # 4.16: 64 prototypes
-    assert peers.wide_entropy_target(16384, 64) == pytest.approx(math.log(65))  # capped: 65 prototypes
-    layer = peers.build("ddcl_wide", 4096, 64)
+    assert harness.wide_entropy_target(512, 64) == pytest.approx(math.log(512) / 2)  # 3.12 nats
+    assert harness.wide_entropy_target(4096, 64) == pytest.approx(math.log(64))  # 4.16: 64 prototypes
+    assert harness.wide_entropy_target(16384, 64) == pytest.approx(math.log(65))  # capped: 65 prototypes
+    layer = harness.build("ddcl_wide", 4096, 64)
     assert layer.target_entropy == pytest.approx(math.log(64))
-    assert peers.build("ddcl_wide", 4096, 64, {"target_entropy": 3.0}).target_entropy == 3.0  # an override wins
+    assert harness.build("ddcl_wide", 4096, 64, {"target_entropy": 3.0}).target_entropy == 3.0  # an override wins
     with pytest.raises(ValueError, match="num_codes >= 2"):
-        peers.wide_entropy_target(1, 64)
+        harness.wide_entropy_target(1, 64)
 
 
 def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h25_the_former_defaults():
@@ -264,7 +200,7 @@ def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h
     layers = []
     for method in ("ddcl", "ddcl_wide"):
         torch.manual_seed(1)
-        layer = peers.build(method, 64, 8)  # 64 < (8 + 1)^2 = 81
+        layer = harness.build(method, 64, 8)  # 64 < (8 + 1)^2 = 81
         layers.append((layer, [layer(x) for x in batches]))
     (a, outs_a), (b, outs_b) = layers
     assert a.target_entropy == b.target_entropy == 0.5 * math.log(64)
@@ -272,14 +208,14 @@ def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h
         assert torch.equal(x.quantized, y.quantized) and torch.equal(x.indices, y.indices)
     for (name, u), (_, v) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name
-    assert peers.build("ddcl_wide", 128, 8).target_entropy == pytest.approx(math.log(9))  # above it, capped
+    assert harness.build("ddcl_wide", 128, 8).target_entropy == pytest.approx(math.log(9))  # above it, capped
     for k in (512, 4096):  # the records' sizes (D = 64): the same target to the bit, log K / 2
-        assert peers.build("ddcl_wide", k, 64).target_entropy == peers.build("ddcl", k, 64).target_entropy \
+        assert harness.build("ddcl_wide", k, 64).target_entropy == harness.build("ddcl", k, 64).target_entropy \
             == 0.5 * math.log(k)
     # the former defaults: 2.5 nats from K = 149 on, log K / 2 below
-    assert peers.build("ddcl_h25", 512, 64).target_entropy == 2.5
-    assert peers.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))
-    assert peers.build("ddcl_h25", 1, 8).target_entropy is None
+    assert harness.build("ddcl_h25", 512, 64).target_entropy == 2.5
+    assert harness.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))
+    assert harness.build("ddcl_h25", 1, 8).target_entropy is None
 
 
 def test_the_capped_hard_peer_restarts_only_codes_below_a_quarter_of_the_mean_usage():
@@ -289,20 +225,21 @@ def test_the_capped_hard_peer_restarts_only_codes_below_a_quarter_of_the_mean_us
     z = torch.randn(64, 4)
     moved = {}
     for method in ("hard_ema", "hard_ema_cap"):
-        layer = peers.build(method, 16, 4)
+        layer = harness.build(method, 16, 4)
         layer.dead_codes.usage.copy_(usage)
         moved[method] = layer.dead_codes.restart_(layer.codebook.clone(), z)
     assert moved["hard_ema"].all()  # every code is below one token a batch
     assert torch.equal(moved["hard_ema_cap"], usage < 0.25 * usage.mean())
     assert int(moved["hard_ema_cap"].sum()) == 4
-    assert peers.build("hard_ema_cap", 16, 4).dead_codes.settings == dataclasses.replace(peers.HARD_RESTART, cap=0.25)
+    capped = harness.build("hard_ema_cap", 16, 4).dead_codes.settings
+    assert capped == dataclasses.replace(harness.HARD_RESTART, cap=0.25)
 
 
 @pytest.mark.parametrize(("method", "k"), [("ddcl_top128", 128), ("ddcl_top256", 256)])
 def test_the_top_k_candidates_are_the_defaults_layer_truncated_to_k_prototypes(method, k):
-    layer = peers.build(method, 512, 8)
-    assert isinstance(layer, peers.softvq.DDCLQuantizer) and layer.top_k == k
-    default = peers.build("ddcl", 512, 8)
+    layer = harness.build(method, 512, 8)
+    assert isinstance(layer, harness.softvq.DDCLQuantizer) and layer.top_k == k
+    default = harness.build("ddcl", 512, 8)
     assert default.top_k is None and layer.target_entropy == default.target_entropy  # only the truncation differs
-    assert peers.build(method, 512, 8, {"top_k": 64}).top_k == 64  # an override wins
-    assert method in peers.METHODS and method in peers.LABELS
+    assert harness.build(method, 512, 8, {"top_k": 64}).top_k == 64  # an override wins
+    assert method in harness.METHODS and method in harness.LABELS

@@ -49,7 +49,7 @@ def test_former_defaults_marks_the_ddcl_rows_and_nothing_else(tmp_path):
     text = readme.read_text()
     assert "| softvq DDCL, defaults at the time (target entropy 2.5 nats) | 2 | 20.50 ± 0.71 |" in text
     assert "Source: [reports/toy/results.json]" in text  # the flag is no source
-    assert render._labels({"hard_ema": "HardVQ"}, ["former-defaults"]) == {"hard_ema": "HardVQ"}
+    assert render.labels_of({"hard_ema": "HardVQ"}, ["former-defaults"]) == {"hard_ema": "HardVQ"}
 
 
 @pytest.mark.parametrize("spec,match", [("nope reports/toy/results.json", "needs one of"),

@@ -68,6 +68,26 @@ def test_a_study_is_its_package_or_its_one_file(repo):
     assert modules("python -m eval.missing") == [] and modules("python train_vqvae.py --epochs 3") == []
 
 
+def test_a_retired_study_is_listed_with_the_commit_that_holds_it_and_judged_by_the_library_alone(repo, capsys):
+    measured = git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "reports" / "other" / "report.md").write_text(
+        f"# R\n\nRegenerate: `git checkout {measured} && python -m eval.other --x`\n\nCode: {measured}\n")
+    header = reports.read_header(repo / "reports" / "other" / "report.md")
+    assert header.retired_at == measured and header.modules(repo) == []  # its module may be gone from the tree
+    assert reports.Header(repo / "r.md", "python -m eval.other --x", [measured]).retired_at is None
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "report")
+    (repo / "eval" / "other.py").unlink()  # the study leaves the tree: the report stays fresh
+    git(repo, "commit", "-qam", "retire eval.other")
+    assert reports.main(["--check"], root=repo) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| reports/other/"))
+    assert row.endswith(f"| retired (code at {measured}); fresh |")
+    (repo / "softvq" / "layer.py").write_text("x = 2\n")  # the library it measured changes: stale, as any report
+    git(repo, "commit", "-qam", "library changed")
+    assert reports.main(["--check"], root=repo) == 1
+    assert f"retired (code at {measured}); stale: softvq changed in" in capsys.readouterr().out
+
+
 def test_a_report_goes_stale_when_its_study_or_the_library_changes(repo, capsys):
     measured = git(repo, "rev-parse", "--short", "HEAD")
     write_report(repo, "peers", measured)

@@ -8,7 +8,6 @@ must never appear, and each refusal must name the file.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import pickle
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval import readout
 from softvq.cli import evaluate
 from softvq.cli import prior as train_prior
 from softvq.cli import train as train_vqvae
@@ -157,17 +155,6 @@ def test_code_cache_with_a_payload_is_ignored_and_replaced(tmp_path, tiny_cifar,
     assert f"ignoring the code cache {planted}: code cache {planted} is unsafe to load" in caplog.text
     assert len(splits["train"].labels) == 32
     assert "payload" not in torch.load(planted, weights_only=True)  # replaced by the freshly encoded codes
-
-
-def test_readout_latent_cache_with_a_payload_is_ignored(tmp_path, tiny_cifar, finished, marker, caplog):
-    model = load_vqvae(finished / "checkpoints" / "last.ckpt")
-    cache = write_payload(tmp_path / "latents.pt", marker, like={"key": {}})
-    args = argparse.Namespace(data_root=tiny_cifar["folder"], train_subset=32, num_workers=0, test_subset=10,
-                              cache=cache, checkpoint=finished / "checkpoints" / "last.ckpt")
-    train, test = readout.latents(args, model, "b" * 64, torch.device("cpu"))
-    assert not marker.exists()
-    assert f"latent cache {cache} is unsafe to load" in caplog.text
-    assert len(train[2]) == 32 and len(test[2]) == 10
 
 
 def test_config_of_a_refused_run_is_valid_json(finished):

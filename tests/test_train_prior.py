@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shlex
 import shutil
 
 import pytest
@@ -14,7 +13,6 @@ from conftest import CLASSES
 from PIL import Image
 from torchvision.transforms.functional import to_tensor
 
-from eval import prior_report, reports
 from softvq.cli import prior as train_prior
 from softvq.cli import sample
 from softvq.cli import train as train_vqvae
@@ -239,45 +237,6 @@ def test_sample_refuses_a_class_for_an_unconditional_prior(vqvaes, tiny_cifar, t
         sample.main(["--prior", ckpt, "--guidance", "2", "--out", str(tmp_path / "g.png")])
 
 
-def test_prior_report_tabulates_runs_against_their_unigram_baselines(trained, tmp_path):
-    out = tmp_path / "report"
-    ckpt = str(trained["out"] / "checkpoints" / "last.ckpt")
-    drawn = sample.main(["--prior", ckpt, "--n", "3", "--seed", "4", "--out", str(out / "samples_tiny.png")])
-    result = prior_report.main(["--run", f"tiny={trained['out']}", "--run", f"again={trained['out']}",
-                                "--out", str(out)])
-    saved = json.loads((out / "results.json").read_text())
-    assert [r["name"] for r in saved["runs"]] == ["tiny", "again"]
-    run = saved["runs"][0]
-    assert run["test_bits_per_position"] == trained["results"]["test_bits_per_position"]
-    assert [h["epoch"] for h in run["history"]] == [1, 2] and run["vqvae_last_epoch"]["epoch"] == 1
-    rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| tiny")]
-    cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    gain = run["test_unigram_entropy_bits"] - run["test_bits_per_position"]
-    assert cells[1] == "16" and cells[6] == f"{run['test_bits_per_position']:.3f}" and cells[7] == f"{gain:.3f}"
-    assert (out / "position_bits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["table"].count("\n") == 4
-    report = (out / "report.md").read_text()
-    # the commands in the header repeat the run and the samples: parsed, they give the settings the run saved
-    prior_cmd = next(line.strip() for line in report.splitlines() if line.strip().startswith("softvq-prior "))
-    args = train_prior.parse_args(shlex.split(prior_cmd)[1:])
-    assert args.config == json.loads((trained["out"] / "config.json").read_text())
-    sample_cmd = next(line.strip() for line in report.splitlines() if line.strip().startswith("softvq-sample "))
-    assert torch.equal(sample.main(shlex.split(sample_cmd)[1:])["codes"], drawn["codes"])
-    assert re.search(r"^Code: \S+", report, re.M) and "python -m eval.prior_report --run tiny=" in report
-    for page in ("report.md", "table.md"):  # both carry the header eval.reports reads
-        header = reports.read_header(out / page)
-        assert header.command.startswith("python -m eval.prior_report --run tiny=") and header.commits, page
-    bits = run["test_position_bits"]  # the border/interior split, by hand on the 8 x 8 grid
-    border = [bits[i][j] for i in range(8) for j in range(8) if (i in (0, 7) or j in (0, 7)) and (i, j) != (0, 0)]
-    interior = [bits[i][j] for i in range(1, 7) for j in range(1, 7)]
-    assert len(border) == 27 and len(interior) == 36
-    assert f"| tiny | {bits[0][0]:.2f} | {sum(border) / 27:.2f} (27) | {sum(interior) / 36:.2f} (36) |" in report
-    assert "The class label" not in report  # both runs are conditional: no unconditional twin to compare with
-    with pytest.raises(FileNotFoundError, match="test.json not found"):
-        prior_report.main(["--run", f"x={tmp_path}", "--out", str(out)])
-    with pytest.raises(SystemExit):
-        prior_report.main(["--run", "no-equals-sign"])
-
-
 def test_prior_refuses_data_with_other_classes_than_its_vqvae_and_records_them(trained, vqvaes, tiny_cifar,
                                                                                tmp_path):
     assert load_prior(trained["out"] / "checkpoints" / "last.ckpt").vqvae.classes == list(CLASSES)
@@ -297,19 +256,6 @@ def test_train_prior_refuses_an_out_in_use(vqvaes, tiny_cifar, tmp_path):
     with RunLock(tmp_path / "run"), pytest.raises(RunLockedError, match=r"is in use by another run \(pid \d+"):
         train_prior.main([*PRIOR_TINY, "--vqvae", str(vqvaes["ddcl"]), "--data.data_root", str(tiny_cifar["folder"]),
                           "--out", str(tmp_path / "run"), "--epochs", "1"])
-
-
-def test_a_rebuilt_sample_command_parses_back_to_its_settings():
-    parser = sample.build_parser()
-    argv = ["--prior", "p.ckpt", "--n", "5", "--allow_other_vqvae", "--label", "cat", "--guidance", "2.5"]
-    expected = parser.parse_args(argv).as_dict()
-    config = {k: v for k, v in json.loads(json.dumps(expected, default=str)).items() if k != "config"}
-    command = prior_report.command_of(config, parser, "softvq-sample", ("prior", "n"))
-    words = shlex.split(command)
-    assert words[:5] == ["softvq-sample", "--prior", "p.ckpt", "--n", "5"]
-    after = words[words.index("--allow_other_vqvae") + 1:]  # a switch: no value follows it
-    assert not after or after[0].startswith("--")
-    assert parser.parse_args(words[1:]).as_dict() == expected
 
 
 def test_a_prior_checkpoint_saved_before_the_null_class_and_soft_targets_resumes_as_it_was_trained(tmp_path):

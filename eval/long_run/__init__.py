@@ -1,4 +1,4 @@
-"""Long training: the project's VQ-VAE (the model :func:`eval.peers.fit_run` trains) on all 45,000 CIFAR-10 training
+"""Long training: the project's VQ-VAE (the model :func:`eval.harness.fit_run` trains) on all 45,000 CIFAR-10 training
 images for 10 epochs, per bottleneck method, codebook size K and seed; runs that take hours, so every run resumes.
 
 Usage:
@@ -14,7 +14,7 @@ one of the values given (a flag not given keeps all); a selection that holds non
 every value the plan uses). Order: K as given, then seed, then method, so an interrupted study has every method at
 its first seeds.
 
-Settings: :func:`eval.peers.add_vqvae_arguments` (the peers' model) with this study's defaults: 10 epochs, every
+Settings: :func:`eval.harness.add_vqvae_arguments` (the peers' model) with this study's defaults: 10 epochs, every
 training image (``--train-subset`` None: 45,000 after the 5,000 of ``--val-size`` held out). The validation split is
 scored after every epoch, the official test split once, when a run has finished its epochs.
 
@@ -47,10 +47,11 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from eval import fingerprint, peers
+from eval import fingerprint, harness, render
 from eval._provenance import ROOT, code_commit, git, repo_relative, study_command
 from eval.long_run.metrics import EightBitPSNR, psnr_8bit
 from eval.long_run.report import write_report
+from eval.reports import report_fingerprints
 from softvq.cli.common import run_command
 from softvq.cli.train import checkpoint_callbacks
 from softvq.data.cifar10 import CIFAR10DataModule
@@ -75,7 +76,7 @@ PATH_FLAGS = ("--data-root", "--runs", "--out")  # recorded relative to the repo
 
 
 class Run(NamedTuple):
-    """One run of the study: codebook size, bottleneck method (:func:`eval.peers.build`) and seed."""
+    """One run of the study: codebook size, bottleneck method (:func:`eval.harness.build`) and seed."""
 
     num_codes: int
     method: str
@@ -100,8 +101,8 @@ def select_runs(num_codes: Sequence[int] | None = None, methods: Sequence[str] |
         ValueError: the selection holds no run (naming the filters).
     """
     ks = list(num_codes) if num_codes is not None else list(plan)
-    all_methods = [m for m in peers.METHODS if any(m in per_k for per_k in plan.values())]
-    names = [m for m in peers.METHODS if m in methods] if methods is not None else all_methods
+    all_methods = [m for m in harness.METHODS if any(m in per_k for per_k in plan.values())]
+    names = [m for m in harness.METHODS if m in methods] if methods is not None else all_methods
     all_seeds = sorted({s for per_k in plan.values() for seeds_ in per_k.values() for s in seeds_})
     wanted_seeds = sorted(seeds) if seeds is not None else all_seeds
     runs = [Run(k, m, s) for k in ks for s in wanted_seeds for m in names
@@ -128,11 +129,11 @@ def relative_argv(argv: Sequence[str]) -> list[str]:
 
 
 def settings_of(args: argparse.Namespace, num_codes: int) -> dict[str, Any]:
-    """What a run's numbers depend on besides method and seed (:func:`eval.peers.settings_of` at ``num_codes``, the
+    """What a run's numbers depend on besides method and seed (:func:`eval.harness.settings_of` at ``num_codes``, the
     data path repository-relative)."""
     one = copy.copy(args)
     one.num_codes = num_codes
-    return {**peers.settings_of(one), "data": repo_relative(args.data_root)}
+    return {**harness.settings_of(one), "data": repo_relative(args.data_root)}
 
 
 def check_settings(directory: Path, settings: dict[str, Any]) -> bool:
@@ -172,7 +173,7 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     finished its ``args.epochs``, score it on the test split: the run's record, also written to ``result.json``;
     ``None`` when training stopped earlier (a callback set ``trainer.should_stop``): it resumes next time.
 
-    The model is built as :func:`eval.peers.fit_run` builds it (the same seeding between data, bottleneck and
+    The model is built as :func:`eval.harness.fit_run` builds it (the same seeding between data, bottleneck and
     autoencoder). ``callbacks``: extra Lightning callbacks (the tests stop a run with one).
     """
     ckpt = directory / "checkpoints" / "last.ckpt"
@@ -183,14 +184,14 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     L.seed_everything(run.seed, workers=True, verbose=False)
     data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
                              train_subset=args.train_subset, num_workers=args.num_workers, seed=run.seed)
-    quantizer = peers.build(run.method, run.num_codes, args.code_dim)
+    quantizer = harness.build(run.method, run.num_codes, args.code_dim)
     L.seed_everything(run.seed, workers=True, verbose=False)
     model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
                   res_hidden=args.res_hidden, lr=args.lr)
     # A fresh run draws from here; a resumed one from the random states its checkpoint holds (VQVAE.on_load_checkpoint)
     L.seed_everything(run.seed, workers=True, verbose=False)
     eight_bit = EightBitPSNR()
-    test_batches = (args.test_limit // args.batch_size) or 1 if args.test_limit else 1.0  # as eval.peers.fit_run
+    test_batches = (args.test_limit // args.batch_size) or 1 if args.test_limit else 1.0  # as eval.harness.fit_run
     trainer = L.Trainer(
         max_epochs=args.epochs, accelerator="cpu", logger=False, default_root_dir=directory,
         plugins=[AtomicCheckpointIO()], enable_progress_bar=not args.no_progress_bar, enable_model_summary=False,
@@ -212,23 +213,13 @@ def train_run(run: Run, args: argparse.Namespace, directory: Path,
     test.update(num_codes=model.num_codes, ppl_per_k=test["perplexity"] / model.num_codes, psnr_8bit=eight_bit.mean,
                 images=eight_bit.images)
     invocations = read_history(directory / "invocations.jsonl")
-    record = {"method": run.method, "num_codes": run.num_codes, "seed": run.seed, "label": peers.LABELS[run.method],
+    record = {"method": run.method, "num_codes": run.num_codes, "seed": run.seed, "label": harness.LABELS[run.method],
               "settings": settings_of(args, run.num_codes), "history": history, "test": test,
               "wall_s": sum(row["time_s"] for row in history) + time.perf_counter() - start,
               "code": args.code, "command": args.command, "invocations": invocations,
               "fingerprints": sorted({i["fingerprint"] for i in invocations if i.get("fingerprint")})}
     write_atomic(directory / "result.json", json.dumps(record, indent=1))
     return record
-
-
-def _render_unedited() -> list[str]:
-    """Re-render the README's and docs' tables (``python -m eval.render --unedited``: pages nobody is editing) and
-    return the paths it rewrote. A subprocess, not an import: eval.render reads this study's records through
-    ``eval.long_run.report``, and the study importing the renderer back would be an import loop."""
-    done = subprocess.run([sys.executable, "-m", "eval.render", "--unedited"], cwd=ROOT, check=True,
-                          capture_output=True, text=True)
-    return [str(ROOT / line.removeprefix("rendered ")) for line in done.stdout.splitlines()
-            if line.startswith("rendered ")]
 
 
 def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
@@ -257,32 +248,12 @@ def publish(run: Run, record: dict[str, Any], out: Path, commit: bool) -> None:
     try:
         files = [str(path.resolve()), str(store)]
         if inside:  # the README's and docs' tables rendered from these records (eval.render), where nobody edits them
-            files += _render_unedited()
+            files += [str(path) for path in render.render_files(ROOT, only_unedited=True)]
         git("add", "--", *files)
         git("commit", "--only", "-m", message, "--", *files)
     except (OSError, subprocess.CalledProcessError) as err:
         log.warning("git commit of %s failed (%s); the file is written", path,
                     getattr(err, "stderr", None) or err)
-
-
-def report_fingerprints(records: Path, stored: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Per fingerprinted method, the fingerprints its records in ``records`` were trained with (each record's
-    ``fingerprints``, one per start or resume of its run): a run trained again replaces its record, and so its
-    prints. A method with a record from before records held them keeps its ``stored`` prints."""
-    prints: dict[str, set[str]] = {}
-    older: set[str] = set()
-    for path in sorted(records.glob("*.json")):
-        rec = json.loads(path.read_text())
-        name = fingerprint.canonical(rec.get("method", ""))
-        if name is None:
-            continue
-        if rec.get("fingerprints"):
-            prints.setdefault(name, set()).update(rec["fingerprints"])
-        else:
-            older.add(name)
-    for name in older:
-        prints.setdefault(name, set()).update(stored.get(name, []))
-    return {m: sorted(v) for m, v in prints.items() if v}
 
 
 def load_or_train(run: Run, args: argparse.Namespace, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any] | None:
@@ -312,11 +283,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-root", type=Path, default=Path("data"),
                    help="CIFAR-10 directory or .tar.gz archive (default: data)")
     p.add_argument("--num-codes", type=int, nargs="+", default=None, help="keep the plan's runs at these K")
-    p.add_argument("--methods", nargs="+", choices=peers.METHODS, default=None, help="keep these methods' runs")
+    p.add_argument("--methods", nargs="+", choices=harness.METHODS, default=None, help="keep these methods' runs")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="keep these seeds' runs")
     p.add_argument("--off-plan", action="store_true",
                    help="run every combination of --num-codes x --methods x --seeds, also those the plan lacks")
-    peers.add_vqvae_arguments(p)
+    harness.add_vqvae_arguments(p)
     # this study's defaults (--epochs 10, every training image, 5,000 validation images), said in the epilog
     p.set_defaults(epochs=10, train_subset=None, val_size=5000)
     p.add_argument("--runs", type=Path, default=None,
@@ -353,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.selection = select_runs(args.num_codes, args.methods, args.seeds, args.off_plan)
         for run in args.selection:
             if run.method == "vqp_fsq":
-                peers.fsq_levels(run.num_codes)
+                harness.fsq_levels(run.num_codes)
     except ValueError as err:
         p.error(str(err))
     if not args.no_train and any(run.method.startswith("vqp_") for run in args.selection) and \
@@ -372,7 +343,7 @@ def main(argv: list[str] | None = None, callbacks: Sequence[L.Callback] = ()) ->
     if not args.no_train:
         for run in args.selection:  # before any training: a clash is reported now, not hours into the study
             check_settings(run.directory(args.runs), settings_of(args, run.num_codes))
-        with peers.study_run(args.threads):
+        with harness.study_run(args.threads):
             for run in args.selection:
                 record = load_or_train(run, args, callbacks)
                 if record is not None:

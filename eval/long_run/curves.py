@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eval.compare.report import mean_std  # noqa: E402
+from eval._spread import mean_std  # noqa: E402
 
 THRESHOLDS_DB = (23.0, 24.0, 25.0)  # validation hard-index PSNRs whose first crossing the report gives
 

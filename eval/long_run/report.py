@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from eval import render
 from eval._provenance import ROOT, code_commit
-from eval._spread import by_seed, describe
-from eval.compare.report import _fmt, mean_std
+from eval._spread import by_seed, describe, format_mean_std, mean_std
+from eval.harness import LABELS
 from eval.long_run.curves import THRESHOLDS_DB, _curve, _label, plot_curves
 from eval.long_run.equal_compute import equal_compute, load_step_times
-from eval.peers import LABELS
 from softvq.models.callbacks import read_history
 from softvq.models.files import write_atomic
 
@@ -103,7 +103,7 @@ def test_table(methods: dict[str, list[dict[str, Any]]]) -> list[str]:
         for key, _, fmt, scale in COLUMNS:
             values = np.array([np.nan if r["test"].get(key) is None else r["test"][key] for r in runs], dtype=float)
             mean, std = mean_std(values * scale)
-            cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
+            cells.append(format_mean_std(float(mean), float(std), fmt, len(runs)))
         lines.append(f"| {_label(runs[0])} | {len(runs)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -268,3 +268,41 @@ def write_report(out: Path, runs: Path, planned: Sequence[str] = (),
         lines += equal_compute(every, step_times, out)
     write_atomic(out / "report.md", "\n".join(lines))
     return {"finished": finished, "in_progress": partial, "not_started": not_started}
+
+
+def render_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The README/docs block ``long_run_test`` (:mod:`eval.render`): per K, the test table of the study's finished
+    runs (the records in ``<folder>/runs/``). The flags are ignored: the records name their own methods (``ddcl_h25``:
+    the former defaults)."""
+    lines: list[str] = []
+    for path, rel in sources:
+        for k, methods in _groups(load_records(path)).items():
+            runs = [r for rs in methods.values() for r in rs]
+            commits = [r["code"] for r in runs if r.get("code")]
+            settings = {**runs[0]["settings"], "num_codes": k}
+            lines += [*test_table(methods), "", render.source_line(rel, commits, render.setting_of(settings), "test"),
+                      ""]
+    return lines[:-1]
+
+
+def render_curves(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The README/docs block ``long_run_curves``: per K, every method's validation hard PSNR after each epoch, the
+    mean over its finished seeds."""
+    lines: list[str] = []
+    for path, rel in sources:
+        for k, methods in _groups(load_records(path)).items():
+            runs = [r for rs in methods.values() for r in rs]
+            epochs = max(len(r["history"]) for r in runs)
+            lines += [f"| K = {k} | n | " + " | ".join(str(e + 1) for e in range(epochs)) + " |",
+                      "|---|---|" + "---|" * epochs]
+            for rs in methods.values():
+                cells = []
+                for e in range(epochs):
+                    vals = [r["history"][e].get("val_psnr_hard") for r in rs if len(r["history"]) > e]
+                    vals = [v for v in vals if v is not None]
+                    cells.append(f"{sum(vals) / len(vals):.2f}" if vals else "–")
+                lines.append(f"| {_label(rs[0])} | {len(rs)} | " + " | ".join(cells) + " |")
+            settings = {**runs[0]["settings"], "num_codes": k}
+            lines += ["", render.source_line(rel, [r["code"] for r in runs if r.get("code")],
+                                             render.setting_of(settings), "validation"), ""]
+    return lines[:-1]

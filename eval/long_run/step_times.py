@@ -7,7 +7,7 @@ Usage:
 
 Which models: one per K and method of the finished records in ``--out/runs/`` (``--num-codes`` and ``--methods``
 keep some), each built as :func:`eval.long_run.train_run` builds it from the settings its records hold (the bottleneck
-:func:`eval.peers.build` gives today, the VQ-VAE's width, residual blocks, D, learning rate and batch size). A method
+:func:`eval.harness.build` gives today, the VQ-VAE's width, residual blocks, D, learning rate and batch size). A method
 whose layer cannot be built here (the ``vqp_*`` peers without vector-quantize-pytorch) is listed as not timed, with
 why.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from eval import bench_train, peers
+from eval import bench_train, harness
 from eval._provenance import ROOT, code_commit, cpu_model, git, study_command
 from eval.long_run.equal_compute import STEP_TIMES
 from eval.long_run.report import load_records
@@ -71,7 +71,7 @@ def selection(records: list[dict[str, Any]], num_codes: list[int] | None = None,
 
 def build_model(method: str, num_codes: int, settings: dict[str, Any], seed: int = 0) -> VQVAE:
     """The VQ-VAE of ``method`` at ``num_codes`` as :func:`eval.long_run.train_run` builds it from ``settings``."""
-    return peers.vqvae_of(method, {**settings, "num_codes": num_codes}, seed)
+    return harness.vqvae_of(method, {**settings, "num_codes": num_codes}, seed)
 
 
 def model_key(num_codes: int, method: str) -> str:
@@ -99,13 +99,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             models[model_key(k, method)] = build_model(method, k, settings, args.seed)
     if not models:
         raise ValueError(f"no selected method builds here: {not_timed}")
-    harness = argparse.Namespace(seed=args.seed, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                                 accelerator="cpu")
+    timing = argparse.Namespace(seed=args.seed, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                               accelerator="cpu")
     load_before = os.getloadavg()
-    with peers.study_run(args.threads), quiet_lightning(), warnings.catch_warnings():
+    with harness.study_run(args.threads), quiet_lightning(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         start = datetime.datetime.now(datetime.timezone.utc)
-        seconds = bench_train.time_steps(harness, models, batch_size)
+        seconds = bench_train.time_steps(timing, models, batch_size)
         threads = torch.get_num_threads()
     times: dict[str, dict[str, Any]] = {}
     for k, per_k in chosen.items():
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("reports/long_run"),
                    help="the study's records (--out/runs/) and where step_times.json goes (default: reports/long_run)")
     p.add_argument("--num-codes", type=int, nargs="+", default=None, help="time only these K")
-    p.add_argument("--methods", nargs="+", choices=peers.METHODS, default=None, help="time only these methods")
+    p.add_argument("--methods", nargs="+", choices=harness.METHODS, default=None, help="time only these methods")
     p.add_argument("--steps", type=int, default=6, help="timed steps per fit (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every fit (default 2)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")

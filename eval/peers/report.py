@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from eval import render
 from eval._provenance import code_commit, portable
-from eval._spread import by_seed, describe
-from eval.compare.report import _finish, _fmt, draw_panels, mean_std, series  # noqa: E402
+from eval._spread import by_seed, describe, format_mean_std, mean_std
+from eval.harness import LABELS
 from softvq.models.files import write_atomic  # noqa: E402
 
 TEST_COLUMNS = (("psnr_hard", "PSNR from hard indices (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM", "{:.3f}", 1.0),
@@ -25,6 +27,49 @@ EPOCH_COLUMNS = (("val_utilization", "val util %", "{:.1f}", 100.0), ("val_dead_
                  ("val_perplexity", "val ppl", "{:.0f}", 1.0), ("val_psnr_hard", "val PSNR hard", "{:.2f}", 1.0),
                  ("utilization", "train util %", "{:.1f}", 100.0), ("restarts", "restarts", "{:.0f}", 1.0),
                  ("train_images_per_s", "img/s", "{:.0f}", 1.0))
+
+
+def series(runs: list[dict[str, Any]], metric: str, epochs: int) -> np.ndarray:
+    """``(runs, epochs)`` values of a history key; NaN where a run lacks the epoch or the key."""
+    out = np.full((len(runs), epochs), np.nan)
+    for i, run in enumerate(runs):
+        for row in run["history"]:
+            value = row.get(metric)
+            if value is not None and 1 <= row["epoch"] <= epochs:
+                out[i, row["epoch"] - 1] = value
+    return out
+
+
+def _band(ax: plt.Axes, runs: list[dict[str, Any]], metric: str, epochs: int, label: str, scale: float = 1.0,
+          **style: Any) -> None:
+    mean, std = mean_std(series(runs, metric, epochs) * scale)
+    x = np.arange(1, epochs + 1)
+    line, = ax.plot(x, mean, marker="o", ms=3, label=label, **style)
+    if len(runs) > 1:
+        ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
+
+
+def _finish(fig: plt.Figure, axes: np.ndarray, path: Path) -> None:
+    for ax in np.ravel(axes):
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    np.ravel(axes)[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_panels(axes: np.ndarray, groups: dict[str, list], labels: dict[str, str], epochs: int,
+                panels: tuple[tuple[str, str, float], ...]) -> None:
+    """One panel per ``(metric, title, scale)``: every group's mean ± std band over its seeds, and beside the hard
+    validation PSNR DDCL's soft output."""
+    for ax, (metric, title, scale) in zip(axes.ravel(), panels, strict=True):
+        for key, runs in groups.items():
+            _band(ax, runs, metric, epochs, labels[key], scale)
+        if metric == "val_psnr_hard" and "ddcl" in groups:
+            _band(ax, groups["ddcl"], "val_psnr", epochs, "DDCL soft output", ls="--", color="grey")
+        ax.set_title(title, fontsize=10)
 
 
 # A soft-hard PSNR difference below this is float rounding of one tensor decoded twice, not a measurement.
@@ -49,7 +94,7 @@ def test_table(groups: dict[str, list], labels: dict[str, str], columns: tuple =
         cells = []
         for metric, _, fmt, scale in columns:
             mean, std = mean_std(values(runs, metric) * scale)
-            cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
+            cells.append(format_mean_std(float(mean), float(std), fmt, len(runs)))
         lines.append(f"| {labels[key]} | {len(runs)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -83,7 +128,7 @@ def epoch_table(groups: dict[str, list], labels: dict[str, str], epochs: int) ->
             cells = []
             for metric, _, fmt, scale in EPOCH_COLUMNS:
                 mean, std = mean_std(series(runs, metric, epochs)[:, e] * scale)
-                cells.append(_fmt(float(mean), float(std), fmt, len(runs)))
+                cells.append(format_mean_std(float(mean), float(std), fmt, len(runs)))
             lines.append(f"| {e + 1} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
@@ -205,3 +250,9 @@ def write_report(runs: list[dict[str, Any]], settings: dict[str, Any], out: Path
     summary = {"settings": settings, "runs": runs}
     write_atomic(out / "results.json", json.dumps(portable(summary), indent=1, default=float))
     return summary
+
+
+def render_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The README/docs block ``peers_test`` (:mod:`eval.render`): the test table of ``eval.peers`` results files."""
+    runs, lines = render.merged(sources, render.setting_of, lambda s: "test")
+    return [*test_table(group(runs), render.labels_of(LABELS, flags)), "", *lines]

@@ -16,7 +16,7 @@ Points: every method at K = 512 (``--seeds``, 3 by default) and K = 4096 (``--la
 level sets ([8, 8, 8] = 512 and [7, 5, 5, 5, 5] = 4,375 codes). Beside them, a sweep of DDCL's ``target_entropy`` at
 K = 512 that reads the **validation** split only (it is a tuning study: which entropy target moves the rate).
 
-Each point lives in ``--runs/<method>/K<K>/seed<S>/``: ``result.json`` (the VQ-VAE record of ``eval.peers.fit_run``
+Each point lives in ``--runs/<method>/K<K>/seed<S>/``: ``result.json`` (the VQ-VAE record of ``eval.harness.fit_run``
 plus the prior's figures and the code-neighbourhood statistics), ``codes.pt`` (the code grids of the train, val and
 test images, int16), ``vqvae.pt`` and ``prior.pt`` (the VQ-VAE's and the prior's state dicts, for sampling). A point
 whose ``result.json`` has the same settings is read, not retrained; ``--no-train`` only reads. The report is
@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import softvq
-from eval import peers
+from eval import harness
 from eval._provenance import code_commit
 from softvq.cli.common import run_command
 from softvq.models.codes import SoftCodes, extract_codes
@@ -51,7 +51,7 @@ from softvq.models.transformer import PriorConfig
 log = logging.getLogger("eval.rate_distortion")
 
 METHODS = ("ddcl", "hard_ema", "vqp_vq", "vqp_fsq")
-LABELS = {m: peers.LABELS[m] for m in METHODS} | {"vqp_fsq": "vqp FSQ (levels of the FSQ paper)"}
+LABELS = {m: harness.LABELS[m] for m in METHODS} | {"vqp_fsq": "vqp FSQ (levels of the FSQ paper)"}
 SWEEP_TARGETS = (1.5, 3.5)  # nats, beside the default (2.5 at K = 512 when the committed study ran)
 NEIGHBOURS_K = 8  # "similar" neighbour: among the code's 8 nearest codes (itself included)
 
@@ -88,7 +88,7 @@ def vqvae_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
 
 def settings_of(args: argparse.Namespace, k: int) -> dict[str, Any]:
     """What a point's result depends on besides method, seed and target: a stored point with others is retrained."""
-    return {**peers.settings_of(vqvae_args(args, k)), "prior": prior_settings(args)}
+    return {**harness.settings_of(vqvae_args(args, k)), "prior": prior_settings(args)}
 
 
 def prior_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def add_prior_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
 def build_quantizer(method: str, k: int, dim: int, target: float | None) -> torch.nn.Module:
     if target is not None:
         return softvq.DDCLQuantizer(k, dim, target_entropy=target)
-    return peers.build(method, k, dim)
+    return harness.build(method, k, dim)
 
 
 def fit_prior(codes: dict[str, Tensor], num_codes: int, grid: tuple[int, int], settings: dict[str, Any],
@@ -135,7 +135,7 @@ def fit_prior(codes: dict[str, Tensor], num_codes: int, grid: tuple[int, int], s
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
     begin = time.perf_counter()
-    with peers.study_run():
+    with harness.study_run():
         trainer.fit(prior, loader)
     return prior.eval(), time.perf_counter() - begin
 
@@ -186,7 +186,7 @@ def run_point(method: str, k: int, seed: int, target: float | None, args: argpar
     print(f"[rate_distortion] {method} K={k} seed {seed}" + (f" target {target}" if target else "") + f" -> {out}",
           flush=True)
     vargs = vqvae_args(args, k)
-    model, data, result = peers.fit_run(method, seed, vargs, out,
+    model, data, result = harness.fit_run(method, seed, vargs, out,
                                         quantizer=lambda: build_quantizer(method, k, args.code_dim, target))
     model.eval()
     splits = {"train": data.train_set, "val": data.val_set, "test": data.test_set}
@@ -228,7 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-only", action="store_true", help="only the target-entropy sweep")
     p.add_argument("--only", nargs="+", default=None, metavar="METHOD:K:SEED[:TARGET]",
                    help="train only these points (the report still reads every finished one)")
-    peers.add_vqvae_arguments(p)
+    harness.add_vqvae_arguments(p)
     add_prior_arguments(p)
     p.add_argument("--runs", type=Path, default=Path("runs/rate_distortion"))
     p.add_argument("--out", type=Path, default=Path("reports/rate_distortion"))
@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "vqp_fsq" in args.methods:
         for k in args.num_codes:
             try:
-                peers.fsq_levels(k)
+                harness.fsq_levels(k)
             except ValueError as err:
                 p.error(str(err))
     args.commit = code_commit()  # at the start: the code this process imported, whatever changes while it trains
@@ -269,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    with peers.study_run(args.threads):
+    with harness.study_run(args.threads):
         trained = [run_point(*point, args) for point in points_of(args)]
     if args.only and not args.no_train:
         return {"trained": len(trained)}  # one worker of several: the report is written by a --no-train pass
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = [run_point(*point, every) for point in points_of(every)]
     settings = {"command": args.command, "num_codes": args.num_codes, "seeds": args.seeds,
                 "large_seeds": args.large_seeds, "prior": prior_settings(args), "labels": LABELS,
-                "vqvae": {k: v for k, v in peers.settings_of(vqvae_args(args, args.num_codes[0])).items()
+                "vqvae": {k: v for k, v in harness.settings_of(vqvae_args(args, args.num_codes[0])).items()
                           if k != "num_codes"}}
     return write_report([r for r in results if not r.get("missing")], settings, args.out,
                         missing=[r for r in results if r.get("missing")])

@@ -21,7 +21,7 @@ import numpy as np
 
 from eval._provenance import code_commit, portable
 from eval._spread import beyond_spread
-from eval.peers import former_entropy_target
+from eval.harness import former_entropy_target
 from softvq.models.files import write_atomic
 
 TOLERANCE_DB = 0.5  # how far outside a peer's measured PSNR range its line may be read

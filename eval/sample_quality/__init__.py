@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from eval import peers
+from eval import harness
 from eval import rate_distortion as rd
 from eval._provenance import code_commit, portable
 from eval._spread import MIN_SEEDS
@@ -243,7 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="instead, eval.long_run's runs (K<K>/<method>/seed<S>/ with checkpoints/last.ckpt)")
     p.add_argument("--num-codes", type=int, nargs="+", default=None,
                    help="score only the points of these codebook sizes (default: every size found)")
-    p.add_argument("--methods", nargs="+", choices=peers.METHODS, default=None,
+    p.add_argument("--methods", nargs="+", choices=harness.METHODS, default=None,
                    help="score only the points of these methods (default: every method found)")
     p.add_argument("--samples", type=int, default=5000, help="samples per point, and real test images")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.9, 1.0], help="chosen among on validation")

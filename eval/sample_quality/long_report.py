@@ -4,8 +4,11 @@ the issue's targets judged from the test rows' intervals, and ``report.md``."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from eval import render
 from eval._spread import MIN_SEEDS, summarize
 from eval.sample_quality.classifier import describe
 from eval.sample_quality.classifier import interval_text as _fd
@@ -224,3 +227,18 @@ def report(summary: dict[str, Any]) -> str:
               f"each prior's fit seconds above, recorded when it was trained), {t['select']:.0f} s choosing the "
               f"protocol on validation, {t['test']:.0f} s scoring on the test split."]
     return "\n".join(lines) + "\n"
+
+
+def render_test(sources: Sequence[tuple[Path, str]], flags: Sequence[str] = ()) -> list[str]:
+    """The README/docs block ``generative_test`` (:mod:`eval.render`): the long runs' sample-quality study's by-method
+    table and its targets' verdicts, from its ``results.json``."""
+    lines: list[str] = []
+    for path, rel in sources:
+        data = render.load(path)
+        s = data["prior"]["settings"]
+        setting = (f"K = {', '.join(str(k) for k in sorted({r['num_codes'] for r in data['rows']}))}, the long runs' "
+                   f"final checkpoints; priors of {s['layers']} layers, width {s['dim']}, {s['epochs']} epochs; "
+                   f"protocol chosen on validation")
+        lines += [*methods_table(data["methods"]), "", *targets_table(data["targets"]), "", TARGETS_RULE, "",
+                  render.source_line(rel, [*trained_at(data["rows"]), data["commit"]], setting, "test"), ""]
+    return lines[:-1]

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from eval import peers
+from eval import harness
 from eval import rate_distortion as rd
 from eval._provenance import repo_relative
 from eval.sample_quality import classifier as clf
@@ -92,7 +92,7 @@ def final_vqvae(run: Path) -> tuple[dict[str, Any], VQVAE, Path]:
     if int(stored["epoch"]) + 1 != s["epochs"]:
         raise ValueError(f"{checkpoint} ends epoch {int(stored['epoch']) + 1}, but the run finished {s['epochs']}: not "
                          f"its final weights")
-    vqvae = peers.vqvae_of(result["method"], s)
+    vqvae = harness.vqvae_of(result["method"], s)
     vqvae.load_state_dict(stored["state_dict"])
     return result, vqvae.eval(), checkpoint
 
@@ -321,7 +321,7 @@ def prepare_all(args: argparse.Namespace) -> dict[str, Any]:
     may run side by side, one per core: each takes the points no other one holds."""
     begin = time.perf_counter()
     records, skipped = [], []
-    with peers.study_run(args.threads):
+    with harness.study_run(args.threads):
         for run in selected_runs(args):
             try:
                 records.append(prepare(run, args).record)
@@ -339,7 +339,7 @@ def study(args: argparse.Namespace, data: CIFAR10DataModule, classifier: clf.Sma
     on the test split, read here once, after the choices: the summary's study part."""
     runs = selected_runs(args)
     begin = time.perf_counter()
-    with peers.study_run(args.threads):
+    with harness.study_run(args.threads):
         points = [prepare(run, args) for run in runs]
     prepared = time.perf_counter()
     protocol = select(points, classifier, val_f, args)

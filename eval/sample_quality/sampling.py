@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from eval import peers
+from eval import harness
 from softvq.models import VQVAE
 from softvq.models.prior import CodePrior
 from softvq.models.transformer import PriorConfig
@@ -47,7 +47,7 @@ def fit_conditional_prior(codes: torch.Tensor, labels: torch.Tensor, settings: d
                       warmup_steps=settings["warmup_steps"])
     loader = DataLoader(TensorDataset(codes, labels), batch_size=settings["batch_size"], shuffle=True,
                         generator=torch.Generator().manual_seed(settings["seed"]))
-    with peers.study_run():
+    with harness.study_run():
         L.Trainer(max_epochs=settings["epochs"], accelerator="cpu", logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(prior, loader)
     return prior.eval()

@@ -59,7 +59,7 @@ K, D, D_IN = 16, 8, 6
 # replay made another discrete choice (a restart, a tie among the coincident zero codes of a residual level), so
 # the difference is not a rounding error and measures nothing.
 KAPPA_MAX = 2.0 ** 15
-# HardVQ "EMA 0.99 + restart 1": its usage decayed at the EMA's 0.99, uncapped (as eval.peers.HARD_RESTART)
+# HardVQ "EMA 0.99 + restart 1": its usage decayed at the EMA's 0.99, uncapped (as eval._hard.HARD_RESTART)
 HARD_RESTART = softvq.Restart(1.0, decay=0.99, cap=None)
 
 # name -> (builder, input shape (leading dims, D_in), dtype). Small sizes: the file pins behaviour, not speed.

@@ -1,0 +1,324 @@
+"""The training harness every study trains through: the bottlenecks by name (:func:`build`, vector-quantize-pytorch's
+behind :class:`PeerAdapter`), the project's VQ-VAE trained and tested on CIFAR-10 (:func:`fit_run`, its settings
+:func:`settings_of` from the flags of :func:`add_vqvae_arguments`), and what a study starts with (:func:`study_run`).
+
+Methods (``LABELS``; each configured as its own documentation recommends):
+    ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto")
+    ddcl_h25, ddcl_wide, ddcl_top128, ddcl_top256  the defaults with another entropy target or a top-k truncation
+    hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
+    hard_ema_cap  the same with the restart threshold capped at a quarter of the mean tokens per code per batch
+                (``Restart(1.0, decay=0.99, cap=0.25)``, the cap of ``softvq.Restart``'s defaults): the cap binds
+                from K = N / 4 (2,048 codes at 8,192 tokens a batch), and from K = N on, where the mean code wins
+                under one token a batch, the uncapped threshold restarts most codes every step
+    vqp_vq      vector-quantize-pytorch ``VectorQuantize(kmeans_init=True, threshold_ema_dead_code=2,
+                rotation_trick=True)``, the recipe its README gives against dead codes
+    vqp_fsq     vector-quantize-pytorch ``FSQ`` at the FSQ paper's levels for K (:func:`fsq_levels`) with its
+                input/output projection
+    vqp_simvq   vector-quantize-pytorch ``SimVQ``, its defaults (rotation trick, frozen codebook + learned projection)
+    vqp_simvq_paper  ``SimVQ`` as its authors' code configures it (youngsheen/SimVQ, ``taming/modules/vqvae/
+                quantize.py``): the projection ``nn.Linear(D, D)`` with a bias, straight-through gradient (no rotation
+                trick), codebook term 1 and commitment 0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import softvq
+from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED
+from eval._provenance import code_commit
+from softvq.data.cifar10 import CIFAR10DataModule
+from softvq.models import VQVAE
+from softvq.models.callbacks import HistoryWriter
+from softvq.types import QuantizerOutput
+
+LABELS = {
+    "ddcl": "softvq DDCL, defaults",
+    "ddcl_h25": "softvq DDCL, former defaults (target entropy min(2.5, log K / 2) nats)",
+    "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats",
+    "ddcl_top128": "softvq DDCL, defaults with top_k=128 (each token's 128 nearest prototypes)",
+    "ddcl_top256": "softvq DDCL, defaults with top_k=256 (each token's 256 nearest prototypes)",
+    "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
+    "hard_ema_cap": "softvq HardVQ, EMA 0.99 + restart 1 capped at N / (4K)",
+    "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
+    "vqp_fsq": "vqp FSQ [8,8,8]",
+    "vqp_simvq": "vqp SimVQ, defaults",
+    "vqp_simvq_paper": "vqp SimVQ as its authors configure it (biased projection, straight-through)",
+}
+METHODS = tuple(LABELS)
+TOP_K = {"ddcl_top128": 128, "ddcl_top256": 256}  # DDCL's top-k truncations
+
+
+def _vqp() -> Any:
+    try:
+        import vector_quantize_pytorch
+    except ImportError as err:
+        raise SystemExit("vector-quantize-pytorch is not installed: pip install -e '.[bench]'") from err
+    return vector_quantize_pytorch
+
+
+class PeerAdapter(nn.Module):
+    """A vector-quantize-pytorch quantizer behind softvq's interface: channel-last tokens ``(..., D)`` in, a
+    :class:`~softvq.QuantizerOutput` out (``probs`` one-hot), ``decode_indices``, ``codebook`` and ``restarts``.
+
+    It only reshapes and renames; the wrapped module computes everything (its own loss, straight-through or rotation
+    gradient, EMA and dead-code replacement).
+    """
+
+    def __init__(self, module: nn.Module, kind: str, num_codes: int, dim: int) -> None:
+        super().__init__()
+        self.module, self.kind, self.num_codes, self.dim = module, kind, num_codes, dim
+        self._restarts = 0
+        codebook = getattr(module, "_codebook", None)
+        if kind == "vq" and codebook is not None and hasattr(codebook, "replace"):
+            replace = codebook.replace
+
+            def counting_replace(batch_samples: Tensor, batch_mask: Tensor, *args: Any, **kwargs: Any) -> Any:
+                self._restarts += int(batch_mask.sum())  # codes the library moves onto batch samples
+                return replace(batch_samples, batch_mask, *args, **kwargs)
+
+            codebook.replace = counting_replace
+
+    @property
+    def restarts(self) -> int:
+        """Dead codes the wrapped module replaced so far (0 for methods without replacement)."""
+        return self._restarts
+
+    def forward(self, z: Tensor) -> QuantizerOutput:
+        lead = z.shape[:-1]
+        flat = z.reshape(z.shape[0], -1, self.dim)  # (B, N, D): the libraries' sequence layout
+        if self.kind == "fsq":
+            quantized, indices = self.module(flat)
+            loss = flat.new_zeros(())
+        else:
+            quantized, indices, loss = self.module(flat)
+            loss = loss.sum()
+        indices = indices.reshape(lead).long()
+        probs = F.one_hot(indices, self.num_codes).float()
+        return QuantizerOutput(quantized.reshape(z.shape), indices, probs, loss, {})
+
+    @torch.no_grad()
+    def decode_indices(self, indices: Tensor) -> Tensor:
+        flat = indices.reshape(indices.shape[0], -1)
+        if self.kind == "vq":
+            codes = self.module.get_output_from_indices(flat)
+        else:
+            codes = self.module.indices_to_codes(flat)
+        return codes.reshape(*indices.shape, self.dim)
+
+    @property
+    def codebook(self) -> Tensor:
+        """``(K, D)``, the codes in the space the decoder sees."""
+        return self.decode_indices(torch.arange(self.num_codes, device=self._device())[None]).reshape(-1, self.dim)
+
+    def _device(self) -> torch.device:
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        return tensors[0].device if tensors else torch.device("cpu")
+
+
+def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | None = None) -> nn.Module:
+    """The bottleneck ``method`` for ``num_codes`` codes of dimension ``dim``; ``overrides`` replace options of its
+    recommended configuration (a probe of one option, e.g. ``{"threshold_ema_dead_code": 0}``: VectorQuantize
+    without its dead-code replacement)."""
+    extra = dict(overrides or {})
+    if method == "ddcl":
+        return softvq.DDCLQuantizer(num_codes, dim, **extra)
+    if method == "ddcl_h25":  # the studies' DDCL rows measured before the entropy target became log K / 2
+        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": former_entropy_target(num_codes), **extra})
+    if method == "ddcl_wide":
+        # the default's log K / 2 held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token; the same
+        # layer as the defaults up to K = (D + 1)^2 (docs/design.md, "Training to the end")
+        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
+    if method in TOP_K:  # the defaults with the Boltzmann distribution truncated to each token's k nearest
+        return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": TOP_K[method], **extra})
+    if method in ("hard_ema", "hard_ema_cap"):
+        restart = HARD_RESTART if method == "hard_ema" else HARD_RESTART_CAPPED
+        return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "restart": restart, **extra})
+    vqp = _vqp()
+    if method == "vqp_vq":
+        options = {"kmeans_init": True, "threshold_ema_dead_code": 2, "rotation_trick": True, **extra}
+        return PeerAdapter(vqp.VectorQuantize(dim=dim, codebook_size=num_codes, **options), "vq", num_codes, dim)
+    if method == "vqp_fsq":
+        levels = fsq_levels(num_codes)
+        return PeerAdapter(vqp.FSQ(levels=levels, dim=dim, **extra), "fsq", int(np.prod(levels)), dim)
+    if method == "vqp_simvq_paper":
+        options = {"codebook_transform": nn.Linear(dim, dim), "rotation_trick": False,
+                   "input_to_quantize_commit_loss_weight": 0.25, "commitment_weight": 1.0, **extra}
+        return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes, **options), "simvq", num_codes, dim)
+    if method == "vqp_simvq":
+        return PeerAdapter(vqp.SimVQ(dim=dim, codebook_size=num_codes, **extra), "simvq", num_codes, dim)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def former_entropy_target(num_codes: int) -> float | None:
+    """``min(2.5, log K / 2)`` nats, ``None`` for one code: ``ddcl_h25``'s, the layer's entropy target before it
+    became ``log K / 2`` (about 12 prototypes per token from K = 149 on; docs/design.md, "Training to the end")."""
+    return min(2.5, 0.5 * math.log(num_codes)) if num_codes > 1 else None
+
+
+def wide_entropy_target(num_codes: int, dim: int) -> float:
+    """``min(log K / 2, log(D + 1))`` nats: the entropy target of ``ddcl_wide`` (4.159 at K = 4096, D = 64)."""
+    if num_codes < 2 or dim < 1:
+        raise ValueError(f"the wide entropy target needs num_codes >= 2 and dim >= 1, got {num_codes} and {dim}")
+    return min(0.5 * math.log(num_codes), math.log(dim + 1))
+
+
+def fsq_levels(num_codes: int) -> list[int]:
+    """FSQ levels whose product is ``num_codes``, from the FSQ paper's recommended sets where it has one."""
+    # 4096 and 16384 have no exact set: [7, 5, 5, 5, 5] (4,375 codes) and [8, 8, 8, 6, 5] (15,360) are the paper's
+    # nearest.
+    table = {64: [4, 4, 4], 256: [8, 8, 4], 512: [8, 8, 8], 1024: [8, 5, 5, 5], 4096: [7, 5, 5, 5, 5],
+             16384: [8, 8, 8, 6, 5]}
+    if num_codes not in table:
+        raise ValueError(f"FSQ needs a codebook size with known levels {sorted(table)}, got {num_codes}")
+    return table[num_codes]
+
+
+class Throughput(L.Callback):
+    """Training images per second of each epoch (``per_epoch``) and this process's CPU seconds in it (``cpu_per_epoch``:
+    unlike wall time, a pause (SIGSTOP) or a shared core does not count): the training loop alone (data loading
+    included, validation not)."""
+
+    def __init__(self) -> None:
+        self.per_epoch: list[float] = []
+        self.cpu_per_epoch: list[float] = []
+        self._start = self._cpu_start = 0.0
+        self._images = 0
+        self._open = False
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start, self._cpu_start, self._images, self._open = time.perf_counter(), time.process_time(), 0, True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._images += batch[0].shape[0]
+
+    def _close(self) -> None:
+        if self._open:
+            self.per_epoch.append(self._images / max(time.perf_counter() - self._start, 1e-9))
+            self.cpu_per_epoch.append(time.process_time() - self._cpu_start)
+            self._open = False
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._close()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close()
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run's result depends on (besides method and seed); a stored run with other settings is retrained."""
+    return {"epochs": args.epochs, "train_subset": args.train_subset, "val_size": args.val_size,
+            "threads": args.threads,
+            "batch_size": args.batch_size, "num_codes": args.num_codes, "code_dim": args.code_dim,
+            "width": args.width, "res_blocks": args.res_blocks, "res_hidden": args.res_hidden, "lr": args.lr,
+            "test_limit": args.test_limit, "data": str(args.data_root),
+            # a study judged on validation (``split="validation"``) never reads the test split; the key is absent for
+            # the test split, so the records of runs made before it existed still match
+            **({"split": args.split} if getattr(args, "split", "test") != "test" else {})}
+
+
+def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
+            quantizer: Callable[[], nn.Module] | None = None, *, test: bool = True, echo: bool = False,
+            callbacks: Sequence[L.Callback] = ()) -> tuple[VQVAE, CIFAR10DataModule, dict[str, Any]]:
+    """Train one VQ-VAE (bottleneck built by ``quantizer()``, by default ``build(method, ...)``) in ``out`` and test it:
+    the trained model, its data module and the run's record (settings, per-epoch history with each epoch's
+    training images/s and CPU seconds, test figures, wall time). ``test=False`` never reads the test split (the
+    record's ``test`` is ``None``: a study that tunes on validation); ``echo`` prints each epoch's line;
+    ``callbacks`` join the trainer's. The study of rate against distortion (``eval/rate_distortion/``) trains
+    through this too, so both train exactly the same model: the bottleneck is built here, after seeding, because
+    a layer that draws its codebook at construction (HardVQ's uniform initialisation) would otherwise start from
+    whatever the caller's random state was (the two studies' HardVQ runs differed for that reason, while data-
+    initialised codebooks agreed)."""
+    if isinstance(quantizer, nn.Module):
+        raise TypeError("fit_run takes a function that builds the bottleneck (called after seeding), not a module")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "history.jsonl").unlink(missing_ok=True)
+    L.seed_everything(seed, workers=True, verbose=False)
+    data = CIFAR10DataModule(args.data_root, batch_size=args.batch_size, val_size=args.val_size,
+                             train_subset=args.train_subset, num_workers=args.num_workers, seed=seed)
+    quantizer = build(method, args.num_codes, args.code_dim) if quantizer is None else quantizer()
+    # The same encoder and decoder weights for every method: the bottlenecks draw different amounts of randomness.
+    L.seed_everything(seed, workers=True, verbose=False)
+    model = VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
+                  res_hidden=args.res_hidden, lr=args.lr)
+    L.seed_everything(seed, workers=True, verbose=False)
+    speed = Throughput()
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=not args.no_progress_bar, enable_model_summary=False,
+                        num_sanity_val_steps=0,
+                        callbacks=[HistoryWriter(out / "history.jsonl", echo=echo), speed, *callbacks],
+                        limit_test_batches=(args.test_limit // args.batch_size) or 1 if args.test_limit else 1.0)
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    scores = None
+    if test:
+        trainer.test(model, datamodule=data, verbose=False)
+        scores = {k.removeprefix("test_"): v for k, v in model.test_summary.items()}
+        scores["num_codes"] = model.num_codes
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines() if line.strip()]
+    for row, speed_row, cpu in zip(history, speed.per_epoch, speed.cpu_per_epoch, strict=False):
+        row["train_images_per_s"] = speed_row
+        row["train_cpu_s"] = cpu  # the training loop's CPU seconds in this process (data-loader workers excluded)
+    result = {"method": method, "seed": seed, "settings": settings_of(args), "history": history, "test": scores,
+              "wall_s": time.perf_counter() - start, "code": code_commit()}  # the commit it trained at (+: edited)
+    return model, data, result
+
+
+def vqvae_of(method: str, settings: dict[str, Any], seed: int | None = None) -> VQVAE:
+    """A fresh VQ-VAE with bottleneck ``method`` in a run's ``settings`` (:func:`settings_of`: K, D, width, residual
+    blocks, learning rate); ``seed``: seeded before the encoder and decoder are drawn, as :func:`fit_run` does."""
+    quantizer = build(method, settings["num_codes"], settings["code_dim"])
+    if seed is not None:
+        L.seed_everything(seed, workers=True, verbose=False)
+    return VQVAE(quantizer=quantizer, code_dim=settings["code_dim"], width=settings["width"],
+                 res_blocks=settings["res_blocks"], res_hidden=settings["res_hidden"], lr=settings["lr"])
+
+
+def add_vqvae_arguments(p: argparse.ArgumentParser) -> None:
+    """The VQ-VAE and run flags of :func:`settings_of` (but ``--num-codes``), which every study that trains through
+    :func:`fit_run` shares: the peers' setting by default."""
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--train-subset", type=int, default=10_000)
+    p.add_argument("--val-size", type=int, default=5000)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--code-dim", type=int, default=64)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--res-blocks", type=int, default=2)
+    p.add_argument("--res-hidden", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--test-limit", type=int, default=0, help="score on this many test images (0: all 10,000)")
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per run (default: torch's); 1 lets another job use the second core")
+
+
+@contextlib.contextmanager
+def study_run(threads: int | None = None) -> Iterator[None]:
+    """What every study that trains through :func:`fit_run` starts with: INFO logging, ``threads`` torch threads
+    (``None``: torch's), and Lightning's warnings that say nothing about a study (in-memory data with few loader
+    workers, loops without validation, a pytree deprecation) silenced while it trains."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if threads:
+        torch.set_num_threads(threads)
+    with warnings.catch_warnings():
+        for message in (".*does not have many workers.*", ".*isinstance\\(treespec, LeafSpec\\)` is deprecated",
+                        ".*no `val_dataloader`"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
