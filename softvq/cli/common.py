@@ -42,7 +42,7 @@ class GracefulStop:
     after its current batch, Lightning's own SIGTERM path: nothing is half-written and the last checkpoint is kept.
     With no trainer running, or at a second signal, :class:`Interrupted` is raised at once. :attr:`signum` records the
     first signal, so the caller can tell a stop from a normal end of ``trainer.fit``. Entered in another thread
-    (``eval.compare``'s job threads) it does nothing: only the main thread receives signals and may set handlers.
+    (a caller's worker threads) it does nothing: only the main thread receives signals and may set handlers.
     """
 
     def __init__(self) -> None:
