@@ -55,7 +55,7 @@ from softvq._compat import upgrade_quantizer_kwargs
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
-from softvq.norm import TokenStandardizer
+from softvq.parts import TokenStandardizer
 
 LABELS = {"ddcl": "softvq DDCLQuantizer(K, D), defaults", "hard": "softvq HardVQ(K, D), defaults",
           "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults",

@@ -1,7 +1,7 @@
 """Does evaluating with the token standardiser's running statistics cost a DDCL VQ-VAE accuracy?
 
 In training a DDCL layer standardises each batch's tokens with that batch's mean and variance; in evaluation it uses
-running averages of them (momentum 0.1 per step, ``softvq.norm.TokenStandardizer``). When the encoder's output drifts
+running averages of them (momentum 0.1 per step, ``softvq.parts.TokenStandardizer``). When the encoder's output drifts
 faster than the running averages follow, evaluation sees codes the decoder was not trained on. This study trains one
 VQ-VAE exactly as ``eval.peers`` / ``eval.residual`` do (``eval.peers.fit_run``), keeps its weights, and scores the
 **validation** split's hard-index PSNR with the standardiser's statistics taken three ways:
@@ -39,7 +39,8 @@ from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 from softvq.models.checkpoint_io import load_torch_file
 from softvq.models.files import write_atomic
-from softvq.norm import TokenStandardizer, bessel
+from softvq.norm import bessel
+from softvq.parts import TokenStandardizer
 
 MODES = ("running", "applied", "batch", "precise")
 

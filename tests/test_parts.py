@@ -131,7 +131,7 @@ def test_code_counts_is_bincount():
 
 
 def test_usage_starts_from_the_first_batch_then_decays_and_restart_moves_exactly_the_dead_codes():
-    restart = DeadCodeRestart(4, threshold=1.0, decay=0.5)
+    restart = DeadCodeRestart(4, Restart(1.0, decay=0.5, cap=None))
     codebook = torch.zeros(4, 2)
     z = torch.arange(10.0).reshape(5, 2) + 1  # no row is zero
     assert not restart.restart_(codebook, z).any()  # no batch seen: nothing restarts
@@ -146,10 +146,10 @@ def test_usage_starts_from_the_first_batch_then_decays_and_restart_moves_exactly
 
 
 def test_the_cap_lowers_the_threshold_to_a_fraction_of_the_mean_usage():
-    restart = DeadCodeRestart(4, threshold=1.0, decay=0.5, cap=0.25)
+    restart = DeadCodeRestart(4, Restart(1.0, decay=0.5, cap=0.25))
     restart.update(torch.tensor([0.5, 0.5, 0.4, 0.2]))  # mean 0.4: the threshold in effect is 0.1
     assert not restart.restart_(torch.zeros(4, 2), torch.ones(3, 2)).any()
-    uncapped = DeadCodeRestart(4, threshold=1.0, decay=0.5)
+    uncapped = DeadCodeRestart(4, Restart(1.0, decay=0.5, cap=None))
     uncapped.update(torch.tensor([0.5, 0.5, 0.4, 0.2]))
     assert uncapped.restart_(torch.zeros(4, 2), torch.ones(3, 2)).all()
 
@@ -168,8 +168,8 @@ def test_both_layers_hold_the_same_parts_and_their_options_have_one_place():
     assert isinstance(ddcl.temperature_control, TemperatureControl)
     ddcl.target_entropy = 1.0  # the layer's option is its part's
     assert ddcl.temperature_control.target_entropy == 1.0
-    ddcl.dead_codes.threshold = 0.5
-    assert ddcl.restart == Restart(0.5)
+    ddcl.dead_codes.settings = Restart(0.5)  # the part holds the layer's restart option whole
+    assert ddcl.restart == Restart(0.5) and ddcl.dead_codes.threshold == 0.5
     hard.restart = None  # the layer's restart option is its part's settings, both ways
     assert hard.dead_codes.threshold == 0 and hard.restart is None
     assert not hasattr(softvq.HardVQ(16, 4), "ema")  # a gradient-trained codebook has no EMA part

@@ -9,7 +9,7 @@ import torch
 
 import softvq
 import softvq.data.cifar10 as cifar10
-import softvq.norm
+import softvq.parts
 from eval import probe
 
 
@@ -51,7 +51,7 @@ def test_a_straight_through_level_keeps_the_code_and_passes_the_gradient_unchang
     assert torch.equal(outs[1].indices, outs[0].indices)
     # through the shared standardiser s(z), each of the 2 levels passes the upstream g unchanged: grad = 2 J_s^T g
     x = z.clone().requires_grad_(True)
-    standardised, _, _ = softvq.norm.TokenStandardizer(4, renorm=True).double().train()(x)  # ResidualDDCL's default
+    standardised, _, _ = softvq.parts.TokenStandardizer(4, renorm=True).double().train()(x)  # ResidualDDCL's default
     (2 * standardised * upstream).sum().backward()
     torch.testing.assert_close(grads[1], x.grad, rtol=1e-10, atol=1e-12)
     assert not torch.allclose(grads[0], grads[1])  # the soft centroid's Jacobian is another gradient

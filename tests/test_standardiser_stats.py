@@ -9,7 +9,7 @@ import torch
 import softvq
 from eval import standardiser_stats as ss
 from softvq.models import VQVAE
-from softvq.norm import TokenStandardizer
+from softvq.parts import TokenStandardizer
 
 
 def tiny(quantizer: torch.nn.Module) -> VQVAE:

@@ -47,7 +47,7 @@ from eval import peers
 from softvq import DDCLQuantizer, QuantizerOutput
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
-from softvq.norm import TokenStandardizer
+from softvq.parts import TokenStandardizer
 
 GRADIENTS = ("soft_centroid", "straight_through_plus", "straight_through")
 
@@ -220,7 +220,7 @@ class Snapshots(L.Callback):
 
 
 def detach_statistics(layer: nn.Module) -> None:
-    """Make the shift and scale of every batch-renormalising :class:`~softvq.norm.TokenStandardizer` in ``layer``
+    """Make the shift and scale of every batch-renormalising :class:`~softvq.parts.TokenStandardizer` in ``layer``
     constants of the backward pass (their values unchanged): the loss then sees a per-dimension shift or rescaling of
     the encoder's tokens, which batch statistics' gradient makes a direction it cannot see (and Adam drifts along)."""
     found = [m for m in layer.modules() if isinstance(m, TokenStandardizer)]
