@@ -45,8 +45,8 @@ class HardVQ(nn.Module):
     a code whose running number of assigned tokens per batch (it starts from the first training batch's counts) is
     below the threshold is replaced by a random token of the current batch; with EMA its statistics restart as
     ``threshold`` pseudo-tokens at the new value. The usage is tracked without restarts too (decay ``ema_decay``, or
-    0.99 without EMA). The hard baseline's strongest setting, "EMA 0.99 + restart 1" (docs/design.md, "Anatomy of
-    the layer"), is ``ema_decay=0.99, restart=Restart(1.0, decay=0.99, cap=None)``.
+    0.99 without EMA). "EMA 0.99 + restart 1", the hard baseline that docs/design.md ("Dead-code restart at large
+    K") compares against, is ``ema_decay=0.99, restart=Restart(1.0, decay=0.99, cap=None)``.
 
     Every option is an attribute, checked on assignment as the constructor checks it and read by the next call
     (``num_codes`` and ``dim`` are fixed); ``ema_decay`` switches the EMA on (its statistics start at the current

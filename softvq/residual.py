@@ -310,9 +310,9 @@ _HARD_RESTART = Restart(1.0, decay=0.99, cap=None)
 
 
 class ResidualHardVQ(ResidualQuantizer):
-    """``Q`` levels of :class:`~softvq.HardVQ` on successive residuals of the raw input, by default with the strongest
-    hard recipe measured here: EMA codebooks (decay 0.99) and dead-code restarts (threshold 1, usage decay 0.99,
-    uncapped).
+    """``Q`` levels of :class:`~softvq.HardVQ` on successive residuals of the raw input, by default each with EMA
+    codebooks (decay 0.99) and dead-code restarts (threshold 1, usage decay 0.99, uncapped): the hard baseline of
+    docs/design.md, "Residual codebooks".
 
     Args:
         num_quantizers, num_codes, dim: ``Q``, ``K`` per level, ``D``.

@@ -22,13 +22,12 @@ from softvq._precision import apply_keeping_precision
 from softvq.parts._settings import from_mapping
 
 # decay="auto": the running count remembers at least this many tokens a code wins on average (its memory,
-# 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's memory. A
-# short memory at a large K (2 tokens per code per batch at K = 4096, N = 8192) sends live codes whose count dipped by
-# chance to restart; docs/design.md, "Dead-code restart at large K".
+# 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's memory, so
+# that a live code's count does not dip below the threshold by chance ...
 USAGE_MEMORY_TOKENS = 64.0
 USAGE_DECAY_FLOOR = 0.9
-# ... and at most 0.97's memory (33 batches): a longer one leaves dead codes unrestarted for epochs at K = 16384
-# (docs/design.md, "Dead-code restart at large K").
+# ... and at most 0.97's memory (33 batches), so that a dead code is restarted within that many batches. Why these
+# values: docs/design.md, "Dead-code restart at large K".
 USAGE_DECAY_CEILING = 0.97
 
 

@@ -5,8 +5,8 @@ A soft codebook collapses when the encoder can shrink its tokens (docs/design.md
 Jacobian of the soft centroid, ``(2/T) C_n``, vanishes with the tokens' spread. :class:`TokenStandardizer` fixes that
 scale inside the layer, so any encoder works: per-dimension mean and variance over the batch's tokens in training (over
 every process's batch under ``torch.distributed``: :func:`softvq.norm.batch_moments`), running averages in
-evaluation, the first batch taken whole. Why not ``nn.BatchNorm1d`` or ``nn.SyncBatchNorm``: docs/design.md, "Anatomy
-of the layer".
+evaluation, the first batch taken whole. Why not ``nn.BatchNorm1d`` or ``nn.SyncBatchNorm``: docs/design.md,
+"Anatomy of the layer".
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ class Gradient:
     :func:`softvq.param_groups` for their learning rate).
 
     Args:
-        term: ``"free_energy"`` (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (pushes far
-            prototypes away, which strands them under Adam) or ``"l_ols"``.
+        term: ``"free_energy"`` (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (its
+            gradient pushes prototypes beyond the average distance plus ``T`` farther away) or ``"l_ols"``; why the
+            free energy is the default: docs/design.md, "The plain-layer recipe (the model's help)".
         weight: its weight (``>= 0``, at most :data:`softvq._checks.MAX_WEIGHT`: 1.8e19, so that it times the term
             stays a finite float32).
     """
