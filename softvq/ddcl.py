@@ -207,7 +207,8 @@ class DDCLQuantizer(nn.Module):
 
     # ---- options ----------------------------------------------------------------------------------------------
     # Each is checked on assignment by the constructor's own check and takes effect at the next call; those fixed when
-    # the layer is built refuse assignment, saying how to get another value.
+    # the layer is built refuse assignment, saying how to get another value. The layer's own methods read the values
+    # the properties hold (``self._distance``, ...), as they are: the properties are for its users.
     num_codes = fixed_option("num_codes", "build a new DDCLQuantizer(num_codes, dim, ...): K sizes the prototypes and "
                              "every part's state", "``K``, the number of prototypes (fixed).")
     dim = fixed_option("dim", "build a new DDCLQuantizer(num_codes, dim, ...): D sizes the prototypes and the "
@@ -417,15 +418,15 @@ class DDCLQuantizer(nn.Module):
         """``(K, D)``, the codes as the layer outputs them in evaluation: the prototypes in the space of the
         distances (standardised; L2-normalised for cosine), on the output's scale (``output_scale``)."""
         p = self.prototypes.detach()
-        p = F.normalize(p, dim=-1) if self.distance == "cosine" else p
+        p = F.normalize(p, dim=-1) if self._distance == "cosine" else p
         return self.standardizer.evaluation_output(p)
 
     def decode_indices(self, indices: Tensor) -> Tensor:
         """Map code indices ``(...)`` to their codes ``(..., D)`` (for ``channel_first``, ``(B, *spatial)`` to
         ``(B, D, *spatial)``): what :meth:`forward` outputs in evaluation with ``hard_output``."""
-        check_indices(indices, self.num_codes)
+        check_indices(indices, self._num_codes)
         codes = F.embedding(indices.long(), self.codebook)
-        return codes.movedim(-1, 1) if self.channel_first and codes.ndim > 2 else codes
+        return codes.movedim(-1, 1) if self._channel_first and codes.ndim > 2 else codes
 
     def get_output_from_indices(self, indices: Tensor) -> Tensor:
         """:meth:`decode_indices` under vector-quantize-pytorch's name (so is ``get_codes_from_indices``: no
@@ -444,7 +445,7 @@ class DDCLQuantizer(nn.Module):
         ``torch.distributed`` the tokens are drawn from every process's ``z`` together
         (:func:`softvq._collectives.codes_from_tokens`): every process gets the same prototypes, the ones a single
         process would draw from the concatenated batches."""
-        flat = flatten_tokens(z, self.dim, check_finite=True)
+        flat = flatten_tokens(z, self._dim, check_finite=True)
         if flat.shape[0] == 0 and not is_distributed():
             raise ValueError("init_from_data needs at least one token, got an empty tensor")
         if self.standardize:
@@ -455,7 +456,7 @@ class DDCLQuantizer(nn.Module):
     def _init_from_tokens(self, flat: Tensor) -> None:
         """:meth:`init_from_data` on validated tokens ``(N, D)``, without a synchronisation in one process: the
         prototypes (and their EMA) become ``K`` tokens drawn by :func:`softvq._collectives.codes_from_tokens`."""
-        chosen = codes_from_tokens(flat, self.num_codes, self.prototypes.dtype)
+        chosen = codes_from_tokens(flat, self._num_codes, self.prototypes.dtype)
         if chosen is None:
             raise ValueError("init_from_data needs at least one token, got an empty tensor")
         self.prototypes.copy_(chosen)
@@ -470,15 +471,15 @@ class DDCLQuantizer(nn.Module):
             :class:`~softvq.QuantizerOutput` with ``quantized`` (shape and dtype of ``z``), ``indices``, ``probs``
             (float32, or float64 for float64 input), scalar ``loss`` and ``terms``.
         """
-        if self.channel_first:
-            return channel_first_forward(self._forward_tokens, z, self.dim)
+        if self._channel_first:
+            return channel_first_forward(self._forward_tokens, z, self._dim)
         return self._forward_tokens(z)
 
     def _forward_tokens(self, z: Tensor) -> QuantizerOutput:
         """:meth:`forward` on channel-last tokens ``z (..., D)``: the outline, each step a method below."""
-        flat = flatten_tokens(z, self.dim, check_finite=self.check_finite)  # (N, D)
+        flat = flatten_tokens(z, self._dim, check_finite=self._check_finite)  # (N, D)
         if flat.shape[0] == 0:
-            return empty_output(z, self.num_codes, self.prototypes,
+            return empty_output(z, self._num_codes, self.prototypes,
                                 ("l_q", "l_ols", "v", "identity_residual", "entropy"))
         ctype = compute_dtype(z.dtype)
         # A training forward pass made during backward is a recomputation (activation checkpointing): it replays what
@@ -496,26 +497,26 @@ class DDCLQuantizer(nn.Module):
             p_raw = self.prototypes.to(ctype)
             if replay is not None:
                 p_raw = replayed_prototypes(p_raw, replay)
-            p = F.normalize(p_raw, dim=-1) if self.distance == "cosine" else p_raw
+            p = F.normalize(p_raw, dim=-1) if self._distance == "cosine" else p_raw
             temperature = self._pass_temperature(zf, p, replay, keep=update and not deferred)
             record = self._records.push(p_raw, temperature) if eager and update else None
             mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(zf, p, temperature, self._objective(), record,
-                                                                      self.top_k or 0)
+                                                                      self._top_k or 0)
             out, loss = self._output_codes(zf, p, mu, indices, loss, mean, std)
         if update and not deferred:
             soft = q.detach()
             if chosen.numel() > 0 and self._update_kind == "soft_ema":  # its M-step reads every code's column
-                soft = scatter_top_k(soft, chosen, self.num_codes)
+                soft = scatter_top_k(soft, chosen, self._num_codes)
             self._after_step(zf.detach(), soft, indices, stats[3])  # stats: l_q, l_ols, v, entropy
         return self._assemble(z, out, q, indices, loss, stats, chosen)
 
     def _can_start(self, flat: Tensor) -> bool:
         """Whether a training batch ``flat (N, D)`` can start the codebook (:func:`softvq._recipe.start_refusal`);
         the first time one cannot, a warning says why."""
-        why = start_refusal(flat, self.num_codes, self.target_entropy, self.check_finite)
+        why = start_refusal(flat, self._num_codes, self.target_entropy, self._check_finite)
         if why is not None and not self._warned_start:
             self._warned_start = True
-            warnings.warn(f"DDCLQuantizer(num_codes={self.num_codes}): a training batch cannot start the codebook: "
+            warnings.warn(f"DDCLQuantizer(num_codes={self._num_codes}): a training batch cannot start the codebook: "
                           f"{why}. It was used for its output only; the prototypes and the temperature start on the "
                           f"first training batch that can", stacklevel=4)
         return why is None
@@ -539,7 +540,7 @@ class DDCLQuantizer(nn.Module):
         if update_codebook and self.dead_codes.threshold > 0:  # before the forward: no tensor saved for backward moves
             dead = self.dead_codes.restart_(self.prototypes.data, zf.detach())
             self.ema.restart_(dead, self.prototypes.data, 1.0)  # a restarted code's EMA: one pseudo-token there
-        if self.distance == "cosine":
+        if self._distance == "cosine":
             zf = F.normalize(zf, dim=-1)
         return zf, mean, std
 
@@ -558,8 +559,8 @@ class DDCLQuantizer(nn.Module):
     def _objective(self) -> Objective:
         """The terms the autograd function computes: the codebook term only for gradient-trained prototypes, the
         commitment term unless it is ``"hard"`` (added outside it, by :meth:`_output_codes`)."""
-        soft_commitment = ("l_ols", 0.0) if self.commitment_term == "hard" else (self.commitment_term,
-                                                                                  self.commitment_weight)
+        soft_commitment = ("l_ols", 0.0) if self._commitment_term == "hard" else (self._commitment_term,
+                                                                                  self._commitment_weight)
         gradient = self._gradient  # a Gradient for optimizer-trained prototypes, else None (no codebook term)
         return Objective(gradient.term if gradient else "free_energy", gradient.weight if gradient else 0.0,
                          *soft_commitment)
@@ -570,13 +571,13 @@ class DDCLQuantizer(nn.Module):
         ``hard_output`` the argmax prototype with ``mu``'s gradient; on the output's scale (the standardiser's
         :meth:`~softvq.parts.TokenStandardizer.output`, with its ``mean`` and ``std``)."""
         out = mu
-        if self.hard_output or self.commitment_term == "hard":
+        if self._hard_output or self._commitment_term == "hard":
             codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
-            if self.hard_output:
+            if self._hard_output:
                 # the code in value, bit for bit (mu - sg(mu) is exactly 0), and the soft centroid's Jacobian
                 out = codes + (mu - mu.detach())
-            if self.commitment_term == "hard" and self.commitment_weight > 0:
-                loss = loss + self.commitment_weight * F.mse_loss(zf, codes)
+            if self._commitment_term == "hard" and self._commitment_weight > 0:
+                loss = loss + self._commitment_weight * F.mse_loss(zf, codes)
         return self.standardizer.output(out, mean, std), loss
 
     @staticmethod
@@ -606,7 +607,7 @@ class DDCLQuantizer(nn.Module):
         control, each with its statistics summed over processes (every process ends with the same state). No
         host-device synchronisation."""
         if self.dead_codes.threshold > 0 or self._update_kind == "ema":
-            counts = code_counts(indices, self.num_codes, self.dead_codes.usage.dtype)
+            counts = code_counts(indices, self._num_codes, self.dead_codes.usage.dtype)
             if self.dead_codes.threshold > 0:
                 self.dead_codes.update(counts)
         if self._update_kind == "ema":
