@@ -385,11 +385,11 @@ class DDCLQuantizer(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # a state dict of an earlier layout, brought to today's; one saved before the recipe existed (the plain layer)
         # gives the settings it was trained with, which this layer takes so that it evaluates and trains on alike
-        plain = _compat.upgrade_ddcl_state(state_dict, prefix, self.prototypes, self.recipe)
-        if plain:
-            self._recipe = plain.pop("recipe")  # fixed once built: set as the plain layer was built
-            for name, value in plain.items():
-                setattr(self, name, value)
+        trained_with = _compat.upgrade_ddcl_state(state_dict, prefix, self.prototypes, self.recipe)
+        if "recipe" in trained_with:
+            self._recipe = trained_with.pop("recipe")  # fixed once built: set as the saved layer was built
+        for name, value in trained_with.items():
+            setattr(self, name, value)
         _compat.check_state_settings({"": ("DDCLQuantizer", self._settings())}, state_dict, prefix)
         check_finite_state(state_dict, prefix, "DDCLQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
