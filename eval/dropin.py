@@ -56,7 +56,7 @@ from eval.peers.report import group, test_table, values
 from softvq.cli.common import run_command
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models.files import write_atomic
-from softvq.norm import TokenStandardizer
+from softvq.parts import TokenStandardizer
 
 LABELS = {"ddcl": "softvq DDCLQuantizer(K, D), defaults", "hard": "softvq HardVQ(K, D), defaults",
           "vqp_vq": "vqp VectorQuantize, defaults", "vqp_fsq": "vqp FSQ [8,6,5]", "vqp_simvq": "vqp SimVQ, defaults",

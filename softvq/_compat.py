@@ -1,13 +1,14 @@
 """What earlier versions saved, brought to today's names: the one place that maps an old layout to the current one.
 
-- State dicts: each layer's ``_load_from_state_dict`` calls :func:`upgrade_state_dict` (:func:`upgrade_ddcl_state_dict`
-  for ``DDCLQuantizer``), so a checkpoint saved before the layers were composed of :mod:`softvq.parts` (its buffers at
-  the layer's top level, under their former names) loads into today's layer unchanged in value.
-- The extra state (:func:`ddcl_extra_state`, :func:`load_ddcl_extra_state`): what ``DDCLQuantizer`` saves besides its
-  tensors (the temperature, whether data initialisation ran, the restart count, the layout's version), and its reading.
-- Settings in the state (:func:`ddcl_settings`, :func:`hard_settings`, :func:`check_state_settings`): the settings that
-  change a layer's result, recorded in its extra state and compared when a state loads; a state that predates them
-  loads unchecked.
+- State dicts: each layer's ``_load_from_state_dict`` calls one function here (:func:`upgrade_ddcl_state`,
+  :func:`upgrade_hard_state`, :func:`upgrade_standardizer_state`), so a checkpoint saved before the layers were
+  composed of :mod:`softvq.parts` (its buffers at the layer's top level, under their former names), before the in-layer
+  recipe (``DDCLQuantizer`` version 1) or before the standardiser kept its applied statistics loads into today's layer
+  unchanged in value.
+- The extra state (:func:`read_ddcl_extra_state`): ``DDCLQuantizer``'s of any version, read.
+- Settings in the state (:func:`check_state_settings`): the settings that change a layer's result (each layer's
+  ``_settings()``, in plain values: :func:`settings_record`), recorded in its extra state and compared when a state
+  loads; a state that predates them loads unchecked.
 - Options: a model's recorded ``quantizer_kwargs`` (:func:`upgrade_quantizer_kwargs`, when a checkpoint is loaded) and a
   run's recorded settings (:func:`upgrade_settings`, when a run is resumed) take today's option names, and a setting
   a record predates counts as the value it had then (:data:`PREDATED`); a constructor given a former name refuses it
@@ -25,10 +26,9 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from softvq._checks import check_float
-from softvq.norm import Standardize
 from softvq.parts.temperature import DEFAULT_RATE
 
 # former top-level buffer name -> its place in today's parts (both layers' former vocabularies)
@@ -50,83 +50,84 @@ def upgrade_state_dict(state_dict: dict[str, Any], prefix: str) -> None:
             state_dict[prefix + new] = state_dict.pop(prefix + old)
 
 
-def upgrade_ddcl_state_dict(layer: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
-    """Bring a :class:`softvq.DDCLQuantizer` state dict of any earlier version to today's layout, in place.
+def upgrade_ddcl_state(state_dict: dict[str, Any], prefix: str, prototypes: Tensor, recipe: str) -> dict[str, Any]:
+    """Bring a :class:`softvq.DDCLQuantizer` state dict (at ``prefix``) of any earlier version to today's layout, in
+    place, for a layer of ``recipe`` whose ``prototypes`` are given (their shape and device); returns the settings
+    the layer is to take (``{}``: none).
 
     Version 1 (an extra state without ``"version"``) is a layer saved before the in-layer recipe existed, the plain
-    layer: ``layer`` switches to the settings it was trained with (:func:`become_plain`), so that evaluation, readout
-    and the prior see the same codebook, and the keys version 1 lacks are completed (usage came late in it). A
-    current state dict is loaded as it is: a key missing from it is an error under strict loading, naming it."""
+    layer: a layer of ``recipe="auto"`` takes the settings it was trained with (:data:`PLAIN_SETTINGS`, returned), so
+    that evaluation, readout and the prior see the same codebook, and the keys version 1 lacks are completed (usage
+    came late in it). A current state dict is loaded as it is: a key missing from it is an error under strict
+    loading, naming it."""
     upgrade_state_dict(state_dict, prefix)
     extra = state_dict.get(prefix + "_extra_state")
     if not (isinstance(extra, dict) and "version" not in extra):
-        return
-    if layer.recipe == "auto":
-        become_plain(layer)
-    state_dict.setdefault(prefix + "dead_codes.usage", torch.full_like(layer.dead_codes.usage, -1.0))
-    prototypes = state_dict.get(prefix + "prototypes", layer.prototypes)
-    state_dict.setdefault(prefix + "ema.mass", torch.ones_like(layer.ema.mass))
-    state_dict.setdefault(prefix + "ema.weighted_sum", prototypes.detach().clone())
-    for name, value in type(layer.standardizer)(layer.dim).state_dict().items():  # a fresh one: never used by v1
+        return {}
+    # imported here: the standardiser loads its own state through this module
+    from softvq.parts.standardize import TokenStandardizer
+
+    num_codes, dim = prototypes.shape
+    state_dict.setdefault(prefix + "dead_codes.usage", torch.full((num_codes,), -1.0, device=prototypes.device))
+    saved = state_dict.get(prefix + "prototypes", prototypes)
+    state_dict.setdefault(prefix + "ema.mass", torch.ones(num_codes, device=prototypes.device))
+    state_dict.setdefault(prefix + "ema.weighted_sum", saved.detach().clone())
+    for name, value in TokenStandardizer(dim).state_dict().items():  # a fresh one: never used by version 1
         state_dict.setdefault(f"{prefix}standardizer.{name}", value)
+    return dict(PLAIN_SETTINGS) if recipe == "auto" else {}
 
 
-def ddcl_extra_state(layer: nn.Module) -> dict[str, Any]:
-    """What a :class:`softvq.DDCLQuantizer` saves besides its tensors (its ``get_extra_state``): the temperature (its
-    ``temperature_control``'s ``T``, ``None`` until calibrated), whether data initialisation ran, the restart count,
-    the layout's version (``layer.VERSION``; a state without one is version 1, the plain layer) and, from version 3,
-    the settings that change the layer's result (:func:`ddcl_settings`; loading compares them,
-    :func:`check_state_settings`)."""
-    return {"temperature": layer.temperature, "initialized": layer._initialized, "restarts": layer.restarts,
-            "version": layer.VERSION, "settings": ddcl_settings(layer)}
+# The plain layer's settings (a checkpoint from before the recipe existed), in the order a layer takes them: it
+# evaluates and trains on as it was trained, with no standardisation, soft-centroid output, gradient-trained
+# prototypes, a fixed temperature and no restarts.
+PLAIN_SETTINGS: dict[str, Any] = {"recipe": "plain", "standardize": False, "hard_output": False,
+                                  "prototype_update": "gradient", "target_entropy": None, "restart": None}
+
+
+def upgrade_hard_state(state_dict: dict[str, Any], prefix: str) -> None:
+    """Bring a :class:`softvq.HardVQ` state dict (at ``prefix``) of any earlier layout to today's, in place: the
+    former top-level names (:func:`upgrade_state_dict`), and an empty extra state for one saved before the settings
+    were recorded (it loads unchecked)."""
+    upgrade_state_dict(state_dict, prefix)
+    state_dict.setdefault(prefix + "_extra_state", {})
+
+
+def upgrade_standardizer_state(state_dict: dict[str, Any], prefix: str, std: Callable[[Tensor], Tensor]) -> None:
+    """Complete, in place, a :class:`softvq.parts.TokenStandardizer` state dict (at ``prefix``) saved before the
+    applied statistics were kept: evaluation starts from the running moments it used then (so the loaded layer
+    evaluates as it did when saved; ``std`` is the part's scale of a variance) and follows training from there."""
+    running_mean, running_var = state_dict.get(prefix + "running_mean"), state_dict.get(prefix + "running_var")
+    if prefix + "applied_mean" not in state_dict and running_mean is not None:
+        state_dict[prefix + "applied_mean"] = running_mean.clone()
+    if prefix + "applied_var" not in state_dict and running_var is not None:
+        state_dict[prefix + "applied_var"] = std(running_var).square()
+
+
+def read_ddcl_extra_state(state: object) -> tuple[float | None, bool, int]:
+    """A :class:`softvq.DDCLQuantizer` extra state of any version -> ``(temperature, initialized, restarts)``
+    (``temperature`` ``None``: not calibrated); a state of version 1 has no restart count (0). The settings it records
+    are checked before (:func:`check_state_settings`) and restore nothing. A ValueError for anything else (a
+    checkpoint of another layer)."""
+    if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
+        raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
+                         f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
+    t = state["temperature"]
+    return None if t is None else check_float("temperature", t), bool(state["initialized"]), \
+        int(state.get("restarts", 0))
 
 
 # The first extra-state version of each layer that records its settings: an earlier state loads unchecked.
 SETTINGS_VERSION = {"DDCLQuantizer": 3, "HardVQ": 1}
 
 
-def _fields(value: Any) -> Any:
+def settings_record(value: Any) -> Any:
     """A settings class as a mapping of its fields, tuples as lists: plain values that ``torch.load(...,
-    weights_only=True)`` reads and that compare equal after a round trip."""
+    weights_only=True)`` reads and that compare equal after a round trip (what a layer's ``_settings()`` records)."""
     if is_dataclass(value):
         value = asdict(value)
     if isinstance(value, dict):
-        return {k: _fields(v) for k, v in value.items()}
+        return {k: settings_record(v) for k, v in value.items()}
     return list(value) if isinstance(value, tuple) else value
-
-
-def ddcl_settings(layer: nn.Module) -> dict[str, Any]:
-    """The settings of a :class:`softvq.DDCLQuantizer` that change its result (its outputs, loss or training), as its
-    constructor takes them, in plain values (str, float, int, bool, None, lists and mappings of a settings class's
-    fields): what its extra state records. A setting that acts on nothing is left out of its value (the rate of an
-    entropy control that is off, the term of a commitment of weight 0), so that layers that compute alike compare
-    equal. Not recorded: ``init`` (how the prototypes started: the state holds them), ``channel_first`` (the layout,
-    not the values) and ``check_finite``."""
-    standardize = False if not layer.standardize else {
-        "renorm_clip": list(layer.standardizer.renorm_clip) if layer.renorm else None,
-        "output_scale": layer.output_scale}
-    target = layer.target_entropy
-    weight = layer.commitment_weight
-    return {
-        "recipe": layer.recipe,
-        "distance": layer.distance,
-        "standardize": standardize,
-        "prototype_update": _fields(layer.prototype_update),
-        "hard_output": layer.hard_output,
-        "commitment_weight": {"weight": weight, "term": layer.commitment_term} if weight > 0 else 0.0,
-        "target_entropy": None if target is None else {"target": target, "rate": layer.temperature_rate},
-        "restart": _fields(layer.restart),
-        "top_k": layer.top_k,
-    }
-
-
-def hard_settings(layer: nn.Module) -> dict[str, Any]:
-    """The settings of a :class:`softvq.HardVQ` that change its result, in plain values (:func:`ddcl_settings`): the
-    commitment weight, the EMA decay (``None``: a gradient-trained codebook) and its smoothing (``None`` without EMA,
-    where it acts on nothing), and dead-code restart."""
-    ema = layer.ema_decay is not None
-    return {"commitment_weight": layer.commitment_weight, "ema_decay": layer.ema_decay,
-            "epsilon": layer.epsilon if ema else None, "restart": _fields(layer.restart)}
 
 
 # How a recorded setting's mapping of fields is shown: the settings class that has those fields.
@@ -144,11 +145,12 @@ def _shown(name: str, value: Any) -> str:
     return f"softvq.parts.{cls}({fields})"
 
 
-def check_state_settings(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
-    """Refuse a state dict for ``module`` (loaded at ``prefix``) in which a layer inside it (``module`` itself included:
-    every :class:`softvq.DDCLQuantizer` and :class:`softvq.HardVQ`, whose ``_settings()`` says what they record) was
-    saved with other settings than the layer has: a ``ValueError`` naming the layer's state entry and, for each
-    setting that differs, the saved value and this layer's.
+def check_state_settings(layers: dict[str, tuple[str, dict[str, Any]]], state_dict: dict[str, Any],
+                         prefix: str) -> None:
+    """Refuse a state dict (loaded at ``prefix``) in which a layer was saved with other settings than it has now:
+    ``layers`` maps each layer's name in the loading module (``""``: the module itself) to its class name and its
+    settings (its ``_settings()``: every :class:`softvq.DDCLQuantizer` and :class:`softvq.HardVQ`). A ``ValueError``
+    names the layer's state entry and, for each setting that differs, the saved value and this layer's.
 
     Such a state's tensors mean something else under the layer's settings (EMA statistics under a gradient-trained
     codebook, prototypes of a standardised space under an unstandardised layer, ...): it would load without a word,
@@ -157,20 +159,17 @@ def check_state_settings(module: nn.Module, state_dict: dict[str, Any], prefix: 
     another shape without it), before any tensor of ``module`` is copied. A state that records no settings (saved
     before they were recorded, :data:`SETTINGS_VERSION`) loads as before. To load the tensors under other settings on
     purpose, delete the ``"settings"`` entry of the layer's ``_extra_state``. Containers (a residual stack, a hierarchy,
-    a readout) call this for all their layers before loading the first one, so a refused file leaves them whole."""
-    for name, layer in module.named_modules():
-        settings = getattr(layer, "_settings", None)
-        if not callable(settings):
-            continue
+    a readout) call this for all their layers before loading the first one, so a refused file
+    leaves them whole."""
+    for name, (kind, now) in layers.items():
         key = f"{prefix}{name}._extra_state" if name else f"{prefix}_extra_state"
         extra = state_dict.get(key)
-        kind = type(layer).__name__
         if not isinstance(extra, dict) or "settings" not in extra:
             continue
         version = extra.get("version", 1)
         if not isinstance(version, int) or version < SETTINGS_VERSION.get(kind, 1):
             continue
-        saved, now = extra["settings"], settings()
+        saved = extra["settings"]
         if not isinstance(saved, dict):
             raise ValueError(f"{kind} state {key!r} records settings that are not a mapping: {saved!r}; is the "
                              f"checkpoint from another layer?")
@@ -191,31 +190,6 @@ def _assignment(option: str, value: Any) -> str:
     recipe (fixed once the layer is built) the constructor keyword."""
     shown = _shown(option, value)
     return f"a new layer with recipe={shown}" if option == "recipe" else f"layer.{option} = {shown}"
-
-
-def load_ddcl_extra_state(layer: nn.Module, state: dict[str, Any]) -> None:
-    """Restore what :func:`ddcl_extra_state` saved (its ``set_extra_state``); a state of version 1 has no restart
-    count. The settings it records are checked before (:func:`check_state_settings`) and restore nothing. A
-    ValueError for anything else (a checkpoint of another layer)."""
-    if not isinstance(state, dict) or not {"temperature", "initialized"} <= state.keys():
-        raise ValueError(f"DDCLQuantizer extra state must be a dict with 'temperature' and 'initialized' "
-                         f"(from get_extra_state), got {state!r}; is the checkpoint from another layer?")
-    t = state["temperature"]
-    layer.temperature_control.load(None if t is None else check_float("temperature", t))
-    layer._initialized = bool(state["initialized"])
-    layer.dead_codes.restart_count.fill_(int(state.get("restarts", 0)))
-
-
-def become_plain(layer: nn.Module) -> None:
-    """Switch a :class:`softvq.DDCLQuantizer` to the plain layer's settings (a checkpoint from before the recipe
-    existed), so that it evaluates and trains on as it was trained: no standardisation, soft-centroid output,
-    gradient-trained prototypes, a fixed temperature, no restarts."""
-    layer._recipe = "plain"  # fixed once built (DDCLQuantizer.recipe): set here as the plain layer was built
-    layer.standardize = layer.hard_output = False
-    layer.prototype_update = "gradient"
-    layer.prototypes.requires_grad_(True)
-    layer.target_entropy = None
-    layer.restart = None
 
 
 # Options renamed: (the quantizers that had it, its former name, today's name). HardVQ's ``beta`` is the commitment
@@ -272,17 +246,17 @@ def _init_of_flat(init: object, scale: object) -> dict[str, Any]:
     return {"init": {"scale": float(scale)} if init == "normal" else init}
 
 
-def _restart_of_flat(quantizer: object, get: Any) -> dict[str, Any] | None:
+def _restart_of_flat(kind: object, get: Any) -> dict[str, Any] | None:
     """The ``restart`` setting (a mapping of :class:`softvq.parts.Restart`'s fields, or ``None``) that a record's flat
-    options (``get(name, default)``) meant for quantizer ``quantizer``."""
-    if quantizer in ("ddcl", "rddcl"):
+    options (``get(name, default)``) meant for quantizer ``kind``."""
+    if kind in ("ddcl", "rddcl"):
         threshold = get("dead_code_threshold", "auto")
         if threshold == "auto":
             threshold = 1.0 if get("recipe", "auto") == "auto" else 0.0
         decay, cap = get("dead_code_decay", "auto"), get("dead_code_cap", 0.25)
     else:
-        threshold = get("dead_code_threshold", 1.0 if quantizer == "rhard" else 0.0)
-        decay, cap = get("ema_decay", 0.99 if quantizer == "rhard" else None) or 0.99, None
+        threshold = get("dead_code_threshold", 1.0 if kind == "rhard" else 0.0)
+        decay, cap = get("ema_decay", 0.99 if kind == "rhard" else None) or 0.99, None
     return None if not threshold else {"threshold": float(threshold), "decay": decay, "cap": cap}
 
 # The standardiser's flat options, before ``standardize`` took a softvq.parts.Standardize. A run record (config.json,
@@ -291,6 +265,8 @@ def _restart_of_flat(quantizer: object, get: Any) -> dict[str, Any] | None:
 # takes today's (they act in training only).
 _FLAT_STANDARDIZE = ("output_scale", "renorm", "renorm_clip")
 PREDATED: dict[str, Any] = {"renorm": False, "renorm_clip": [3.0, 5.0]}
+# ... and the defaults of the flat options when they were replaced (Standardize()'s fields then and now)
+_FLAT_DEFAULTS: dict[str, Any] = {"renorm": True, "renorm_clip": [1.1, 0.1]}
 
 
 def _standardize_of_flat(get: Any, standardize: object, predated: bool) -> object:
@@ -300,31 +276,31 @@ def _standardize_of_flat(get: Any, standardize: object, predated: bool) -> objec
     on = standardize is True or (standardize == "auto" and get("recipe", "auto") == "auto")
     if not on:
         return False
-    default = PREDATED if predated else {"renorm": True, "renorm_clip": list(Standardize().renorm_clip)}
+    default = PREDATED if predated else _FLAT_DEFAULTS
     renorm, clip = get("renorm", default["renorm"]), get("renorm_clip", default["renorm_clip"])
     return {"renorm_clip": list(clip) if renorm else None, "output_scale": get("output_scale", "standardized")}
 
 
-def _upgrade_options(quantizer: object, out: dict[str, Any], predated: bool) -> dict[str, Any]:
-    """The options of one quantizer ``quantizer`` (its name, e.g. ``"hard"``), today's: former names renamed, DDCL's
+def _upgrade_options(kind: object, out: dict[str, Any], predated: bool) -> dict[str, Any]:
+    """The options of one quantizer ``kind`` (its name, e.g. ``"hard"``), today's: former names renamed, DDCL's
     former ``None`` for "the recipe's value" as ``"auto"``, and the flat options that one option replaced (restart,
     prototype update, standardisation, commitment, entropy control, initialisation) as that option, a mapping of its
     fields where it has them. ``predated``: a run record, whose absent standardiser options had their former defaults
     (:data:`PREDATED`). ``out`` is changed in place and returned."""
-    ddcl = quantizer in ("ddcl", "rddcl")
+    ddcl = kind in ("ddcl", "rddcl")
     for quantizers, old, new in _RENAMED_OPTIONS:
-        if quantizer in quantizers and old in out and new not in out:
+        if kind in quantizers and old in out and new not in out:
             out[new] = out.pop(old)
     quantizers, names = _AUTO_WAS_NONE
-    if quantizer in quantizers:
+    if kind in quantizers:
         out.update({name: "auto" for name in names if name in out and out[name] is None})
     if "restart" not in out and any(name in out for name in _FLAT_RESTART):
-        out["restart"] = _restart_of_flat(quantizer, out.get)
+        out["restart"] = _restart_of_flat(kind, out.get)
     if ddcl and any(name in out for name in _FLAT_UPDATE):
         out["prototype_update"] = _update_of_flat(out.get, out.get("prototype_update", "auto"))
     standardize = out.get("standardize", "auto")
     flat_standardize = any(name in out for name in _FLAT_STANDARDIZE) and not isinstance(standardize, dict)
-    if quantizer == "ddcl" and (flat_standardize or (predated and standardize is True)):
+    if kind == "ddcl" and (flat_standardize or (predated and standardize is True)):
         out["standardize"] = _standardize_of_flat(out.get, standardize, predated)
     if ddcl and "commitment_term" in out:
         out["commitment_weight"] = _commitment_of_flat(out.get("commitment_weight", 0.0), out["commitment_term"])
@@ -334,18 +310,18 @@ def _upgrade_options(quantizer: object, out: dict[str, Any], predated: bool) -> 
             out["target_entropy"] = entropy
     if ddcl and "init_scale" in out:
         out.update(_init_of_flat(out.get("init", "data"), out["init_scale"]))
-    for name in (*_FLAT_RESTART, *(_FLAT_UPDATE if ddcl else ()), *(_FLAT_STANDARDIZE if quantizer == "ddcl" else ()),
+    for name in (*_FLAT_RESTART, *(_FLAT_UPDATE if ddcl else ()), *(_FLAT_STANDARDIZE if kind == "ddcl" else ()),
                  *(("commitment_term", "temperature_rate", "init_scale") if ddcl else ())):
         out.pop(name, None)
     return out
 
 
-def upgrade_quantizer_kwargs(quantizer: object, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``kwargs`` of quantizer ``quantizer`` (its name, e.g. ``"hard"``) in today's options (:func:`_upgrade_options`),
+def upgrade_quantizer_kwargs(kind: object, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``kwargs`` of quantizer ``kind`` (its name, e.g. ``"hard"``) in today's options (:func:`_upgrade_options`),
     settings classes as plain mappings (a checkpoint's hyperparameters load with ``weights_only``)."""
     if not kwargs:
         return kwargs
-    out = _upgrade_options(quantizer, dict(kwargs), predated=False)
+    out = _upgrade_options(kind, dict(kwargs), predated=False)
     return {name: asdict(value) if is_dataclass(value) else value for name, value in out.items()}
 
 
@@ -354,17 +330,17 @@ class FormerOptionError(TypeError, ValueError):
     take, and a ``ValueError`` as the library's for an option it refuses."""
 
 
-def former_option_error(quantizer: str, layer: str, kwargs: dict[str, Any], former: list[str]) -> FormerOptionError:
-    """The error for keywords ``former`` of ``kwargs`` that a layer (``layer``, quantizer name ``quantizer``) took
+def former_option_error(kind: str, layer: str, kwargs: dict[str, Any], former: list[str]) -> FormerOptionError:
+    """The error for keywords ``former`` of ``kwargs`` that a layer (``layer``, quantizer name ``kind``) took
     in earlier versions: each named with the option that replaced it (:data:`FORMER_OPTIONS`) and, where the former
     values say it (:func:`_upgrade_options`, the records' upgrade), that option as it would be passed."""
     try:
-        today = _upgrade_options(quantizer, dict(kwargs), predated=False)
+        today = _upgrade_options(kind, dict(kwargs), predated=False)
     except (TypeError, ValueError):  # a former value that no record could hold: name the option alone
         today = {}
     parts = []
     for name in former:
-        replaced_by = FORMER_OPTIONS[quantizer][name]
+        replaced_by = FORMER_OPTIONS[kind][name]
         option, _, field = replaced_by.partition(".")
         value = today.get(option)
         if field and not (isinstance(value, dict) and field in value):  # the upgrade did not carry it (codebook_weight
@@ -374,8 +350,17 @@ def former_option_error(quantizer: str, layer: str, kwargs: dict[str, Any], form
     return FormerOptionError(f"{layer} got {given}, an option of earlier versions: {'; '.join(parts)}")
 
 
-def refuse_former_options(quantizer: str) -> Any:
-    """A decorator of a layer's ``__init__`` (quantizer name ``quantizer``: ``"ddcl"``, ``"hard"``): a keyword the
+def refuse_former_keywords(kind: str, owner: str, kwargs: dict[str, Any], accepted: set[str] | list[str]) -> None:
+    """Refuse the keywords of ``kwargs`` that quantizer ``kind`` took in earlier versions (:data:`FORMER_OPTIONS`) and
+    that are not ``accepted`` now: a :class:`FormerOptionError` (:func:`former_option_error`) naming ``owner``, the
+    layer given them."""
+    former = [name for name in kwargs if name in FORMER_OPTIONS[kind] and name not in accepted]
+    if former:
+        raise former_option_error(kind, owner, kwargs, former)
+
+
+def refuse_former_options(kind: str) -> Any:
+    """A decorator of a layer's ``__init__`` (quantizer name ``kind``: ``"ddcl"``, ``"hard"``): a keyword the
     layer took in earlier versions (:data:`FORMER_OPTIONS`) and takes no more is refused with the option that replaced
     it (:class:`FormerOptionError`, :func:`former_option_error`), not with Python's bare "unexpected keyword
     argument". The signature, as ``inspect`` and the command line's parser read it, is the ``__init__``'s own."""
@@ -385,9 +370,7 @@ def refuse_former_options(quantizer: str) -> Any:
 
         @functools.wraps(init)
         def checked(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-            former = [name for name in kwargs if name in FORMER_OPTIONS[quantizer] and name not in accepted]
-            if former:
-                raise former_option_error(quantizer, type(self).__name__, kwargs, former)
+            refuse_former_keywords(kind, type(self).__name__, kwargs, accepted)
             init(self, *args, **kwargs)
 
         return checked

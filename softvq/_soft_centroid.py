@@ -4,8 +4,8 @@
 :class:`_SoftCentroid` is one :class:`torch.autograd.Function` so that distances take one ``(N, D) x (D, K)``
 matmul, no ``(N, K, D)`` tensor is ever built, and the training objective can send *different* terms to the encoder
 and to the prototypes without recomputing the layer. :class:`softvq.DDCLQuantizer` is its only caller (its forward
-pass, ``softvq/_ddcl_forward.py``); it runs it with autocast off, in float32 (float64 for float64 input). The pieces
-of its backward pass are ``softvq/_soft_centroid_grad.py``.
+pass, ``_forward_tokens`` in ``softvq/ddcl.py``); it runs it with autocast off, in float32 (float64 for float64
+input). The pieces of its backward pass are ``softvq/_soft_centroid_grad.py``.
 """
 
 from __future__ import annotations

@@ -1,67 +1,66 @@
 """DDCL soft codebook: global prototypes, Boltzmann soft assignments, the argmax code with the soft centroid's gradient.
 
-The math is docs/design.md, "The layer: L_q = L_OLS + V" (arXiv 2604.03850). This file holds :class:`DDCLQuantizer`:
-its options, state and codebook. The rest of the layer lives beside it:
+The math is docs/design.md, "The layer: L_q = L_OLS + V" (arXiv 2604.03850). This file holds :class:`DDCLQuantizer`
+whole: its options, its state and its forward pass, one method per step in the order they run (:meth:`forward`,
+``_forward_tokens``, ``_codebook_space``, ``_pass_temperature``, ``_objective``, ``_output_codes``, ``_assemble``,
+``_after_step``). Beside it:
 
-- ``softvq/_ddcl_forward.py``: the forward pass, step by step;
-- ``softvq/_soft_centroid.py``: its core, one :class:`torch.autograd.Function`: one ``(N, D) x (D, K)`` matmul, no
-  ``(N, K, D)`` tensor, float32 (float64 for float64 input) under autocast, and *different* terms to the encoder and
-  to the prototypes without recomputing the layer;
-- the parts it holds (:mod:`softvq.parts`; docs/design.md, "Anatomy of the layer"): the temperature ``T`` and its
-  entropy control (``softvq/parts/temperature.py``), the EMA prototypes, dead-code restart and the token standardiser
-  (``softvq/norm.py``);
-- ``softvq/_recipe.py``: the options, checked, and which the parts get; ``softvq/_compat.py``: the extra state and
-  checkpoints of earlier layouts.
+- ``softvq/_soft_centroid.py``: the forward's core, one :class:`torch.autograd.Function`: one ``(N, D) x (D, K)``
+  matmul, no ``(N, K, D)`` tensor, float32 (float64 for float64 input) under autocast, and *different* terms to the
+  encoder and to the prototypes without recomputing the layer;
+- the parts it holds (:mod:`softvq.parts`; docs/design.md, "Anatomy of the layer"), each a mechanism with its
+  settings in one file: the token standardiser (``softvq/parts/standardize.py``), the temperature ``T`` and its
+  entropy control (``softvq/parts/temperature.py``), the EMA prototypes (``softvq/parts/ema.py``), dead-code restart
+  (``softvq/parts/restart.py``) and how the prototypes move (``softvq/parts/update.py``);
+- ``softvq/_recipe.py``: each option's check, the recipe's values for the options left at ``"auto"``, and the
+  attribute descriptors of the options; ``softvq/_replay.py``: a checkpointed forward's recomputation;
+  ``softvq/_compat.py``: checkpoints and extra states of earlier layouts.
 """
 
 from __future__ import annotations
 
-import inspect
+import warnings
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from softvq._checks import check_bool, check_choice, check_finite_state, check_indices
-from softvq._compat import (
-    check_state_settings,
-    ddcl_extra_state,
-    ddcl_settings,
-    load_ddcl_extra_state,
-    refuse_former_options,
-    upgrade_ddcl_state_dict,
+from softvq import _compat
+from softvq._checks import (
+    check_bool,
+    check_choice,
+    check_finite_state,
+    check_indices,
+    check_positive_int,
+    flatten_tokens,
 )
-from softvq._ddcl_forward import evaluation_codes, forward_tokens, init_from_data
-from softvq._precision import apply_keeping_precision
+from softvq._collectives import codes_from_tokens, is_distributed
+from softvq._precision import apply_keeping_precision, compute_dtype
 from softvq._recipe import (
     COMMITMENT_TERMS,
-    LAYER_OPTIONS,
     PartOption,
+    check_commitment,
     check_distance,
-    check_options,
-    check_output_scale_of,
     check_top_k,
     fixed_option,
     layer_option,
-    options_repr,
     resolve_hard_output,
-    set_commitment,
-    set_renorm,
-    set_restart,
-    set_standardize,
-    set_target_entropy,
+    resolve_prototype_update,
+    resolve_target_entropy,
+    resolve_temperature,
+    start_refusal,
 )
-from softvq._replay import ForwardRecords
-from softvq._soft_centroid import Objective, _SoftCentroid  # noqa: F401 (both importable from here)
-from softvq.norm import Standardize, TokenStandardizer
+from softvq._replay import ForwardRecord, ForwardRecords, in_backward, replayed_prototypes
+from softvq._soft_centroid import Objective, _SoftCentroid
 from softvq.parts.ema import EmaPrototypes
-from softvq.parts.init import NormalInit
-from softvq.parts.restart import DeadCodeRestart, Restart
-from softvq.parts.temperature import EntropyControl, TemperatureControl
+from softvq.parts.init import NormalInit, check_init
+from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
+from softvq.parts.standardize import Standardize, TokenStandardizer
+from softvq.parts.temperature import DEFAULT_RATE, EntropyControl, TemperatureControl, check_entropy_control
 from softvq.parts.update import TERMS as _TERMS  # noqa: F401 (importable from here)
-from softvq.parts.update import Commitment, Ema, Gradient, UpdateOption
-from softvq.types import QuantizerOutput, channel_first_forward
+from softvq.parts.update import Commitment, Ema, Gradient, prototype_update_of
+from softvq.types import QuantizerOutput, channel_first_forward, empty_output, scatter_top_k
 
 
 class DDCLQuantizer(nn.Module):
@@ -87,9 +86,9 @@ class DDCLQuantizer(nn.Module):
     (``quantizer.distance = "cosine"``, ``quantizer.standardize = Standardize(output_scale="input")``,
     ``quantizer.prototype_update = Gradient()``, ...); ``num_codes``, ``dim``, ``recipe`` and ``init`` are fixed when
     the layer is built, and assigning one says how to get another value. The state dict records the settings that
-    change the result (:func:`softvq._compat.ddcl_settings`), and loading one saved with other settings is refused,
-    naming them, with ``strict=False`` too (:func:`softvq._compat.check_state_settings`); a state saved before they
-    were recorded loads as before. docs/design.md, "Anatomy of the layer". A keyword of earlier versions
+    change the result (:meth:`_settings`), and loading one saved with other settings is refused, naming them, with
+    ``strict=False`` too (:func:`softvq._compat.check_state_settings`); a state saved before they were recorded loads
+    as before. docs/design.md, "Anatomy of the layer". A keyword of earlier versions
     (``ema_decay``, ``dead_code_threshold``, ...) is refused with the option that replaced it.
 
     What reaches what (the codebook term: gradient-trained prototypes only; the commitment term: the encoder only):
@@ -122,8 +121,8 @@ class DDCLQuantizer(nn.Module):
         distance: ``"euclidean"`` or ``"cosine"`` (tokens and prototypes L2-normalised; ``d = 2 - 2 cos``).
         commitment_weight: the weight (``>= 0``; 0: none) of VQ-VAE's commitment of each token to its argmax code,
             ``||z - sg[p_argmax]||^2``, or a :class:`softvq.parts.Commitment` ``(weight, term)`` for another term
-            (``"l_ols"``, to the soft centroid: at weight 0.25 a mean-shift step that pulled the tokens into few modes;
-            docs/design.md, "Collapse-free defaults").
+            (``"l_ols"``, to the soft centroid: a mean-shift step; why it is not the default: docs/design.md,
+            "Collapse-free defaults").
         init: ``"data"``: random tokens of the first training batch (:meth:`init_from_data`); a
             :class:`softvq.parts.NormalInit` ``(scale)``: ``N(0, scale^2)`` (``"normal"``: ``NormalInit()``).
         restart: dead-code restart (:class:`softvq.parts.Restart`: a prototype that wins fewer than ``threshold`` tokens
@@ -146,7 +145,7 @@ class DDCLQuantizer(nn.Module):
     # extra-state version: 1 (no key) = the plain layer before the in-layer recipe; 3: the settings recorded
     VERSION = 3
 
-    @refuse_former_options("ddcl")  # a keyword of earlier versions: refused with its replacement (softvq._compat)
+    @_compat.refuse_former_options("ddcl")  # a keyword of earlier versions: refused with its replacement
     def __init__(
         self,
         num_codes: int,
@@ -167,31 +166,49 @@ class DDCLQuantizer(nn.Module):
         check_finite: bool = True,
     ) -> None:
         super().__init__()
-        given = {name: value for name, value in locals().items() if name in _DEFAULTS}  # every option, as passed
-        o = check_options(given)  # checked, with the recipe's values resolved (softvq._recipe)
-        for name in LAYER_OPTIONS:  # the options the layer holds itself, behind the properties below
-            setattr(self, f"_{name}", o[name])
-        # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its options and state.
-        self.standardizer = TokenStandardizer(dim, renorm=o["renorm"], renorm_clip=o["renorm_clip"])
-        self.temperature_control = TemperatureControl(num_codes, o["temperature"], o["target_entropy"],
-                                                      o["temperature_rate"], dim=dim)  # T lives there
-        self.dead_codes = DeadCodeRestart(num_codes, threshold=0.0)  # no restarts unless restart sets them
-        self.dead_codes.settings = o["restart"]
-        scale = 1.0 if o["init"] == "data" else o["init"].scale
-        update = o["prototype_update"]  # an Ema or a Gradient
-        self.prototypes = nn.Parameter(torch.randn(num_codes, dim) * scale,  # (K, D)
+        # The options the layer holds itself, each checked by its own rule (softvq._recipe), behind the properties
+        # below; "auto" is the recipe's value.
+        self._num_codes = check_positive_int("num_codes", num_codes)
+        self._dim = check_positive_int("dim", dim)
+        self._recipe = check_choice("recipe", recipe, ("auto", "plain"))
+        auto = self._recipe == "auto"
+        self._distance = check_distance(distance)
+        weight, term = check_commitment(commitment_weight)
+        self._commitment_weight, self._commitment_term = weight, term or "hard"  # a number: the "hard" term's weight
+        self._init = check_init(init, self._dim)
+        self._check_finite = check_bool("check_finite", check_finite)
+        self._top_k = check_top_k(top_k)
+        self._channel_first = check_bool("channel_first", channel_first)
+        update = resolve_prototype_update(prototype_update, auto)  # an Ema or a Gradient
+        start = resolve_temperature(temperature, self._dim)  # None: calibrated on the first training batch
+        target, rate = resolve_target_entropy(target_entropy, self._num_codes, auto)
+        self._hard_output = resolve_hard_output(hard_output, auto)
+        # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its settings and state, and
+        # resolves its option's "auto" to the recipe's value itself.
+        self.standardizer = TokenStandardizer.from_setting(self._dim, standardize,
+                                                           auto=Standardize() if auto else False)
+        self.temperature_control = TemperatureControl(  # T lives there; without a target a fixed T (1.0 unless given)
+            self._num_codes, 1.0 if start is None and target is None else start, target,
+            DEFAULT_RATE if rate is None else rate, dim=self._dim)
+        self.dead_codes = DeadCodeRestart(self._num_codes, restart, auto=Restart() if auto else None)
+        scale = 1.0 if self._init == "data" else self._init.scale
+        self.prototypes = nn.Parameter(torch.randn(self._num_codes, self._dim) * scale,  # (K, D)
                                        requires_grad=update.kind == "gradient")
         self.ema = EmaPrototypes(self.prototypes, update.decay if isinstance(update, Ema) else 0.99)
-        self.prototype_update = update
+        # How the prototypes move (prototype_update): "ema", "soft_ema" or "gradient", what the forward does (a Python
+        # string), and the Gradient's term and weight for optimizer-trained prototypes (None otherwise).
+        self._update_kind: str = update.kind
+        self._gradient: Gradient | None = update if isinstance(update, Gradient) else None
         # Python-side state (no device sync to read it, and torch.compile guards on it); saved by get_extra_state.
-        self._initialized = o["init"] != "data"
+        self._initialized = self._init != "data"
         self._warned_start = False  # a batch that could not start the codebook has been reported
         # What each eager training forward read, for a recomputation during its backward (softvq._replay).
         self._records = ForwardRecords()
 
     # ---- options ----------------------------------------------------------------------------------------------
-    # Each is checked on assignment by the constructor's own check (softvq._recipe) and takes effect at the next call;
-    # those fixed when the layer is built refuse assignment, saying how to get another value.
+    # Each is checked on assignment by the constructor's own check and takes effect at the next call; those fixed when
+    # the layer is built refuse assignment, saying how to get another value. The layer's own methods read the values
+    # the properties hold (``self._distance``, ...), as they are: the properties are for its users.
     num_codes = fixed_option("num_codes", "build a new DDCLQuantizer(num_codes, dim, ...): K sizes the prototypes and "
                              "every part's state", "``K``, the number of prototypes (fixed).")
     dim = fixed_option("dim", "build a new DDCLQuantizer(num_codes, dim, ...): D sizes the prototypes and the "
@@ -213,9 +230,6 @@ class DDCLQuantizer(nn.Module):
                                lambda layer, value: resolve_hard_output(value, layer.recipe == "auto"),
                                "Output the argmax code (``True``) or the soft centroid; assigning ``\"auto\"`` is the "
                                "recipe's.")
-    commitment_weight = property(lambda self: self._commitment_weight, set_commitment, doc=(
-        "The commitment term's weight (``>= 0``; at most 1.8e19). Assigning a number sets the weight and keeps the "
-        "term (:attr:`commitment_term`); a :class:`softvq.parts.Commitment` sets both."))
     commitment_term = layer_option("commitment_term",
                                    lambda layer, value: check_choice("commitment_term", value, COMMITMENT_TERMS),
                                    "The commitment term: ``\"hard\"`` (VQ-VAE's), ``\"l_ols\"``, ``\"l_q\"`` or "
@@ -224,27 +238,86 @@ class DDCLQuantizer(nn.Module):
                                 "Raise on NaN/Inf input.")
     channel_first = layer_option("channel_first", lambda layer, value: check_bool("channel_first", value),
                                  "Take feature maps ``(B, dim, *spatial)``.")
-    standardize = property(lambda self: self._standardize, set_standardize, doc=(
-        "Whether the layer standardises its tokens (``True`` / ``False``). Assigning takes what the constructor "
-        "takes, with its meaning: a :class:`softvq.parts.Standardize` sets the standardisation with its "
-        "``output_scale`` and ``renorm_clip`` (``True`` is ``Standardize()``, ``\"auto\"`` the recipe's), ``False`` "
-        "switches it off."))
-    output_scale = layer_option("output_scale", check_output_scale_of, (
-        "Codes in the standardised space (``\"standardized\"``), on the input's scale (``\"input\"``) or times a "
-        "number (a standardising layer's; bounded so that the codes' squared distances fit in float32)."))
-    renorm = property(lambda self: self.standardizer.renorm, set_renorm, doc=(
-        "Training standardises with batch renormalisation (clip: ``standardizer.renorm_clip``), or plain batch "
-        "standardisation; ``True`` only on a standardising layer."))
-    target_entropy = property(lambda self: self.temperature_control.target_entropy, set_target_entropy, doc=(
-        "The H(Q) in nats the entropy control holds (``None``: ``T`` fixed). Assigning takes what the constructor "
-        "takes: a number sets the target and keeps :attr:`temperature_rate`, a :class:`softvq.parts.EntropyControl` "
-        "sets both, ``\"auto\"`` is the recipe's, ``None`` holds ``T`` (1.0 if not calibrated yet); checked against "
-        "``log K`` and the rate's stability bound."))
+    # held by the standardiser (softvq/parts/standardize.py), checked there
+    output_scale = PartOption("standardizer", "output_scale")
+    renorm = PartOption("standardizer", "renorm")
     temperature_rate = PartOption("temperature_control", "rate")  # checked by the part (below max_stable_rate(K))
-    restart = property(lambda self: self.dead_codes.settings, set_restart, doc=(
-        "Dead-code restart's settings (a :class:`softvq.parts.Restart`, ``None``: off; assigning ``\"auto\"`` is the "
-        "recipe's)."))
-    prototype_update = UpdateOption()  # an Ema (its decay the ema part's) or a Gradient (softvq.parts.update)
+
+    @property
+    def commitment_weight(self) -> float:
+        """The commitment term's weight (``>= 0``; at most 1.8e19). Assigning a number sets the weight and keeps the
+        term (:attr:`commitment_term`); a :class:`softvq.parts.Commitment` sets both."""
+        return self._commitment_weight
+
+    @commitment_weight.setter
+    def commitment_weight(self, value: float | Commitment) -> None:
+        weight, term = check_commitment(value)
+        self._commitment_weight = weight
+        if term is not None:
+            self._commitment_term = term
+
+    @property
+    def standardize(self) -> bool:
+        """Whether the layer standardises its tokens (``True`` / ``False``). Assigning takes what the constructor
+        takes, with its meaning: a :class:`softvq.parts.Standardize` sets the standardisation with its
+        ``output_scale`` and ``renorm_clip`` (``True`` is ``Standardize()``, ``"auto"`` the recipe's), ``False``
+        switches it off (the standardiser's :attr:`~softvq.parts.TokenStandardizer.settings`)."""
+        return self.standardizer.on
+
+    @standardize.setter
+    def standardize(self, value: bool | Literal["auto"] | Standardize) -> None:
+        self.standardizer.settings = value
+
+    @property
+    def target_entropy(self) -> float | None:
+        """The H(Q) in nats the entropy control holds (``None``: ``T`` fixed). Assigning takes what the constructor
+        takes: a number sets the target and keeps :attr:`temperature_rate`, a :class:`softvq.parts.EntropyControl`
+        sets both, ``"auto"`` is the recipe's, ``None`` holds ``T`` (1.0 if not calibrated yet); checked against
+        ``log K`` and the rate's stability bound."""
+        return self.temperature_control.target_entropy
+
+    @target_entropy.setter
+    def target_entropy(self, value: float | Literal["auto"] | EntropyControl | None) -> None:
+        control = self.temperature_control
+        target, rate = resolve_target_entropy(value, self.num_codes, self.recipe == "auto")
+        check_entropy_control(self.num_codes, target, control.rate if rate is None else rate)  # both, before either
+        if target is None and not control.ready:
+            control.load(1.0)
+        if rate is not None:
+            control.rate = rate
+        control.target_entropy = target
+
+    @property
+    def restart(self) -> Restart | None:
+        """Dead-code restart's settings (a :class:`softvq.parts.Restart`, ``None``: off), held by the part
+        ``dead_codes``; assigning goes to the part, as the constructor's option does (``"auto"``: the recipe's)."""
+        return self.dead_codes.settings
+
+    @restart.setter
+    def restart(self, value: Restart | Literal["auto"] | None) -> None:
+        self.dead_codes.settings = value
+
+    @property
+    def prototype_update(self) -> Ema | Gradient:
+        """How the prototypes move: an :class:`softvq.parts.Ema` (its decay the ``ema`` part's) or the
+        :class:`softvq.parts.Gradient` it was given. Assigning one (or ``"ema"``, ...; ``"auto"``: the recipe's)
+        switches what the next call does, as the constructor would have set it up: the prototypes require gradients
+        exactly for a :class:`~softvq.parts.Gradient` (an optimizer built before the switch holds them or not as it
+        was built: rebuild its groups, :func:`softvq.param_groups`), and a switch from a
+        :class:`~softvq.parts.Gradient` to an :class:`~softvq.parts.Ema` starts the EMA's statistics again at the
+        current prototypes (one pseudo-token each, as a new layer's)."""
+        return Ema(self.ema.decay, self._update_kind == "soft_ema") if self._gradient is None else self._gradient
+
+    @prototype_update.setter
+    def prototype_update(self, value: Literal["auto", "ema", "soft_ema", "gradient"] | Ema | Gradient) -> None:
+        value = prototype_update_of(value, auto=Ema() if self.recipe == "auto" else Gradient())
+        if isinstance(value, Ema) and self._update_kind == "gradient":  # stale statistics
+            self.ema.reset_(self.prototypes.detach())
+        self.prototypes.requires_grad_(value.kind == "gradient")
+        self._gradient = value if isinstance(value, Gradient) else None
+        if isinstance(value, Ema):
+            self.ema.decay = value.decay
+        self._update_kind = value.kind
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property
@@ -276,18 +349,48 @@ class DDCLQuantizer(nn.Module):
         self.temperature_control.set(value, keep_control=keep_control, owner="DDCLQuantizer")
 
     def get_extra_state(self) -> dict[str, Any]:
-        return ddcl_extra_state(self)  # T, initialized, restarts, version, settings (softvq._compat)
-
-    def _settings(self) -> dict[str, Any]:
-        """The settings that change this layer's result, as its extra state records them (softvq._compat)."""
-        return ddcl_settings(self)
+        """What the layer saves besides its tensors: ``T`` (``None`` until calibrated), whether data initialisation
+        ran, the restart count, the layout's :attr:`VERSION` and the settings that change its result
+        (:meth:`_settings`; loading compares them, :func:`softvq._compat.check_state_settings`)."""
+        return {"temperature": self.temperature, "initialized": self._initialized, "restarts": self.restarts,
+                "version": self.VERSION, "settings": self._settings()}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        load_ddcl_extra_state(self, state)
+        temperature, initialized, restarts = _compat.read_ddcl_extra_state(state)  # any version, checked
+        self.temperature_control.load(temperature)
+        self._initialized = initialized
+        self.dead_codes.restart_count.fill_(restarts)
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings that change this layer's result (its outputs, loss or training), as its constructor takes
+        them, in plain values (str, float, int, bool, None, lists and mappings of a settings class's fields): what its
+        extra state records. A setting that acts on nothing is left out of its value (the rate of an entropy control
+        that is off, the term of a commitment of weight 0), so that layers that compute alike compare equal. Not
+        recorded: ``init`` (how the prototypes started: the state holds them), ``channel_first`` (the layout, not the
+        values) and ``check_finite``."""
+        standardize = self.standardizer.settings
+        target, weight = self.target_entropy, self.commitment_weight
+        return {
+            "recipe": self.recipe,
+            "distance": self.distance,
+            "standardize": False if standardize is None else _compat.settings_record(standardize),
+            "prototype_update": _compat.settings_record(self.prototype_update),
+            "hard_output": self.hard_output,
+            "commitment_weight": {"weight": weight, "term": self.commitment_term} if weight > 0 else 0.0,
+            "target_entropy": None if target is None else {"target": target, "rate": self.temperature_rate},
+            "restart": _compat.settings_record(self.restart),
+            "top_k": self.top_k,
+        }
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        upgrade_ddcl_state_dict(self, state_dict, prefix)  # a state dict of an earlier layout (softvq._compat)
-        check_state_settings(self, state_dict, prefix)  # saved with other settings: refused (softvq._compat)
+        # a state dict of an earlier layout, brought to today's; one saved before the recipe existed (the plain layer)
+        # gives the settings it was trained with, which this layer takes so that it evaluates and trains on alike
+        trained_with = _compat.upgrade_ddcl_state(state_dict, prefix, self.prototypes, self.recipe)
+        if "recipe" in trained_with:
+            self._recipe = trained_with.pop("recipe")  # fixed once built: set as the saved layer was built
+        for name, value in trained_with.items():
+            setattr(self, name, value)
+        _compat.check_state_settings({"": ("DDCLQuantizer", self._settings())}, state_dict, prefix)
         check_finite_state(state_dict, prefix, "DDCLQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -298,20 +401,32 @@ class DDCLQuantizer(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return options_repr(self)  # softvq._recipe
+        """The options in effect (``temperature=auto`` until calibrated)."""
+        t = "auto" if not self.temperature_control.ready else f"{self.temperature:g}"
+        return (
+            f"num_codes={self.num_codes}, dim={self.dim}, recipe={self.recipe!r}, temperature={t}, "
+            f"target_entropy={self.target_entropy}, standardize={self.standardize}, "
+            f"prototype_update={self.prototype_update}, hard_output={self.hard_output}, distance={self.distance!r}, "
+            f"commitment={self.commitment_weight:g}*{self.commitment_term}, init={self.init!r}, "
+            f"restart={self.restart}"
+            + (f", top_k={self.top_k}" if self.top_k is not None else "")
+        )
 
     # ---- codebook ---------------------------------------------------------------------------------------------
     @property
     def codebook(self) -> Tensor:
-        """``(K, D)``, the codes as the layer outputs them in evaluation (see ``output_scale``)."""
-        return evaluation_codes(self)  # softvq._ddcl_forward
+        """``(K, D)``, the codes as the layer outputs them in evaluation: the prototypes in the space of the
+        distances (standardised; L2-normalised for cosine), on the output's scale (``output_scale``)."""
+        p = self.prototypes.detach()
+        p = F.normalize(p, dim=-1) if self._distance == "cosine" else p
+        return self.standardizer.evaluation_output(p)
 
     def decode_indices(self, indices: Tensor) -> Tensor:
         """Map code indices ``(...)`` to their codes ``(..., D)`` (for ``channel_first``, ``(B, *spatial)`` to
         ``(B, D, *spatial)``): what :meth:`forward` outputs in evaluation with ``hard_output``."""
-        check_indices(indices, self.num_codes)
+        check_indices(indices, self._num_codes)
         codes = F.embedding(indices.long(), self.codebook)
-        return codes.movedim(-1, 1) if self.channel_first and codes.ndim > 2 else codes
+        return codes.movedim(-1, 1) if self._channel_first and codes.ndim > 2 else codes
 
     def get_output_from_indices(self, indices: Tensor) -> Tensor:
         """:meth:`decode_indices` under vector-quantize-pytorch's name (so is ``get_codes_from_indices``: no
@@ -323,12 +438,32 @@ class DDCLQuantizer(nn.Module):
     @torch.no_grad()
     def init_from_data(self, z: Tensor) -> None:
         """Set the prototypes to ``K`` random tokens of ``z (..., D)``, the encoder's output, standardised as the
-        codebook will see them (no statistic changes); fewer than ``K`` tokens are drawn with replacement and jittered,
-        and under ``torch.distributed`` every process draws the same ones from all processes' ``z``
-        (:func:`softvq._ddcl_forward.init_from_data`)."""
-        init_from_data(self, z)  # softvq._ddcl_forward
+        codebook will see them (with ``standardize``; :meth:`softvq.parts.TokenStandardizer.standardize`: the
+        evaluation statistics once a training batch has set them, else ``z``'s own moments, as the first training
+        batch will be standardised; no statistic changes). With fewer than ``K`` tokens, tokens are drawn with
+        replacement and jittered by 1e-3 of their standard deviation so no two prototypes coincide. Under
+        ``torch.distributed`` the tokens are drawn from every process's ``z`` together
+        (:func:`softvq._collectives.codes_from_tokens`): every process gets the same prototypes, the ones a single
+        process would draw from the concatenated batches."""
+        flat = flatten_tokens(z, self._dim, check_finite=True)
+        if flat.shape[0] == 0 and not is_distributed():
+            raise ValueError("init_from_data needs at least one token, got an empty tensor")
+        if self.standardize:
+            flat = self.standardizer.standardize(flat.to(compute_dtype(flat.dtype)))
+        self._init_from_tokens(flat)
 
-    # ---- forward ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_from_tokens(self, flat: Tensor) -> None:
+        """:meth:`init_from_data` on validated tokens ``(N, D)``, without a synchronisation in one process: the
+        prototypes (and their EMA) become ``K`` tokens drawn by :func:`softvq._collectives.codes_from_tokens`."""
+        chosen = codes_from_tokens(flat, self._num_codes, self.prototypes.dtype)
+        if chosen is None:
+            raise ValueError("init_from_data needs at least one token, got an empty tensor")
+        self.prototypes.copy_(chosen)
+        self.ema.reset_(chosen)
+        self._initialized = True
+
+    # ---- forward: each step a method, in the order they run -------------------------------------------------------
     def forward(self, z: Tensor) -> QuantizerOutput:
         """Quantize tokens ``z (..., dim)`` (or feature maps ``(B, dim, *spatial)`` with ``channel_first``).
 
@@ -336,14 +471,147 @@ class DDCLQuantizer(nn.Module):
             :class:`~softvq.QuantizerOutput` with ``quantized`` (shape and dtype of ``z``), ``indices``, ``probs``
             (float32, or float64 for float64 input), scalar ``loss`` and ``terms``.
         """
-        if self.channel_first:
-            return channel_first_forward(self._forward_tokens, z, self.dim)
+        if self._channel_first:
+            return channel_first_forward(self._forward_tokens, z, self._dim)
         return self._forward_tokens(z)
 
-    # The forward pass on channel-last tokens, step by step: softvq/_ddcl_forward.py.
-    _forward_tokens = forward_tokens
+    def _forward_tokens(self, z: Tensor) -> QuantizerOutput:
+        """:meth:`forward` on channel-last tokens ``z (..., D)``: the outline, each step a method below."""
+        flat = flatten_tokens(z, self._dim, check_finite=self._check_finite)  # (N, D)
+        if flat.shape[0] == 0:
+            return empty_output(z, self._num_codes, self.prototypes,
+                                ("l_q", "l_ols", "v", "identity_residual", "entropy"))
+        ctype = compute_dtype(z.dtype)
+        # A training forward pass made during backward is a recomputation (activation checkpointing): it replays what
+        # the first pass read and changes no state (softvq._replay). Under torch.compile the compiler recomputes
+        # inside its own graph, and no Python runs in the backward pass.
+        eager = self.training and not torch.compiler.is_compiling()
+        recompute = eager and in_backward()
+        replay = self._records.replay() if recompute else None
+        update = self.training and not recompute
+        # a batch that cannot start the codebook (initialise it, calibrate T) is used for its output only
+        start = update and not (self._initialized and self.temperature_control.ready)
+        deferred = start and not self._can_start(flat)
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            zf, mean, std = self._codebook_space(flat.to(ctype), update, update and not deferred)
+            p_raw = self.prototypes.to(ctype)
+            if replay is not None:
+                p_raw = replayed_prototypes(p_raw, replay)
+            p = F.normalize(p_raw, dim=-1) if self._distance == "cosine" else p_raw
+            temperature = self._pass_temperature(zf, p, replay, keep=update and not deferred)
+            record = self._records.push(p_raw, temperature) if eager and update else None
+            mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(zf, p, temperature, self._objective(), record,
+                                                                      self._top_k or 0)
+            out, loss = self._output_codes(zf, p, mu, indices, loss, mean, std)
+        if update and not deferred:
+            soft = q.detach()
+            if chosen.numel() > 0 and self._update_kind == "soft_ema":  # its M-step reads every code's column
+                soft = scatter_top_k(soft, chosen, self._num_codes)
+            self._after_step(zf.detach(), soft, indices, stats[3])  # stats: l_q, l_ols, v, entropy
+        return self._assemble(z, out, q, indices, loss, stats, chosen)
 
+    def _can_start(self, flat: Tensor) -> bool:
+        """Whether a training batch ``flat (N, D)`` can start the codebook (:func:`softvq._recipe.start_refusal`);
+        the first time one cannot, a warning says why."""
+        why = start_refusal(flat, self._num_codes, self.target_entropy, self._check_finite)
+        if why is not None and not self._warned_start:
+            self._warned_start = True
+            warnings.warn(f"DDCLQuantizer(num_codes={self._num_codes}): a training batch cannot start the codebook: "
+                          f"{why}. It was used for its output only; the prototypes and the temperature start on the "
+                          f"first training batch that can", stacklevel=4)
+        return why is None
 
-# The constructor's options and defaults (``given`` in ``__init__`` is every option, as passed).
-_DEFAULTS: dict[str, Any] = {k: p.default for k, p in inspect.signature(DDCLQuantizer.__init__).parameters.items()
-                              if k != "self"}
+    def _codebook_space(self, zf: Tensor, update: bool, update_codebook: bool) -> tuple[Tensor, Tensor | None,
+                                                                                        Tensor | None]:
+        """Tokens ``(N, D)`` in the compute dtype -> the tokens the distances see (standardised; L2-normalised for
+        cosine) and the standardiser's ``mean`` and ``std`` (``None`` without ``standardize``). With ``update`` (a
+        training step, not a recomputation) moves the standardiser's running statistics; with ``update_codebook``
+        (such a step on a batch that can start the codebook) first initialises the prototypes from data and restarts
+        dead codes, both on the standardised tokens."""
+        mean = std = None
+        if self.standardize:
+            zf, mean, std = self.standardizer(zf, update=update)
+        if not self._initialized:
+            if update_codebook:
+                self._init_from_tokens(zf.detach())
+            elif not self.training:
+                warnings.warn("DDCLQuantizer(init='data') runs in eval mode before a training batch initialised "
+                              "its prototypes: it is using random placeholder prototypes", stacklevel=4)
+        if update_codebook and self.dead_codes.threshold > 0:  # before the forward: no tensor saved for backward moves
+            dead = self.dead_codes.restart_(self.prototypes.data, zf.detach())
+            self.ema.restart_(dead, self.prototypes.data, 1.0)  # a restarted code's EMA: one pseudo-token there
+        if self._distance == "cosine":
+            zf = F.normalize(zf, dim=-1)
+        return zf, mean, std
+
+    def _pass_temperature(self, zf: Tensor, p: Tensor, replay: ForwardRecord | None, keep: bool) -> Tensor:
+        """The ``T`` (a ``()`` float64 tensor) this pass uses: the one the first pass read, for a recomputation
+        (``replay``); else the ``temperature_control``'s (softvq/parts/temperature.py, where ``T`` lives), calibrated
+        on ``zf`` over ``p`` while it has none (kept with ``keep``: a training batch that starts the codebook; an
+        evaluation before it keeps nothing)."""
+        control = self.temperature_control
+        if replay is not None:
+            return replay.temperature
+        if control.ready:
+            return control.temperature_t
+        return control.calibrate(zf.detach(), p.detach(), keep=keep)
+
+    def _objective(self) -> Objective:
+        """The terms the autograd function computes: the codebook term only for gradient-trained prototypes, the
+        commitment term unless it is ``"hard"`` (added outside it, by :meth:`_output_codes`)."""
+        soft_commitment = ("l_ols", 0.0) if self._commitment_term == "hard" else (self._commitment_term,
+                                                                                  self._commitment_weight)
+        gradient = self._gradient  # a Gradient for optimizer-trained prototypes, else None (no codebook term)
+        return Objective(gradient.term if gradient else "free_energy", gradient.weight if gradient else 0.0,
+                         *soft_commitment)
+
+    def _output_codes(self, zf: Tensor, p: Tensor, mu: Tensor, indices: Tensor, loss: Tensor, mean: Tensor | None,
+                      std: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The ``(N, D)`` output and the loss with the hard commitment term: the soft centroid ``mu``, or with
+        ``hard_output`` the argmax prototype with ``mu``'s gradient; on the output's scale (the standardiser's
+        :meth:`~softvq.parts.TokenStandardizer.output`, with its ``mean`` and ``std``)."""
+        out = mu
+        if self._hard_output or self._commitment_term == "hard":
+            codes = F.embedding(indices, p.detach())  # (N, D) the argmax prototypes
+            if self._hard_output:
+                # the code in value, bit for bit (mu - sg(mu) is exactly 0), and the soft centroid's Jacobian
+                out = codes + (mu - mu.detach())
+            if self._commitment_term == "hard" and self._commitment_weight > 0:
+                loss = loss + self._commitment_weight * F.mse_loss(zf, codes)
+        return self.standardizer.output(out, mean, std), loss
+
+    @staticmethod
+    def _assemble(z: Tensor, out: Tensor, q: Tensor, indices: Tensor, loss: Tensor, stats: Tensor,
+                  chosen: Tensor) -> QuantizerOutput:
+        """The :class:`~softvq.QuantizerOutput` of tokens ``z (..., D)``: ``out``, ``indices`` and ``q`` reshaped to
+        ``z``'s leading dimensions, and the detached terms from ``stats`` (``l_q``, ``l_ols``, ``v``, ``entropy``) with
+        the identity's residual. Top-k: ``q`` is ``(N, k)``, the assignments of the prototypes ``chosen``, kept so
+        (the caller asks for dense)."""
+        lead = z.shape[:-1]
+        l_q, l_ols, v, entropy = stats.unbind()
+        sparse = chosen.numel() > 0
+        residual = (l_q - l_ols - v).abs() / l_q.abs().clamp_min(torch.finfo(stats.dtype).tiny)
+        terms = {"l_q": l_q, "l_ols": l_ols, "v": v, "identity_residual": residual, "entropy": entropy}
+        return QuantizerOutput(
+            quantized=out.to(z.dtype).reshape(z.shape),
+            indices=indices.reshape(lead),
+            probs=q.reshape(*lead, q.shape[-1]),
+            loss=loss,
+            terms=terms,
+            prob_codes=chosen.reshape(*lead, chosen.shape[-1]) if sparse else None,
+        )
+
+    @torch.no_grad()
+    def _after_step(self, z: Tensor, q: Tensor, indices: Tensor, entropy: Tensor) -> None:
+        """After a training forward: the usage for dead-code restart, the EMA prototype update and the temperature
+        control, each with its statistics summed over processes (every process ends with the same state). No
+        host-device synchronisation."""
+        if self.dead_codes.threshold > 0 or self._update_kind == "ema":
+            counts = code_counts(indices, self._num_codes, self.dead_codes.usage.dtype)
+            if self.dead_codes.threshold > 0:
+                self.dead_codes.update(counts)
+        if self._update_kind == "ema":
+            self.ema.step_(self.prototypes, z, indices=indices, counts=counts)
+        elif self._update_kind == "soft_ema":  # the free-energy M-step, tokens weighted by their assignments
+            self.ema.step_(self.prototypes, z, q=q)
+        self.temperature_control.step(entropy, indices.numel())  # T's rule: softvq/parts/temperature.py

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from softvq import _compat
 from softvq._checks import (
     check_bool,
     check_finite_state,
@@ -18,7 +19,6 @@ from softvq._checks import (
     check_weight,
     flatten_tokens,
 )
-from softvq._compat import check_state_settings, hard_settings, refuse_former_options, upgrade_state_dict
 from softvq._kernels import nearest_codes
 from softvq._precision import apply_keeping_precision, compute_dtype
 from softvq._recipe import fixed_option, layer_option
@@ -45,15 +45,15 @@ class HardVQ(nn.Module):
     a code whose running number of assigned tokens per batch (it starts from the first training batch's counts) is
     below the threshold is replaced by a random token of the current batch; with EMA its statistics restart as
     ``threshold`` pseudo-tokens at the new value. The usage is tracked without restarts too (decay ``ema_decay``, or
-    0.99 without EMA). The setting of this project's studies, "EMA 0.99 + restart 1": ``ema_decay=0.99,
-    restart=Restart(1.0, decay=0.99, cap=None)``.
+    0.99 without EMA). "EMA 0.99 + restart 1", the hard baseline that docs/design.md ("Dead-code restart at large
+    K") compares against, is ``ema_decay=0.99, restart=Restart(1.0, decay=0.99, cap=None)``.
 
     Every option is an attribute, checked on assignment as the constructor checks it and read by the next call
     (``num_codes`` and ``dim`` are fixed); ``ema_decay`` switches the EMA on (its statistics start at the current
     codes, one pseudo-token each, as a new layer's; the codes then stop requiring gradients) or off (the codes
     require gradients again: rebuild the optimizer's groups), or changes its decay. The state dict records the
-    settings that change the result, and loading one saved with others is refused (``softvq._compat``,
-    ``check_state_settings``).
+    settings that change the result (:meth:`_settings`), and loading one saved with others is refused
+    (:func:`softvq._compat.check_state_settings`).
 
     ``terms`` (detached): ``commitment`` (``mse(z, e)``, element mean), and the DDCL quantities for a one-hot
     assignment, per token: ``l_q = l_ols = mean_n ||z_n - e_n||^2``, ``v = 0`` and the assignment entropy
@@ -72,7 +72,7 @@ class HardVQ(nn.Module):
         check_finite: raise on NaN/Inf input (one device sync per call; skipped inside ``torch.compile``).
     """
 
-    @refuse_former_options("hard")  # a keyword of earlier versions (beta, ...): refused with its replacement
+    @_compat.refuse_former_options("hard")  # a keyword of earlier versions (beta, ...): refused with its replacement
     def __init__(
         self,
         num_codes: int,
@@ -98,9 +98,9 @@ class HardVQ(nn.Module):
         if self.ema_decay is not None:
             # the k-means step averaged over batches, with VQ-VAE's Laplace-smoothed masses (softvq.parts.ema)
             self.ema = EmaPrototypes(init, self.ema_decay, epsilon=self.epsilon)
-        # usage per batch and restarts; without restarts the usage is tracked all the same (decay ema_decay, or 0.99)
-        self.dead_codes = DeadCodeRestart(num_codes, 0.0, decay=self._usage_decay())
-        self.restart = restart
+        # usage per batch and restarts (restart: the part's settings, checked there); without restarts the usage is
+        # tracked all the same, at the EMA's decay (0.99 without EMA)
+        self.dead_codes = DeadCodeRestart(num_codes, restart, idle_decay=self._usage_decay())
 
     # ---- options: checked on assignment by the constructor's checks, read by the next call ------------------------
     num_codes = fixed_option("num_codes", "build a new HardVQ(num_codes, dim, ...): K sizes the codebook and its "
@@ -132,8 +132,7 @@ class HardVQ(nn.Module):
             self.ema.decay = value
         self.prototypes.requires_grad_(value is None)
         self._ema_decay = value
-        if self.restart is None:  # the usage, tracked without restarts, decays at the EMA's decay
-            self.dead_codes.decay = self._usage_decay()
+        self.dead_codes.idle_decay = self._usage_decay()  # the usage, tracked without restarts, decays at it
 
     @property
     def epsilon(self) -> float:
@@ -155,8 +154,6 @@ class HardVQ(nn.Module):
     @restart.setter
     def restart(self, value: Restart | None) -> None:
         self.dead_codes.settings = value
-        if value is None:  # the usage tracked all the same, at the EMA's decay (0.99 without EMA)
-            self.dead_codes.decay = self._usage_decay()
 
     def _usage_decay(self) -> float:
         return self._ema_decay if self._ema_decay is not None else 0.99
@@ -202,13 +199,16 @@ class HardVQ(nn.Module):
                              f"checkpoint from another layer?")
 
     def _settings(self) -> dict[str, Any]:
-        """The settings that change this layer's result, as its extra state records them (softvq._compat)."""
-        return hard_settings(self)
+        """The settings that change this layer's result, in plain values, as its extra state records them: the
+        commitment weight, the EMA decay (``None``: a gradient-trained codebook) and its smoothing (``None`` without
+        EMA, where it acts on nothing), and dead-code restart."""
+        ema = self.ema_decay is not None
+        return {"commitment_weight": self.commitment_weight, "ema_decay": self.ema_decay,
+                "epsilon": self.epsilon if ema else None, "restart": _compat.settings_record(self.restart)}
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        upgrade_state_dict(state_dict, prefix)  # a state dict saved before softvq.parts
-        state_dict.setdefault(prefix + "_extra_state", {})  # one saved before the settings were recorded: unchecked
-        check_state_settings(self, state_dict, prefix)  # saved with other settings: refused (softvq._compat)
+        _compat.upgrade_hard_state(state_dict, prefix)  # a state dict of an earlier layout, brought to today's
+        _compat.check_state_settings({"": ("HardVQ", self._settings())}, state_dict, prefix)  # other settings: refused
         check_finite_state(state_dict, prefix, "HardVQ")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from softvq import _compat
 from softvq._checks import check_finite_state, check_positive_int
-from softvq._compat import FormerOptionError, check_state_settings
 from softvq._recipe import fixed_option, layer_option
 from softvq.ddcl import DDCLQuantizer
 from softvq.types import QuantizerOutput
@@ -136,9 +136,9 @@ class HierarchicalDDCL(nn.Module):
             # of the level below, and the per-level temperature is set by the caller (models.VQVAE).
             ddcl_kwargs = {"recipe": "plain", **ddcl_kwargs}
             self.levels = nn.ModuleList([DDCLQuantizer(k, dim, **ddcl_kwargs) for k in self.num_codes])
-        except FormerOptionError:  # an option of earlier versions: its error names the replacement (a ValueError)
-            raise
-        except TypeError as err:  # an option DDCLQuantizer does not have
+        except TypeError as err:  # an option DDCLQuantizer does not have (one the layer refuses says so itself)
+            if isinstance(err, ValueError):
+                raise
             raise ValueError(f"invalid DDCLQuantizer option for HierarchicalDDCL: {err}") from err
 
     # ---- options: ``pool`` checked on assignment as the constructor checks it (the levels' own options are theirs:
@@ -183,7 +183,10 @@ class HierarchicalDDCL(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
-        check_state_settings(self, state_dict, prefix)  # a level saved with other settings (softvq._compat)
+        _compat.check_state_settings(  # a level saved with other settings: refused
+            {name: (type(m).__name__, m._settings()) for name, m in self.named_modules()
+             if callable(getattr(m, "_settings", None))},
+            state_dict, prefix)
         check_finite_state(state_dict, prefix, "HierarchicalDDCL")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

@@ -22,12 +22,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from softvq import _compat
 from softvq._checks import check_bool, check_finite_state
-from softvq._compat import FORMER_OPTIONS, check_state_settings, former_option_error
 from softvq._precision import compute_dtype
 from softvq._recipe import fixed_option, layer_option
 from softvq.ddcl import DDCLQuantizer
-from softvq.parts.update import Commitment, Gradient
+from softvq.parts.update import Commitment, Ema, Gradient
 
 _TERM_NAMES = ("l_q", "l_ols", "v", "identity_residual")
 # The readout is the plain layer: where its defaults differ from DDCLQuantizer's.
@@ -148,7 +148,7 @@ class DDCLReadout(nn.Module):
                              f"build DDCLReadout({quantizer.num_codes}, {quantizer.dim}, ...) to train a readout from "
                              f"scratch")
         readout = cls(quantizer.num_codes, quantizer.dim, temperature=quantizer.temperature,
-                      distance=quantizer.distance, prototype_update=quantizer._gradient or Gradient(),
+                      distance=quantizer.distance, prototype_update=_gradient_update(quantizer.prototype_update),
                       commitment_weight=quantizer.commitment_weight if quantizer.commitment_term == "hard" else
                       Commitment(quantizer.commitment_weight, quantizer.commitment_term), init=quantizer.init,
                       restart=None if freeze else quantizer.restart,
@@ -252,7 +252,10 @@ class DDCLReadout(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # the whole state checked before any of it loads: a refused file leaves the readout as it was
-        check_state_settings(self, state_dict, prefix)  # its quantizer saved with other settings (softvq._compat)
+        _compat.check_state_settings(  # its quantizer saved with other settings: refused
+            {name: (type(m).__name__, m._settings()) for name, m in self.named_modules()
+             if callable(getattr(m, "_settings", None))},
+            state_dict, prefix)
         check_finite_state(state_dict, prefix, "DDCLReadout")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -265,9 +268,7 @@ def _check_quantizer_kwargs(kwargs: dict[str, Any]) -> None:
     honour."""
     own = ("num_codes", "dim", "check_finite")  # the readout's own arguments
     known = [name for name in inspect.signature(DDCLQuantizer).parameters if name not in own]
-    former = [name for name in kwargs if name in FORMER_OPTIONS["ddcl"] and name not in known]
-    if former:  # a keyword of earlier versions: refused with what replaced it (softvq._compat)
-        raise former_option_error("ddcl", "DDCLReadout", kwargs, former)
+    _compat.refuse_former_keywords("ddcl", "DDCLReadout", kwargs, known)  # refused with what replaced each
     for name, value in kwargs.items():
         if name not in known:
             raise ValueError(f"DDCLReadout got {name}={value!r}, which is not a DDCLQuantizer keyword; "
@@ -275,3 +276,9 @@ def _check_quantizer_kwargs(kwargs: dict[str, Any]) -> None:
         if name in _FIXED and not any(value is a or (isinstance(value, str) and value == a) for a in _FIXED[name][0]):
             accepted, why = _FIXED[name]
             raise ValueError(f"DDCLReadout cannot honour {name}={value!r} (only {name}={accepted[0]!r}): {why}")
+
+
+def _gradient_update(update: Ema | Gradient) -> Gradient:
+    """The readout's ``prototype_update`` for a quantizer's: its :class:`~softvq.parts.Gradient`, or for EMA prototypes
+    the default one (the readout is the plain layer: its prototypes learn by the gradient)."""
+    return update if isinstance(update, Gradient) else Gradient()

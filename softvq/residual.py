@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from softvq import _compat
 from softvq._checks import (
     check_bool,
     check_choice,
@@ -30,14 +31,13 @@ from softvq._checks import (
     check_positive_int,
     flatten_tokens,
 )
-from softvq._compat import check_state_settings
 from softvq._precision import compute_dtype
 from softvq._recipe import fixed_option, layer_option
 from softvq._replay import in_backward
 from softvq.ddcl import DDCLQuantizer
 from softvq.hard_vq import HardVQ
-from softvq.norm import Standardize, TokenStandardizer
 from softvq.parts.restart import Restart
+from softvq.parts.standardize import Standardize, TokenStandardizer
 from softvq.types import QuantizerOutput, channel_first_forward
 
 
@@ -49,13 +49,13 @@ def _check_min_levels(value: object, num_quantizers: int) -> int:
     return levels
 
 
-def is_residual(module: object) -> bool:
-    """Whether ``module`` is a residual stack as :class:`~softvq.models.VQVAE` sees one: a :class:`ResidualQuantizer`,
+def is_residual(obj: object) -> bool:
+    """Whether ``obj`` is a residual stack as :class:`~softvq.models.VQVAE` sees one: a :class:`ResidualQuantizer`,
     or any module with ``num_quantizers``, per-level ``levels`` and :meth:`ResidualQuantizer.level_output` (an
     adapter around another library's residual quantizer)."""
-    return isinstance(module, ResidualQuantizer) or (
-        isinstance(getattr(module, "num_quantizers", None), int) and callable(getattr(module, "level_output", None))
-        and isinstance(getattr(module, "levels", None), nn.ModuleList))
+    return isinstance(obj, ResidualQuantizer) or (
+        isinstance(getattr(obj, "num_quantizers", None), int) and callable(getattr(obj, "level_output", None))
+        and isinstance(getattr(obj, "levels", None), nn.ModuleList))
 
 
 class ResidualQuantizer(nn.Module):
@@ -64,7 +64,7 @@ class ResidualQuantizer(nn.Module):
     Args:
         levels: the per-level quantizers (softvq layers: channel-last tokens in, :class:`~softvq.QuantizerOutput`
             out), level 0 first.
-        standardize: standardise the input once at the top (:class:`~softvq.norm.TokenStandardizer`) and work and
+        standardize: standardise the input once at the top (:class:`~softvq.parts.TokenStandardizer`) and work and
             sum in that space; the output is then in that standardised space, as a single DDCL layer's default.
         renorm: that standardisation with batch renormalisation (``TokenStandardizer(renorm=True)``): training
             standardises with the running moments in value, within ``renorm_clip`` of the batch's own.
@@ -243,7 +243,10 @@ class ResidualQuantizer(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # every level's state checked before the first one loads: a refused file leaves the whole stack as it was
-        check_state_settings(self, state_dict, prefix)  # a level saved with other settings (softvq._compat)
+        _compat.check_state_settings(  # a level saved with other settings: refused
+            {name: (type(m).__name__, m._settings()) for name, m in self.named_modules()
+             if callable(getattr(m, "_settings", None))},
+            state_dict, prefix)
         check_finite_state(state_dict, prefix, "ResidualQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -265,7 +268,7 @@ class ResidualDDCL(ResidualQuantizer):
             standardised space. ``"per_level"``: every level standardises its own residual and maps its codes back
             to the residual's scale (``standardize=Standardize(output_scale="input")``); the output is on the input's
             scale.
-        renorm: standardise with batch renormalisation (:class:`~softvq.norm.TokenStandardizer`): in training the
+        renorm: standardise with batch renormalisation (:class:`~softvq.parts.TokenStandardizer`): in training the
             tokens are standardised *in value* with the running moments (within ``renorm_clip`` of the batch's own),
             with the batch statistics' gradient; measured in docs/design.md, "Residual codebooks".
         renorm_clip: with ``scale="shared"``, the clip of the shared standardiser: Ioffe's ``(3, 5)``, where the
@@ -307,9 +310,9 @@ _HARD_RESTART = Restart(1.0, decay=0.99, cap=None)
 
 
 class ResidualHardVQ(ResidualQuantizer):
-    """``Q`` levels of :class:`~softvq.HardVQ` on successive residuals of the raw input, by default with the strongest
-    hard recipe measured here: EMA codebooks (decay 0.99) and dead-code restarts (threshold 1, usage decay 0.99,
-    uncapped).
+    """``Q`` levels of :class:`~softvq.HardVQ` on successive residuals of the raw input, by default each with EMA
+    codebooks (decay 0.99) and dead-code restarts (threshold 1, usage decay 0.99, uncapped): the hard baseline of
+    docs/design.md, "Residual codebooks".
 
     Args:
         num_quantizers, num_codes, dim: ``Q``, ``K`` per level, ``D``.

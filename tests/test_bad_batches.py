@@ -284,7 +284,7 @@ def test_no_sequence_of_batches_breaks_a_layer(name, sequence):
 
 
 def test_a_batch_that_cannot_estimate_a_variance_moves_no_statistic():
-    from softvq.norm import TokenStandardizer
+    from softvq.parts import TokenStandardizer
     s = TokenStandardizer(4).train()
     for degenerate in (torch.randn(1, 4), torch.ones(16, 4) * 3.0):  # one token; all equal
         s(degenerate)

@@ -176,7 +176,7 @@ def test_compiled_batch_renormalisation_has_eager_gradients_while_it_updates_its
     """Batch renormalisation reads the running statistics its own forward just moved in place. The compiled gradient
     once came out up to 2% off (the backward recomputed the factors from buffers updated a second time); against
     the same formula by hand in float64, for three steps of a drifting input."""
-    from softvq.norm import TokenStandardizer, renorm_factors
+    from softvq.parts.standardize import TokenStandardizer, renorm_factors
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -296,7 +296,7 @@ def test_invalid_recipe_options_raise(kwargs, match):
 
 
 def test_batch_renormalisation_is_the_running_statistics_in_value_and_the_batchs_gradient_by_hand():
-    from softvq.norm import TokenStandardizer
+    from softvq.parts import TokenStandardizer
 
     torch.manual_seed(0)
     sd = TokenStandardizer(3, renorm=True, renorm_clip=(1.5, 0.5)).double().train()

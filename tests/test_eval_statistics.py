@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import softvq
-from softvq.norm import TokenStandardizer
+from softvq.parts import TokenStandardizer
 
 
 @functools.cache

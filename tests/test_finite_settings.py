@@ -1,5 +1,5 @@
 """Settings that would overflow float32 in the first steps are refused when built and when assigned, naming the option
-and the bound derived from float32's range (softvq._checks: check_weight, check_code_scale; softvq.norm:
+and the bound derived from float32's range (softvq._checks: check_weight, check_code_scale; softvq.parts.standardize:
 check_output_scale; softvq.parts.init: check_init; softvq.parts.temperature: check_temperature); a setting at the
 bound trains finite. Numbers are numbers: a string or bytes that spells one is refused, naming the value."""
 

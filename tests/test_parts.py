@@ -15,7 +15,9 @@ from softvq.parts import (
     EmaPrototypes,
     NormalInit,
     Restart,
+    Standardize,
     TemperatureControl,
+    TokenStandardizer,
     code_counts,
     max_stable_rate,
 )
@@ -131,7 +133,7 @@ def test_code_counts_is_bincount():
 
 
 def test_usage_starts_from_the_first_batch_then_decays_and_restart_moves_exactly_the_dead_codes():
-    restart = DeadCodeRestart(4, threshold=1.0, decay=0.5)
+    restart = DeadCodeRestart(4, Restart(1.0, decay=0.5, cap=None))
     codebook = torch.zeros(4, 2)
     z = torch.arange(10.0).reshape(5, 2) + 1  # no row is zero
     assert not restart.restart_(codebook, z).any()  # no batch seen: nothing restarts
@@ -146,10 +148,10 @@ def test_usage_starts_from_the_first_batch_then_decays_and_restart_moves_exactly
 
 
 def test_the_cap_lowers_the_threshold_to_a_fraction_of_the_mean_usage():
-    restart = DeadCodeRestart(4, threshold=1.0, decay=0.5, cap=0.25)
+    restart = DeadCodeRestart(4, Restart(1.0, decay=0.5, cap=0.25))
     restart.update(torch.tensor([0.5, 0.5, 0.4, 0.2]))  # mean 0.4: the threshold in effect is 0.1
     assert not restart.restart_(torch.zeros(4, 2), torch.ones(3, 2)).any()
-    uncapped = DeadCodeRestart(4, threshold=1.0, decay=0.5)
+    uncapped = DeadCodeRestart(4, Restart(1.0, decay=0.5, cap=None))
     uncapped.update(torch.tensor([0.5, 0.5, 0.4, 0.2]))
     assert uncapped.restart_(torch.zeros(4, 2), torch.ones(3, 2)).all()
 
@@ -168,8 +170,8 @@ def test_both_layers_hold_the_same_parts_and_their_options_have_one_place():
     assert isinstance(ddcl.temperature_control, TemperatureControl)
     ddcl.target_entropy = 1.0  # the layer's option is its part's
     assert ddcl.temperature_control.target_entropy == 1.0
-    ddcl.dead_codes.threshold = 0.5
-    assert ddcl.restart == Restart(0.5)
+    ddcl.dead_codes.settings = Restart(0.5)  # the part holds the layer's restart option whole
+    assert ddcl.restart == Restart(0.5) and ddcl.dead_codes.threshold == 0.5
     hard.restart = None  # the layer's restart option is its part's settings, both ways
     assert hard.dead_codes.threshold == 0 and hard.restart is None
     assert not hasattr(softvq.HardVQ(16, 4), "ema")  # a gradient-trained codebook has no EMA part
@@ -239,6 +241,30 @@ def test_restart_auto_is_the_recipes_and_none_switches_restarts_off():
     assert softvq.HardVQ(8, 2).restart is None
 
 
+def test_the_restart_part_holds_its_settings_whole_and_resolves_auto_itself():
+    """The part, not the layer, decides what ``"auto"`` means (the ``auto`` it was built with; refused without one) and
+    whether restarts are on; a layer's assignment reaches it unchanged, both ways. Without restarts the usage decays at
+    ``idle_decay`` (HardVQ's EMA decay, 0.99 without EMA); with them, at the settings' decay."""
+    part = DeadCodeRestart(8, "auto", auto=Restart(2.0, decay=0.5))
+    assert part.settings == Restart(2.0, decay=0.5) and (part.threshold, part.decay, part.cap) == (2.0, 0.5, 0.25)
+    part.settings = None
+    assert part.settings is None and (part.threshold, part.decay, part.cap) == (0.0, "auto", None)
+    part.settings = {"threshold": 3.0, "cap": None}  # a config file's mapping
+    assert part.settings == Restart(3.0, "auto", None)
+    with pytest.raises(ValueError, match=r"restart must be a softvq\.parts\.Restart.*got 'auto'"):
+        DeadCodeRestart(8, "auto")  # a part of a layer without a recipe
+    ddcl = softvq.DDCLQuantizer(8, 2, recipe="plain", restart=Restart(2.0))
+    ddcl.restart = "auto"  # the plain recipe's: off
+    assert ddcl.dead_codes.settings is None and ddcl.restart is None
+    hard = softvq.HardVQ(8, 2, ema_decay=0.9)
+    assert hard.dead_codes.decay == 0.9  # the usage tracked without restarts, at the EMA's decay
+    hard.restart = Restart(1.0, decay=0.5)
+    assert hard.dead_codes.decay == 0.5
+    hard.ema_decay = None
+    hard.restart = None
+    assert hard.dead_codes.decay == 0.99
+
+
 @pytest.mark.parametrize("layer", ["ddcl", "hard"])
 def test_a_restart_given_moves_the_codes_below_its_threshold_and_none_moves_nothing(layer):
     """The codes that won fewer than 4 of a batch's 40 tokens (counted here from the indices) are the ones
@@ -278,3 +304,32 @@ def test_normal_init_draws_the_prototypes_at_its_scale_and_data_init_waits_for_a
 def test_normal_init_refuses_bad_settings(init, match):
     with pytest.raises(ValueError, match=match):
         softvq.DDCLQuantizer(6, 3, init=init)
+
+
+def test_the_standardiser_holds_the_standardize_option_whole_and_maps_codes_to_its_output_scale():
+    """``settings`` reads back what was assigned (on/off, clip, output scale together), ``"auto"`` is the ``auto`` the
+    part was built with, and ``output`` / ``evaluation_output`` put codes on the output scale as written out here:
+    ``codes * std + mean`` for ``"input"``, ``codes * s`` for a number, the codes themselves otherwise or when off."""
+    part = TokenStandardizer.from_setting(3, Standardize((1.5, 0.2), "input"), auto=False)
+    assert part.settings == Standardize((1.5, 0.2), "input") and part.on and part.renorm
+    codes, mean, std = torch.randn(5, 3), torch.randn(3), torch.rand(3) + 0.5
+    torch.testing.assert_close(part.output(codes, mean, std), codes * std + mean, rtol=0, atol=0)
+    part.settings = Standardize(None, 2.0)
+    assert part.settings == Standardize(None, 2.0) and not part.renorm and part.renorm_clip == (1.5, 0.2)
+    torch.testing.assert_close(part.output(codes, mean, std), codes * 2.0, rtol=0, atol=0)
+    torch.testing.assert_close(part.evaluation_output(codes), codes * 2.0, rtol=0, atol=0)
+    part.settings = "auto"  # the plain recipe's: off
+    assert part.settings is None and not part.on and part.output_scale == "standardized"
+    assert part.output(codes, None, None) is codes and part.evaluation_output(codes) is codes
+    with pytest.raises(ValueError, match=r"output_scale='input' acts on standardised tokens"):
+        part.output_scale = "input"
+    with pytest.raises(ValueError, match=r"standardize=None: pass 'auto'"):
+        part.settings = None
+    layer = softvq.DDCLQuantizer(8, 3)
+    layer.standardize = Standardize(None, "input")  # the layer's option goes to its part, whole
+    assert layer.standardizer.settings == Standardize(None, "input")
+    assert layer.standardize and not layer.renorm and layer.output_scale == "input"
+    layer.train()(torch.randn(64, 3) * 3.0 + 1.0)  # statistics far from (0, 1)
+    mean, std = (s.clone() for s in layer.standardizer.evaluation_statistics())
+    expected = layer.prototypes.detach() * std + mean
+    torch.testing.assert_close(layer.codebook, expected, rtol=0, atol=0)

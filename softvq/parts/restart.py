@@ -22,13 +22,12 @@ from softvq._precision import apply_keeping_precision
 from softvq.parts._settings import from_mapping
 
 # decay="auto": the running count remembers at least this many tokens a code wins on average (its memory,
-# 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's memory. A
-# short memory at a large K (2 tokens per code per batch at K = 4096, N = 8192) sends live codes whose count dipped by
-# chance to restart; docs/design.md, "Dead-code restart at large K".
+# 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's memory, so
+# that a live code's count does not dip below the threshold by chance ...
 USAGE_MEMORY_TOKENS = 64.0
 USAGE_DECAY_FLOOR = 0.9
-# ... and at most 0.97's memory (33 batches): a longer one leaves dead codes unrestarted for epochs at K = 16384
-# (docs/design.md, "Dead-code restart at large K").
+# ... and at most 0.97's memory (33 batches), so that a dead code is restarted within that many batches. Why these
+# values: docs/design.md, "Dead-code restart at large K".
 USAGE_DECAY_CEILING = 0.97
 
 
@@ -110,34 +109,75 @@ def restart_dead_codes_(codebook: Tensor, usage: Tensor, z: Tensor, threshold: f
 
 class DeadCodeRestart(nn.Module):
     """The running number of tokens each of ``num_codes`` codes wins per training batch, and the restart of the codes
-    whose number fell below ``threshold``.
+    whose number fell below the threshold of its settings (:class:`Restart`).
 
     :meth:`update` folds a batch's :func:`code_counts` into the running ``usage`` (the first batch starts it from its
     counts: starting from 0 would restart nearly every live code in the first steps); :meth:`restart_` moves the
     codebook rows whose usage is below the threshold onto random tokens of a batch and counts them.
+
+    The part holds its layer's ``restart`` option whole (:attr:`settings`) and decides from it whether restarts are on:
+    ``None`` is off (``threshold`` reads 0), and a layer with a recipe passes what its ``"auto"`` means (``auto``).
 
     State: ``usage`` ``(K,)`` (float32 under ``.half()``; -1 until the first batch) and ``restart_count``, the codes
     moved so far (a ``()`` int64 tensor, not a state-dict entry: the layer that holds this part saves it).
 
     Args:
         num_codes: ``K``.
-        threshold: restart a code whose running usage is below this; 0 never restarts.
-        decay: the running usage's decay in ``(0, 1)``, or ``"auto"``: ``1 - N / (64 K)`` for a batch of ``N`` tokens,
-            clipped to ``[0.9, 0.97]`` (:meth:`usage_decay`).
-        cap: ``None``, or the most the threshold in effect may be, as a fraction of the mean tokens per code per
-            batch (so that a batch too small to give every code a token does not restart live codes).
+        settings: a :class:`Restart`, a mapping of its fields, ``None`` (no restarts) or ``"auto"`` (``auto``).
+        auto: what ``settings="auto"`` means (a layer recipe's :class:`Restart`, or ``None``: off); ``"refused"``
+            (the default): ``"auto"`` is refused, as a layer without a recipe refuses it.
+        idle_decay: the running usage's decay while restarts are off (a layer that tracks the usage all the same, as
+            :class:`softvq.HardVQ` does), in ``(0, 1)`` or ``"auto"`` (:meth:`usage_decay`).
     """
 
-    def __init__(self, num_codes: int, threshold: float = 1.0, decay: float | Literal["auto"] = "auto",
-                 cap: float | None = None) -> None:
+    def __init__(self, num_codes: int, settings: Restart | Mapping[str, Any] | Literal["auto"] | None = None, *,
+                 auto: Restart | Literal["refused"] | None = "refused",
+                 idle_decay: float | Literal["auto"] = "auto") -> None:
         super().__init__()
         self.num_codes = check_positive_int("num_codes", num_codes)
-        self.threshold = check_float("restart.threshold", threshold, allow_zero=True)
-        self.decay: float | str = "auto" if isinstance(decay, str) and decay == "auto" \
-            else check_unit("restart.decay", decay)
-        self.cap = None if cap is None else check_cap(cap)
+        self.auto = auto
+        self.idle_decay = idle_decay
+        self._restart: Restart | None = None
+        self.settings = settings
         self.register_buffer("usage", torch.full((num_codes,), -1.0))
         self.register_buffer("restart_count", torch.zeros((), dtype=torch.long), persistent=False)
+
+    @property
+    def settings(self) -> Restart | None:
+        """The part's settings (a :class:`Restart`; ``None``: no restarts). Assigning takes what a layer's ``restart``
+        option takes (a :class:`Restart`, a mapping of its fields, ``None``, or ``"auto"``: :attr:`auto`), checked by
+        :meth:`Restart.of`."""
+        return self._restart
+
+    @settings.setter
+    def settings(self, value: Restart | Mapping[str, Any] | Literal["auto"] | None) -> None:
+        if isinstance(value, str) and value == "auto" and not isinstance(self.auto, str):
+            value = self.auto
+        self._restart = Restart.of(value)
+
+    @property
+    def idle_decay(self) -> float | str:
+        """The running usage's decay while restarts are off (``"auto"``: :meth:`usage_decay`'s rule)."""
+        return self._idle_decay
+
+    @idle_decay.setter
+    def idle_decay(self, value: float | Literal["auto"]) -> None:
+        self._idle_decay = "auto" if isinstance(value, str) and value == "auto" else check_unit("restart.decay", value)
+
+    @property
+    def threshold(self) -> float:
+        """The settings' threshold; 0 while restarts are off."""
+        return 0.0 if self._restart is None else self._restart.threshold
+
+    @property
+    def decay(self) -> float | str:
+        """The running usage's decay: the settings', or :attr:`idle_decay` while restarts are off."""
+        return self._idle_decay if self._restart is None else self._restart.decay
+
+    @property
+    def cap(self) -> float | None:
+        """The settings' cap (``None``: uncapped, or restarts off)."""
+        return None if self._restart is None else self._restart.cap
 
     @property
     def restarts(self) -> int:
@@ -180,19 +220,6 @@ class DeadCodeRestart(nn.Module):
         dead = restart_dead_codes_(codebook, self.usage, z, threshold)
         self.restart_count.add_(dead.sum())
         return dead
-
-    @property
-    def settings(self) -> Restart | None:
-        """The part's settings as a :class:`Restart` (``None`` while the threshold is 0: no restarts)."""
-        return Restart(self.threshold, self.decay, self.cap) if self.threshold > 0 else None
-
-    @settings.setter
-    def settings(self, value: Restart | None) -> None:
-        value = Restart.of(value)
-        if value is None:
-            self.threshold = 0.0
-        else:
-            self.threshold, self.decay, self.cap = value.threshold, value.decay, value.cap
 
     def _apply(self, fn: Any, recurse: bool = True) -> DeadCodeRestart:
         apply_keeping_precision(self, lambda: super(DeadCodeRestart, self)._apply(fn, recurse))

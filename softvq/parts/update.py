@@ -44,8 +44,9 @@ class Gradient:
     :func:`softvq.param_groups` for their learning rate).
 
     Args:
-        term: ``"free_energy"`` (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (pushes far
-            prototypes away, which strands them under Adam) or ``"l_ols"``.
+        term: ``"free_energy"`` (``-T log sum_k exp(-d_k / T)``, attraction only: soft k-means), ``"l_q"`` (its
+            gradient pushes prototypes beyond the average distance plus ``T`` farther away) or ``"l_ols"``; why the
+            free energy is the default: docs/design.md, "The plain-layer recipe (the model's help)".
         weight: its weight (``>= 0``, at most :data:`softvq._checks.MAX_WEIGHT`: 1.8e19, so that it times the term
             stays a finite float32).
     """
@@ -105,28 +106,3 @@ def prototype_update_of(value: object, auto: Ema | Gradient) -> Ema | Gradient:
                          f"Gradient's (term, weight)")
     raise ValueError(f"prototype_update must be 'auto', 'ema', 'soft_ema', 'gradient', a softvq.parts.Ema or "
                      f"Gradient, or a mapping of one's fields, got {value!r}")
-
-
-class UpdateOption:
-    """A layer's ``prototype_update`` attribute: an :class:`Ema` whose decay is the layer's ``ema`` part's (one place),
-    or the :class:`Gradient` it was given. Assigning one (or ``"ema"``, ... ; ``"auto"``: the layer recipe's; checked
-    by :func:`prototype_update_of`, as the constructor checks it) switches what the next call does, as the constructor
-    would have set it up: the prototypes require gradients exactly for a :class:`Gradient` (an optimizer built before
-    the switch holds them or not as it was built: rebuild its groups, :func:`softvq.param_groups`), and a switch from a
-    :class:`Gradient` to an :class:`Ema` starts the EMA's statistics again at the current prototypes (one pseudo-token
-    each, as a new layer's)."""
-
-    def __get__(self, layer: Any, owner: type) -> Any:
-        if layer is None:
-            return self
-        return Ema(layer.ema.decay, layer._update_kind == "soft_ema") if layer._gradient is None else layer._gradient
-
-    def __set__(self, layer: Any, value: object) -> None:
-        value = prototype_update_of(value, auto=Ema() if layer.recipe == "auto" else Gradient())
-        if isinstance(value, Ema) and getattr(layer, "_update_kind", None) == "gradient":  # stale statistics
-            layer.ema.reset_(layer.prototypes.detach())
-        layer.prototypes.requires_grad_(value.kind == "gradient")
-        layer._gradient = value if isinstance(value, Gradient) else None
-        if isinstance(value, Ema):
-            layer.ema.decay = value.decay
-        layer._update_kind = value.kind  # "ema", "soft_ema" or "gradient": what the forward does (a Python string)
