@@ -50,10 +50,12 @@ def upgrade_state_dict(state_dict: dict[str, Any], prefix: str) -> None:
             state_dict[prefix + new] = state_dict.pop(prefix + old)
 
 
-def upgrade_ddcl_state(state_dict: dict[str, Any], prefix: str, prototypes: Tensor, recipe: str) -> dict[str, Any]:
+def upgrade_ddcl_state(state_dict: dict[str, Any], prefix: str, prototypes: Tensor, recipe: str,
+                       fresh_standardizer: Callable[[], dict[str, Tensor]]) -> dict[str, Any]:
     """Bring a :class:`softvq.DDCLQuantizer` state dict (at ``prefix``) of any earlier version to today's layout, in
     place, for a layer of ``recipe`` whose ``prototypes`` are given (their shape and device); returns the settings
-    the layer is to take (``{}``: none).
+    the layer is to take (``{}``: none). ``fresh_standardizer()`` is the state dict of a new standardiser of the
+    layer's ``dim`` (given by the layer: the standardiser loads its own state through this module).
 
     Version 1 (an extra state without ``"version"``) is a layer saved before the in-layer recipe existed, the plain
     layer: a layer of ``recipe="auto"`` takes the settings it was trained with (:data:`PLAIN_SETTINGS`, returned), so
@@ -64,15 +66,12 @@ def upgrade_ddcl_state(state_dict: dict[str, Any], prefix: str, prototypes: Tens
     extra = state_dict.get(prefix + "_extra_state")
     if not (isinstance(extra, dict) and "version" not in extra):
         return {}
-    # imported here: the standardiser loads its own state through this module
-    from softvq.parts.standardize import TokenStandardizer
-
-    num_codes, dim = prototypes.shape
+    num_codes = prototypes.shape[0]
     state_dict.setdefault(prefix + "dead_codes.usage", torch.full((num_codes,), -1.0, device=prototypes.device))
     saved = state_dict.get(prefix + "prototypes", prototypes)
     state_dict.setdefault(prefix + "ema.mass", torch.ones(num_codes, device=prototypes.device))
     state_dict.setdefault(prefix + "ema.weighted_sum", saved.detach().clone())
-    for name, value in TokenStandardizer(dim).state_dict().items():  # a fresh one: never used by version 1
+    for name, value in fresh_standardizer().items():  # a fresh one: never used by version 1
         state_dict.setdefault(f"{prefix}standardizer.{name}", value)
     return dict(PLAIN_SETTINGS) if recipe == "auto" else {}
 

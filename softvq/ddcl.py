@@ -36,7 +36,7 @@ from softvq._checks import (
     flatten_tokens,
 )
 from softvq._collectives import codes_from_tokens, is_distributed
-from softvq._precision import apply_keeping_precision, compute_dtype
+from softvq._precision import FullPrecisionState, compute_dtype
 from softvq._recipe import (
     COMMITMENT_TERMS,
     PartOption,
@@ -63,7 +63,7 @@ from softvq.parts.update import Commitment, Ema, Gradient, prototype_update_of
 from softvq.types import QuantizerOutput, channel_first_forward, empty_output, scatter_top_k
 
 
-class DDCLQuantizer(nn.Module):
+class DDCLQuantizer(FullPrecisionState):
     """DDCL differentiable codebook: a bank of ``num_codes`` global prototypes with Boltzmann soft assignments.
 
     Input: tokens ``(..., dim)`` (channel-last; other dimensions are flattened), or with ``channel_first=True`` feature
@@ -385,7 +385,8 @@ class DDCLQuantizer(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # a state dict of an earlier layout, brought to today's; one saved before the recipe existed (the plain layer)
         # gives the settings it was trained with, which this layer takes so that it evaluates and trains on alike
-        trained_with = _compat.upgrade_ddcl_state(state_dict, prefix, self.prototypes, self.recipe)
+        trained_with = _compat.upgrade_ddcl_state(state_dict, prefix, self.prototypes, self.recipe,
+                                                  lambda: TokenStandardizer(self.dim).state_dict())
         if "recipe" in trained_with:
             self._recipe = trained_with.pop("recipe")  # fixed once built: set as the saved layer was built
         for name, value in trained_with.items():
@@ -393,12 +394,6 @@ class DDCLQuantizer(nn.Module):
         _compat.check_state_settings({"": ("DDCLQuantizer", self._settings())}, state_dict, prefix)
         check_finite_state(state_dict, prefix, "DDCLQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> DDCLQuantizer:
-        # .to(device) moves the state; .half(), .to(torch.bfloat16) and the like leave it in float32 (an EMA step is
-        # below bf16 resolution, so the prototypes would stall); the temperature part keeps its float64 value.
-        apply_keeping_precision(self, lambda: super(DDCLQuantizer, self)._apply(fn, recurse))
-        return self
 
     def extra_repr(self) -> str:
         """The options in effect (``temperature=auto`` until calibrated)."""

@@ -20,14 +20,14 @@ from softvq._checks import (
     flatten_tokens,
 )
 from softvq._kernels import nearest_codes
-from softvq._precision import apply_keeping_precision, compute_dtype
+from softvq._precision import FullPrecisionState, compute_dtype
 from softvq._recipe import fixed_option, layer_option
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.types import QuantizerOutput, empty_output
 
 
-class HardVQ(nn.Module):
+class HardVQ(FullPrecisionState):
     """Nearest-code vector quantizer with a straight-through gradient (the VQ-VAE bottleneck).
 
     Input: channel-last tokens ``z (..., dim)``; the last dimension is the space in which to quantize, all
@@ -180,12 +180,6 @@ class HardVQ(nn.Module):
         return self.decode_indices(indices)
 
     get_codes_from_indices = get_output_from_indices
-
-    def _apply(self, fn: Any, recurse: bool = True) -> HardVQ:
-        # .half(), .to(torch.bfloat16): the codebook and its EMA statistics stay float32 (an EMA step is below bf16
-        # resolution); device moves and float32 / float64 casts apply as usual
-        apply_keeping_precision(self, lambda: super(HardVQ, self)._apply(fn, recurse))
-        return self
 
     # extra-state version: the settings that change the result (a state without an extra state predates it)
     VERSION = 1

@@ -8,17 +8,15 @@ sum, and sets each code to their ratio after every training batch. It is the cod
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from softvq._checks import check_float, check_unit
 from softvq._collectives import all_reduce_sum_
-from softvq._precision import apply_keeping_precision
+from softvq._precision import FullPrecisionState
 
 
-class EmaPrototypes(nn.Module):
+class EmaPrototypes(FullPrecisionState):
     """EMA statistics of a codebook: ``mass`` ``(K,)``, the tokens each code won, and ``weighted_sum`` ``(K, D)``, their
     sum, both averaged over training batches with ``decay``; each code is their ratio.
 
@@ -90,10 +88,6 @@ class EmaPrototypes(nn.Module):
         ``mass`` pseudo-tokens."""
         self.weighted_sum.copy_(torch.where(dead[:, None], codebook * mass, self.weighted_sum))
         self.mass.copy_(torch.where(dead, mass, self.mass))
-
-    def _apply(self, fn: Any, recurse: bool = True) -> EmaPrototypes:
-        apply_keeping_precision(self, lambda: super(EmaPrototypes, self)._apply(fn, recurse))
-        return self
 
     def extra_repr(self) -> str:
         return f"num_codes={self.mass.shape[0]}, decay={self.decay:g}, epsilon={self.epsilon}"

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from softvq._checks import check_float, check_positive_int, check_unit
 from softvq._collectives import all_reduce_sum_, random_tokens
-from softvq._precision import apply_keeping_precision
+from softvq._precision import FullPrecisionState
 from softvq.parts._settings import from_mapping
 
 # decay="auto": the running count remembers at least this many tokens a code wins on average (its memory,
@@ -107,7 +107,7 @@ def restart_dead_codes_(codebook: Tensor, usage: Tensor, z: Tensor, threshold: f
     return dead
 
 
-class DeadCodeRestart(nn.Module):
+class DeadCodeRestart(FullPrecisionState):
     """The running number of tokens each of ``num_codes`` codes wins per training batch, and the restart of the codes
     whose number fell below the threshold of its settings (:class:`Restart`).
 
@@ -220,10 +220,6 @@ class DeadCodeRestart(nn.Module):
         dead = restart_dead_codes_(codebook, self.usage, z, threshold)
         self.restart_count.add_(dead.sum())
         return dead
-
-    def _apply(self, fn: Any, recurse: bool = True) -> DeadCodeRestart:
-        apply_keeping_precision(self, lambda: super(DeadCodeRestart, self)._apply(fn, recurse))
-        return self
 
     def extra_repr(self) -> str:
         return f"num_codes={self.num_codes}, threshold={self.threshold:g}, decay={self.decay}, cap={self.cap}"

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from softvq._checks import STANDARDIZED_MAX, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq._kernels import squared_distances
-from softvq._precision import apply_keeping_precision
+from softvq._precision import FullPrecisionState
 from softvq._soft_centroid import softmax_floor
 from softvq.parts._settings import from_mapping
 
@@ -140,7 +140,7 @@ class EntropyControl:
         return from_mapping(cls, value, "target_entropy") if isinstance(value, Mapping) else value
 
 
-class TemperatureControl(nn.Module):
+class TemperatureControl(FullPrecisionState):
     """The temperature ``T`` of Boltzmann assignments ``q ∝ exp(-d / T)`` over ``num_codes`` codes, and the control
     that holds their mean entropy H(Q) at ``target_entropy``.
 
@@ -162,6 +162,8 @@ class TemperatureControl(nn.Module):
         rate: the control's gain per step, below :func:`max_stable_rate` ``(K)``.
         dim: the tokens' dimension ``D``, or ``None``: what bounds ``T`` from below (:func:`min_temperature`).
     """
+
+    float64_state = ("temperature_t",)  # T keeps float64 through .half() and the like
 
     def __init__(self, num_codes: int, temperature: float | None = None, target_entropy: float | None = None,
                  rate: float = DEFAULT_RATE, dim: int | None = None) -> None:
@@ -257,11 +259,6 @@ class TemperatureControl(nn.Module):
         # Bound, not written in place: a second forward pass before the first's backward must not change the T that
         # backward reads (an in-place write is a version-counter error under torch.compile).
         self.temperature_t = torch.where(torch.isfinite(factor), now * factor, now)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> TemperatureControl:
-        apply_keeping_precision(self, lambda: super(TemperatureControl, self)._apply(fn, recurse),
-                                float64=("temperature_t",))
-        return self
 
     def extra_repr(self) -> str:
         t = "uncalibrated" if not self.ready else f"{self.temperature:g}"
