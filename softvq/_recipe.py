@@ -5,7 +5,7 @@ training batch can start the codebook (:func:`start_refusal`), and the descripto
 checked on assignment (:func:`layer_option`, :func:`fixed_option`, :class:`PartOption`), which the other layers use too.
 
 An option that a part of :mod:`softvq.parts` holds is resolved and checked by that part (``standardize`` by the
-token standardiser, ``restart`` by dead-code restart, the entropy target's range by the temperature control).
+token standardiser, ``restart`` by dead-code restart, ``target_entropy`` by the temperature control).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from softvq._checks import check_bool, check_choice, check_positive_int, check_weight
 from softvq._collectives import all_reduce_sum_, is_distributed
-from softvq.parts.temperature import EntropyControl, check_temperature
+from softvq.parts.temperature import check_temperature
 from softvq.parts.update import TERMS, Commitment, Ema, Gradient, prototype_update_of
 
 DISTANCES = ("euclidean", "cosine")
@@ -58,23 +58,6 @@ def check_commitment(value: object) -> tuple[float, str | None]:
 def resolve_hard_output(value: object, auto: bool) -> bool:
     _not_none("hard_output", value)
     return check_bool("hard_output", auto if _is_auto(value) else value)
-
-
-def resolve_target_entropy(value: object, num_codes: int, auto: bool) -> tuple[float | None, float | None]:
-    """``target_entropy`` as the layer takes it -> ``(target, rate)``: ``rate`` ``None`` unless given (an
-    :class:`softvq.parts.EntropyControl`); ``"auto"``: ``log(K) / 2`` with the recipe's control (``auto``; one code
-    has no entropy to hold), else ``None``. The range is the part's to check
-    (:func:`softvq.parts.temperature.check_entropy_control`)."""
-    value, rate = EntropyControl.of(value), None
-    if isinstance(value, EntropyControl):  # a target with a gain of its own
-        value, rate = value.target, value.rate
-        value = 0.5 * math.log(num_codes) if _is_auto(value) else value
-    elif _is_auto(value):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
-        value = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
-    if isinstance(value, str | bytes):
-        raise ValueError(f"target_entropy must be a number of nats, 'auto', a softvq.parts.EntropyControl or None, "
-                         f"got {value!r}")
-    return value, rate
 
 
 def resolve_prototype_update(value: object, auto: bool) -> Ema | Gradient:

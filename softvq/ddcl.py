@@ -47,7 +47,6 @@ from softvq._recipe import (
     layer_option,
     resolve_hard_output,
     resolve_prototype_update,
-    resolve_target_entropy,
     resolve_temperature,
     start_refusal,
 )
@@ -57,7 +56,7 @@ from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit, check_init
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
 from softvq.parts.standardize import Standardize, TokenStandardizer
-from softvq.parts.temperature import DEFAULT_RATE, EntropyControl, TemperatureControl, check_entropy_control
+from softvq.parts.temperature import EntropyControl, TemperatureControl
 from softvq.parts.update import TERMS as _TERMS  # noqa: F401 (importable from here)
 from softvq.parts.update import Commitment, Ema, Gradient, prototype_update_of
 from softvq.types import QuantizerOutput, channel_first_forward, empty_output, scatter_top_k
@@ -181,15 +180,13 @@ class DDCLQuantizer(FullPrecisionState):
         self._channel_first = check_bool("channel_first", channel_first)
         update = resolve_prototype_update(prototype_update, auto)  # an Ema or a Gradient
         start = resolve_temperature(temperature, self._dim)  # None: calibrated on the first training batch
-        target, rate = resolve_target_entropy(target_entropy, self._num_codes, auto)
         self._hard_output = resolve_hard_output(hard_output, auto)
         # The parts (softvq.parts; docs/design.md, "Anatomy of the layer"): each owns its settings and state, and
         # resolves its option's "auto" to the recipe's value itself.
         self.standardizer = TokenStandardizer.from_setting(self._dim, standardize,
                                                            auto=Standardize() if auto else False)
-        self.temperature_control = TemperatureControl(  # T lives there; without a target a fixed T (1.0 unless given)
-            self._num_codes, 1.0 if start is None and target is None else start, target,
-            DEFAULT_RATE if rate is None else rate, dim=self._dim)
+        self.temperature_control = TemperatureControl.from_options(  # T lives there
+            self._num_codes, start, target_entropy, dim=self._dim, auto=auto)
         self.dead_codes = DeadCodeRestart(self._num_codes, restart, auto=Restart() if auto else None)
         scale = 1.0 if self._init == "data" else self._init.scale
         self.prototypes = nn.Parameter(torch.randn(self._num_codes, self._dim) * scale,  # (K, D)
@@ -278,14 +275,7 @@ class DDCLQuantizer(FullPrecisionState):
 
     @target_entropy.setter
     def target_entropy(self, value: float | Literal["auto"] | EntropyControl | None) -> None:
-        control = self.temperature_control
-        target, rate = resolve_target_entropy(value, self.num_codes, self.recipe == "auto")
-        check_entropy_control(self.num_codes, target, control.rate if rate is None else rate)  # both, before either
-        if target is None and not control.ready:
-            control.load(1.0)
-        if rate is not None:
-            control.rate = rate
-        control.target_entropy = target
+        self.temperature_control.set_target(value)
 
     @property
     def restart(self) -> Restart | None:

@@ -67,6 +67,31 @@ def test_setting_t_switches_the_control_off_unless_kept_and_half_keeps_float64()
     assert control.half().temperature_t.dtype == torch.float64 and control.temperature == 0.2
 
 
+def test_the_part_resolves_the_layers_target_entropy_option_itself():
+    """``"auto"`` is log(K) / 2 for the default recipe and no control for the plain one; an EntropyControl sets
+    target and rate; ``None`` before calibration fixes T at 1.0; a bad pair changes nothing."""
+    auto = TemperatureControl.from_options(64, None, "auto", dim=8, auto=True)
+    assert auto.target_entropy == 0.5 * math.log(64) and auto.rate == softvq.parts.temperature.DEFAULT_RATE
+    assert not auto.ready  # calibrated on the first training batch
+    plain = TemperatureControl.from_options(64, None, "auto", dim=8, auto=False)
+    assert plain.target_entropy is None and plain.temperature == 1.0
+    given = TemperatureControl.from_options(64, 0.7, softvq.parts.EntropyControl(2.0, 0.02), dim=8, auto=False)
+    assert (given.target_entropy, given.rate, given.temperature) == (2.0, 0.02, 0.7)
+    auto.set_target(softvq.parts.EntropyControl(1.5, 0.05))
+    assert (auto.target_entropy, auto.rate) == (1.5, 0.05)
+    auto.set_target(3.0)  # a number keeps the rate
+    assert (auto.target_entropy, auto.rate) == (3.0, 0.05)
+    with pytest.raises(ValueError, match=r"below log\(num_codes\)"):
+        auto.set_target(softvq.parts.EntropyControl(math.log(64), 0.01))
+    assert (auto.target_entropy, auto.rate) == (3.0, 0.05)  # refused whole: neither changed
+    auto.set_target("auto")
+    assert auto.target_entropy == 0.5 * math.log(64)
+    auto.set_target(None)  # not calibrated yet: T held at 1.0
+    assert auto.target_entropy is None and auto.temperature == 1.0
+    plain.set_target("auto")
+    assert plain.target_entropy is None
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"target_entropy": math.log(16)}, r"below log\(num_codes\)"),
     ({"target_entropy": 1.0, "rate": 1.01 * max_stable_rate(16)}, "too large for the entropy control"),

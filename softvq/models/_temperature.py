@@ -48,7 +48,8 @@ class ModelTemperature(TemperatureControl):
     def take_over(cls, layer: nn.Module, *settings: Any) -> ModelTemperature:
         """``layer``'s ``temperature_control`` as this mechanism with ``settings`` (the constructor's arguments after
         the part's own): the part itself if it already is, else a new one in its place, carrying its ``T`` (the
-        same tensor, no copy), whether it is set, its starting value and the layer's own target and rate."""
+        same tensor, no copy), whether it is set, its starting value and the layer's own target, rate and meaning of
+        ``"auto"``."""
         part = layer.temperature_control
         if type(part) is cls and part.settings == settings:
             return part
@@ -56,6 +57,7 @@ class ModelTemperature(TemperatureControl):
         start = part.initial if part.initial is not None or part.target_entropy is not None else 1.0
         new = cls(part.num_codes, start, part.target_entropy, part.rate, part.dim, *settings)
         new.initial, new.ready, new.temperature_t = part.initial, part.ready, part.temperature_t
+        new.auto_target = part.auto_target
         layer.temperature_control = new.train(part.training)
         return new
 

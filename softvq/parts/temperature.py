@@ -140,6 +140,27 @@ class EntropyControl:
         return from_mapping(cls, value, "target_entropy") if isinstance(value, Mapping) else value
 
 
+def resolve_target_entropy(value: object, num_codes: int, auto: bool) -> tuple[float | None, float | None]:
+    """``target_entropy`` as the layer takes it -> ``(target, rate)``: ``rate`` ``None`` unless given (an
+    :class:`softvq.parts.EntropyControl`); ``"auto"``: ``log(K) / 2`` with the recipe's control (``auto``; one code
+    has no entropy to hold), else ``None``. The range is checked by
+    :func:`check_entropy_control`."""
+    value, rate = EntropyControl.of(value), None
+    if isinstance(value, EntropyControl):  # a target with a gain of its own
+        value, rate = value.target, value.rate
+        value = 0.5 * math.log(num_codes) if _is_auto(value) else value
+    elif _is_auto(value):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
+        value = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
+    if isinstance(value, str | bytes):
+        raise ValueError(f"target_entropy must be a number of nats, 'auto', a softvq.parts.EntropyControl or None, "
+                         f"got {value!r}")
+    return value, rate
+
+
+def _is_auto(value: object) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
 class TemperatureControl(FullPrecisionState):
     """The temperature ``T`` of Boltzmann assignments ``q ∝ exp(-d / T)`` over ``num_codes`` codes, and the control
     that holds their mean entropy H(Q) at ``target_entropy``.
@@ -179,6 +200,34 @@ class TemperatureControl(FullPrecisionState):
         self.ready = self.initial is not None
         self.register_buffer("temperature_t", torch.tensor(self.initial or 1.0, dtype=torch.float64),
                              persistent=False)
+        # what target_entropy="auto" means when assigned (set_target): log(K) / 2 for a layer of the default recipe,
+        # no control (None) for the paper's plain layer
+        self.auto_target = False
+
+    @classmethod
+    def from_options(cls, num_codes: int, temperature: float | None, target_entropy: object, *, dim: int | None,
+                     auto: bool) -> TemperatureControl:
+        """The part a layer builds from its options: ``temperature`` (``None``: calibrated on the first training
+        batch) and ``target_entropy`` as the layer takes it (a number, an :class:`EntropyControl`, ``"auto"`` or
+        ``None``: :func:`resolve_target_entropy`, ``auto`` saying whether ``"auto"`` is ``log(K) / 2``). Without a
+        target and a starting ``T``, ``T`` is fixed at 1.0."""
+        target, rate = resolve_target_entropy(target_entropy, num_codes, auto)
+        part = cls(num_codes, 1.0 if temperature is None and target is None else temperature, target,
+                   DEFAULT_RATE if rate is None else rate, dim)
+        part.auto_target = auto
+        return part
+
+    def set_target(self, value: object) -> None:
+        """Assign the entropy target as the layer's option takes it (:meth:`from_options`): a number sets the target
+        and keeps :attr:`rate`, an :class:`EntropyControl` sets both, ``"auto"`` is the part's recipe's, ``None``
+        holds ``T`` (at 1.0 if it was still to be calibrated). Both checked before either is set."""
+        target, rate = resolve_target_entropy(value, self.num_codes, self.auto_target)
+        check_entropy_control(self.num_codes, target, self._rate if rate is None else rate)
+        if target is None and not self.ready:
+            self.load(1.0)
+        if rate is not None:
+            self.rate = rate
+        self.target_entropy = target
 
     @property
     def target_entropy(self) -> float | None:
