@@ -377,13 +377,21 @@ class DDCLQuantizer(FullPrecisionState):
         # gives the settings it was trained with, which this layer takes so that it evaluates and trains on alike
         trained_with = _compat.upgrade_ddcl_state(state_dict, prefix, self.prototypes, self.recipe,
                                                   lambda: TokenStandardizer(self.dim).state_dict())
-        if "recipe" in trained_with:
-            self._recipe = trained_with.pop("recipe")  # fixed once built: set as the saved layer was built
+        if "recipe" in trained_with:  # fixed once built: set as the saved layer was built
+            self._set_recipe(trained_with.pop("recipe"))
         for name, value in trained_with.items():
             setattr(self, name, value)
         _compat.check_state_settings({"": ("DDCLQuantizer", self._settings())}, state_dict, prefix)
         check_finite_state(state_dict, prefix, "DDCLQuantizer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _set_recipe(self, recipe: str) -> None:
+        """The recipe, and what ``"auto"`` means when a part's option is assigned it from now on."""
+        self._recipe = recipe
+        auto = recipe == "auto"
+        self.standardizer.auto = Standardize() if auto else False
+        self.dead_codes.auto = Restart() if auto else None
+        self.temperature_control.auto_target = auto
 
     def extra_repr(self) -> str:
         """The options in effect (``temperature=auto`` until calibrated)."""

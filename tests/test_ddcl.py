@@ -435,3 +435,9 @@ def test_no_restart_without_threshold_and_legacy_state_dict_loads():
     fresh = plain(4, 2, init="normal")
     fresh.load_state_dict(legacy)
     assert (fresh.dead_codes.usage == -1).all()
+    # a default layer that loads version 1 becomes the plain layer: "auto" assigned to an option is the plain recipe's
+    default = DDCLQuantizer(4, 2, init="normal")
+    default.load_state_dict(legacy)
+    assert default.recipe == "plain" and default.restart is None and not default.standardize
+    default.restart, default.standardize, default.target_entropy = "auto", "auto", "auto"
+    assert default.restart is None and not default.standardize and default.target_entropy is None
