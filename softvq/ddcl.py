@@ -14,7 +14,7 @@ whole: its options, its state and its forward pass, one method per step in the o
   (``softvq/parts/restart.py``) and how the prototypes move (``softvq/parts/update.py``);
 - ``softvq/_recipe.py``: each option's check, the recipe's values for the options left at ``"auto"``, and the
   attribute descriptors of the options; ``softvq/_replay.py``: a checkpointed forward's recomputation;
-  ``softvq/_compat.py``: checkpoints and extra states of earlier layouts.
+  ``softvq/_compat/``: checkpoints and extra states of earlier layouts (``state.py``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from softvq._checks import STANDARDIZED_MAX, check_bool, check_choice, check_code_scale, check_float, check_positive_int
-from softvq._compat import upgrade_standardizer_state
+from softvq._compat.state import upgrade_standardizer_state
 from softvq.norm import batch_moments, bessel
 from softvq.parts._settings import from_mapping
 
