@@ -19,15 +19,12 @@ from torch import Tensor, nn
 
 from softvq._checks import check_bool, check_choice, check_positive_int, check_weight
 from softvq._collectives import all_reduce_sum_, is_distributed
+from softvq.parts._settings import is_auto
 from softvq.parts.temperature import check_temperature
 from softvq.parts.update import TERMS, Commitment, Ema, Gradient, prototype_update_of
 
 DISTANCES = ("euclidean", "cosine")
 COMMITMENT_TERMS = ("hard", *TERMS)
-
-
-def _is_auto(value: object) -> bool:
-    return isinstance(value, str) and value == "auto"
 
 
 def _not_none(name: str, value: object) -> None:
@@ -57,7 +54,7 @@ def check_commitment(value: object) -> tuple[float, str | None]:
 
 def resolve_hard_output(value: object, auto: bool) -> bool:
     _not_none("hard_output", value)
-    return check_bool("hard_output", auto if _is_auto(value) else value)
+    return check_bool("hard_output", auto if is_auto(value) else value)
 
 
 def resolve_prototype_update(value: object, auto: bool) -> Ema | Gradient:
@@ -72,7 +69,7 @@ def resolve_temperature(value: object, dim: int) -> float | None:
     """The starting ``T`` (``None``: ``"auto"``, calibrated on the first training batch), at least
     :func:`softvq.parts.temperature.min_temperature` ``(dim)``."""
     _not_none("temperature", value)
-    return None if _is_auto(value) else check_temperature(value, dim)
+    return None if is_auto(value) else check_temperature(value, dim)
 
 
 def layer_option(name: str, check: Callable[[nn.Module, Any], Any], doc: str) -> property:

@@ -19,7 +19,7 @@ from torch import Tensor
 from softvq._checks import check_float, check_positive_int, check_unit
 from softvq._collectives import all_reduce_sum_, random_tokens
 from softvq._precision import FullPrecisionState
-from softvq.parts._settings import from_mapping
+from softvq.parts._settings import from_mapping, is_auto
 
 # decay="auto": the running count remembers at least this many tokens a code wins on average (its memory,
 # 1 / (1 - decay) batches, times N / K tokens per code per batch), and never less than USAGE_DECAY_FLOOR's memory, so
@@ -62,7 +62,7 @@ class Restart:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "threshold", check_float("restart.threshold", self.threshold))
-        if not (isinstance(self.decay, str) and self.decay == "auto"):
+        if not is_auto(self.decay):
             object.__setattr__(self, "decay", check_unit("restart.decay", self.decay))
         if self.cap is not None:
             object.__setattr__(self, "cap", check_cap(self.cap))
@@ -151,7 +151,7 @@ class DeadCodeRestart(FullPrecisionState):
 
     @settings.setter
     def settings(self, value: Restart | Mapping[str, Any] | Literal["auto"] | None) -> None:
-        if isinstance(value, str) and value == "auto" and not isinstance(self.auto, str):
+        if is_auto(value) and not isinstance(self.auto, str):
             value = self.auto
         self._restart = Restart.of(value)
 
@@ -162,7 +162,7 @@ class DeadCodeRestart(FullPrecisionState):
 
     @idle_decay.setter
     def idle_decay(self, value: float | Literal["auto"]) -> None:
-        self._idle_decay = "auto" if isinstance(value, str) and value == "auto" else check_unit("restart.decay", value)
+        self._idle_decay = "auto" if is_auto(value) else check_unit("restart.decay", value)
 
     @property
     def threshold(self) -> float:

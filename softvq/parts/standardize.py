@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from softvq._checks import STANDARDIZED_MAX, check_bool, check_choice, check_code_scale, check_float, check_positive_int
 from softvq._compat.state import upgrade_standardizer_state
 from softvq.norm import batch_moments, bessel
-from softvq.parts._settings import from_mapping
+from softvq.parts._settings import from_mapping, is_auto
 
 
 def check_renorm_clip(value: object, name: str = "renorm_clip") -> tuple[float, float]:
@@ -206,7 +206,7 @@ class TokenStandardizer(nn.Module):
         if value is None:
             raise ValueError("standardize=None: pass 'auto' for the recipe's value (the layer has no standardize to "
                              "switch off)")
-        if isinstance(value, str) and value == "auto" and self.auto is not None:
+        if is_auto(value) and self.auto is not None:
             value = self.auto
         value = Standardize.of(value)
         if not isinstance(value, Standardize):

@@ -25,7 +25,7 @@ from softvq._collectives import all_reduce_sum_, is_distributed
 from softvq._kernels import squared_distances
 from softvq._precision import FullPrecisionState
 from softvq._soft_centroid import softmax_floor
-from softvq.parts._settings import from_mapping
+from softvq.parts._settings import from_mapping, is_auto
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,7 +130,7 @@ class EntropyControl:
     rate: float = DEFAULT_RATE
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.target, str) and self.target == "auto"):
+        if not is_auto(self.target):
             object.__setattr__(self, "target", check_float("target_entropy.target", self.target))
         object.__setattr__(self, "rate", check_float("target_entropy.rate", self.rate))
 
@@ -148,17 +148,13 @@ def resolve_target_entropy(value: object, num_codes: int, auto: bool) -> tuple[f
     value, rate = EntropyControl.of(value), None
     if isinstance(value, EntropyControl):  # a target with a gain of its own
         value, rate = value.target, value.rate
-        value = 0.5 * math.log(num_codes) if _is_auto(value) else value
-    elif _is_auto(value):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
+        value = 0.5 * math.log(num_codes) if is_auto(value) else value
+    elif is_auto(value):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
         value = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
     if isinstance(value, str | bytes):
         raise ValueError(f"target_entropy must be a number of nats, 'auto', a softvq.parts.EntropyControl or None, "
                          f"got {value!r}")
     return value, rate
-
-
-def _is_auto(value: object) -> bool:
-    return isinstance(value, str) and value == "auto"
 
 
 class TemperatureControl(FullPrecisionState):
