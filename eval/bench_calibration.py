@@ -82,10 +82,10 @@ class CalibrationSpy:
     def __enter__(self) -> CalibrationSpy:
         self.original = temperature_module.calibrate_temperature
 
-        def spy(z: torch.Tensor, prototypes: torch.Tensor, target_entropy: float) -> torch.Tensor:
+        def spy(z: torch.Tensor, prototypes: torch.Tensor, target_entropy: float, top_k: int = 0) -> torch.Tensor:
             sync(self.device)
             start = time.perf_counter()
-            t = self.original(z, prototypes, target_entropy)
+            t = self.original(z, prototypes, target_entropy, top_k)
             sync(self.device)
             self.calls.append({"z": z.clone(), "prototypes": prototypes.clone(), "target": target_entropy,
                                "t": t.clone(), "seconds": time.perf_counter() - start})

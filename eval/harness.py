@@ -5,6 +5,10 @@ behind :class:`PeerAdapter`), the project's VQ-VAE trained and tested on CIFAR-1
 Methods (``LABELS``; each configured as its own documentation recommends):
     ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto")
     ddcl_h25, ddcl_wide, ddcl_top128, ddcl_top256  the defaults with another entropy target or a top-k truncation
+    ddcl_k16, ddcl_k32  the defaults truncated to each token's k nearest prototypes with an entropy target that k can
+                hold, ``log(k) - 0.5`` nats (:func:`truncated_target`): the per-second candidates of eval.per_second
+    ddcl_anneal  the same truncation cooled over the run (:class:`Anneal`): k = 128, 64, 32 in thirds of the steps,
+                each with its target ``log(k) - 0.5``: wide early, narrow late (the paper's annealing, Theorems 2-3)
     hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
     hard_ema_cap  the same with the restart threshold capped at a quarter of the mean tokens per code per batch
                 (``Restart(1.0, decay=0.99, cap=0.25)``, the cap of ``softvq.Restart``'s defaults): the cap binds
@@ -53,6 +57,9 @@ LABELS = {
     "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats",
     "ddcl_top128": "softvq DDCL, defaults with top_k=128 (each token's 128 nearest prototypes)",
     "ddcl_top256": "softvq DDCL, defaults with top_k=256 (each token's 256 nearest prototypes)",
+    "ddcl_k16": "softvq DDCL, top_k=16, target entropy log(16) - 0.5 nats",
+    "ddcl_k32": "softvq DDCL, top_k=32, target entropy log(32) - 0.5 nats",
+    "ddcl_anneal": "softvq DDCL, top_k 128 -> 64 -> 32 by thirds of the run, target entropy log(k) - 0.5 nats",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
     "hard_ema_cap": "softvq HardVQ, EMA 0.99 + restart 1 capped at N / (4K)",
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)",
@@ -62,6 +69,40 @@ LABELS = {
 }
 METHODS = tuple(LABELS)
 TOP_K = {"ddcl_top128": 128, "ddcl_top256": 256}  # DDCL's top-k truncations
+TRUNCATED = {"ddcl_k16": 16, "ddcl_k32": 32}  # top-k with an entropy target k can hold (truncated_target)
+ANNEAL_K = (128, 64, 32)  # ddcl_anneal's k over the thirds of a run
+
+
+def truncated_target(k: int, num_codes: int) -> float:
+    """The entropy target of a layer truncated to ``k`` of ``num_codes`` prototypes: ``log(k) - 0.5`` nats (about
+    ``0.6 k`` prototypes' worth, a target the ``k`` can hold: their entropy cannot exceed ``log k``), and no more than
+    the exact layer's ``log(K) / 2``."""
+    return min(math.log(k) - 0.5, 0.5 * math.log(num_codes))
+
+
+class Anneal(L.Callback):
+    """``ddcl_anneal``'s schedule: before every training step, the layer's ``top_k`` and entropy target for the part
+    of the run done (``trainer.global_step`` of ``trainer.estimated_stepping_batches``): :data:`ANNEAL_K` in equal
+    thirds, each k with :func:`truncated_target`. The temperature control follows the target from the T it has."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        layer = pl_module.quantizer
+        k = anneal_k(trainer.global_step, int(trainer.estimated_stepping_batches), layer.num_codes)
+        if layer.top_k != k:
+            layer.top_k = k
+            layer.target_entropy = truncated_target(k, layer.num_codes)
+
+
+def anneal_k(step: int, total: int, num_codes: int) -> int:
+    """``ddcl_anneal``'s k at optimizer step ``step`` of ``total``: :data:`ANNEAL_K` by thirds, at most ``K / 4``."""
+    phase = min(len(ANNEAL_K) - 1, step * len(ANNEAL_K) // max(total, 1))
+    return min(ANNEAL_K[phase], max(1, num_codes // 4))
+
+
+def method_callbacks(method: str) -> list[L.Callback]:
+    """The Lightning callbacks a method trains with (its schedule; none for most)."""
+    return [Anneal()] if method == "ddcl_anneal" else []
 
 
 def _vqp() -> Any:
@@ -146,6 +187,10 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
         return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
     if method in TOP_K:  # the defaults with the Boltzmann distribution truncated to each token's k nearest
         return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": TOP_K[method], **extra})
+    if method in TRUNCATED or method == "ddcl_anneal":  # truncated, with a target k can hold (Anneal moves both)
+        k = min(TRUNCATED.get(method, ANNEAL_K[0]), max(1, num_codes // 4))
+        return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": k, "target_entropy": truncated_target(k, num_codes),
+                                                       **extra})
     if method in ("hard_ema", "hard_ema_cap"):
         restart = HARD_RESTART if method == "hard_ema" else HARD_RESTART_CAPPED
         return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "restart": restart, **extra})

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from softvq._kernels import DEVICE_BLOCK_BYTES, max_rows
+from softvq._kernels import DEVICE_BLOCK_BYTES, max_rows, top_k_rows
 from softvq._soft_centroid_grad import (
     _gathered,
     _grad_prototypes,
@@ -118,8 +118,8 @@ def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, scores: tuple[Tenso
     ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (in no particular order). The soft
     centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built)."""
     s = logit_scores(zc, *scores)  # (n, K)
-    # unsorted: a sort of the k cost half as much again on a CPU here; the set holds the row's largest score
-    top, sel = s.topk(k, dim=1, sorted=False)  # (n, k)
+    # the set s.topk(k) returns, in two stages at about one pass's cost (unsorted: the set holds the row's largest)
+    top, sel = top_k_rows(s, k)  # (n, k)
     # the largest score and its prototype from the k kept (no other pass over (n, K)): the first index on a tie, as
     # max_rows gives it over all K
     s_max = top.amax(1)

@@ -547,7 +547,7 @@ class DDCLQuantizer(FullPrecisionState):
             return replay.temperature
         if control.ready:
             return control.temperature_t
-        return control.calibrate(zf.detach(), p.detach(), keep=keep)
+        return control.calibrate(zf.detach(), p.detach(), keep=keep, top_k=self._top_k)
 
     def _objective(self) -> Objective:
         """The terms the autograd function computes: the codebook term only for gradient-trained prototypes, the

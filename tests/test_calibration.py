@@ -137,3 +137,20 @@ def test_the_benchmark_runs_and_agrees_with_its_bisection(capsys):
     assert "| 16 |" in out and "T / T_bisection - 1" in out
     worst = float(out.rsplit("largest |T / T_bisection - 1|: ", 1)[1])
     assert worst <= RTOL
+
+
+@pytest.mark.parametrize("top_k", [3, 17])
+def test_top_k_calibration_meets_the_target_on_the_truncated_distribution(top_k):
+    """With ``top_k`` the target is the entropy of the distribution truncated to each token's ``top_k`` nearest
+    (a top-k layer's): brute force in float64 at the returned ``T``, every token's distances sorted."""
+    g = torch.Generator().manual_seed(top_k)
+    z, p = torch.randn(300, 6, generator=g), torch.randn(200, 6, generator=g)
+    target = 0.6 * math.log(top_k)
+    t = float(calibrate_temperature(z, p, target, top_k))
+    d = (z.double()[:, None] - p.double()[None]).square().sum(-1).sort(1).values[:, :top_k]
+    q = torch.softmax(-d / t, 1)
+    entropy = float(-(q * q.log()).sum(1).mean())
+    slope = float(((d / t).square() * q).sum(1).mean() - ((d / t) * q).sum(1).square().mean())
+    assert abs(entropy - target) <= 1e-5 * max(slope, 1e-3)
+    full = float(calibrate_temperature(z, p, target))  # the whole distribution's T differs
+    assert abs(full - t) > 1e-3 * t

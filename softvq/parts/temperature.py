@@ -22,7 +22,7 @@ from torch import Tensor
 
 from softvq._checks import STANDARDIZED_MAX, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum_, is_distributed
-from softvq._kernels import squared_distances
+from softvq._kernels import block_rows, squared_distances, top_k_rows
 from softvq._precision import FullPrecisionState
 from softvq._soft_centroid import softmax_floor
 from softvq.parts._settings import from_mapping, is_auto
@@ -275,13 +275,14 @@ class TemperatureControl(FullPrecisionState):
         self.ready = True
 
     @torch.no_grad()
-    def calibrate(self, z: Tensor, prototypes: Tensor, keep: bool) -> Tensor:
+    def calibrate(self, z: Tensor, prototypes: Tensor, keep: bool, top_k: int | None = None) -> Tensor:
         """The ``T`` (a ``()`` float64 tensor) at which tokens ``z (N, D)`` meet ``target_entropy`` over
-        ``prototypes (K, D)``, computed on a strided sample of at most ~4,096 tokens (no random draw, so restarts
-        draw alike); with ``keep`` it becomes ``T`` (a training batch), else it is used once (evaluation before
-        training)."""
+        ``prototypes (K, D)`` (with ``top_k``: the entropy of the distribution truncated to each token's ``top_k``
+        nearest, the one a top-k layer holds), computed on a strided sample of at most ~4,096 tokens (no random draw,
+        so restarts draw alike); with ``keep`` it becomes ``T`` (a training batch), else it is used once (evaluation
+        before training)."""
         sample = z[:: max(1, z.shape[0] // 4096)]
-        t = calibrate_temperature(sample, prototypes, self._target_entropy).to(self.temperature_t.dtype)
+        t = calibrate_temperature(sample, prototypes, self._target_entropy, top_k or 0).to(self.temperature_t.dtype)
         if keep:
             self.temperature_t = t
             self.ready = True
@@ -370,9 +371,12 @@ def _newton_in_log_t(d: Tensor, count: Tensor, target_entropy: float, u: Tensor,
 # it runs once, on the first training batch, and tracing the bisection it replaced cost a minute of compilation on 2
 # CPU cores.
 @torch.library.custom_op("softvq::calibrate_temperature", mutates_args=())
-def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float) -> Tensor:
+def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float, top_k: int = 0) -> Tensor:
     """The temperature ``T`` (a ``()`` float64 tensor) at which the mean assignment entropy of tokens ``z (n, D)``
-    over ``prototypes (K, D)`` equals ``target_entropy``, summed over processes under ``torch.distributed``.
+    over ``prototypes (K, D)`` equals ``target_entropy``, summed over processes under ``torch.distributed``. With
+    ``0 < top_k < K`` it is the entropy of the distribution truncated to each token's ``top_k`` nearest prototypes
+    (``DDCLQuantizer(top_k=k)``'s): the distances are then computed a block of rows at a time and only each row's
+    ``top_k`` smallest kept (:func:`softvq._kernels.top_k_rows`), so memory is ``O(n top_k)`` plus one block.
 
     H(Q) rises monotonically with ``u = log T``, with slope ``dH/du = Var_q(d / T)`` averaged over tokens, so the root
     is found by Newton's method in ``u``, safeguarded by bisection, inside a bracket of a factor 1e9 in ``T`` around
@@ -389,7 +393,7 @@ def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float) 
     """
     center = prototypes.mean(0)
     zc, pc = z - center, prototypes - center
-    d = squared_distances(zc, pc)  # (n, K)
+    d = _truncated_distances(zc, pc, top_k) if 0 < top_k < pc.shape[0] else squared_distances(zc, pc)  # (n, K | k)
     if d.dtype not in (torch.float32, torch.float64):
         d = d.float()
     n, k = d.shape
@@ -410,6 +414,18 @@ def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float) 
     return torch.exp(u)
 
 
+def _truncated_distances(zc: Tensor, pc: Tensor, k: int) -> Tensor:
+    """``(n, k)``: each row's ``k`` smallest squared distances of ``zc (n, D)`` to ``pc (K, D)``, in no particular
+    order, a block of :data:`softvq._kernels.CPU_BLOCK_BYTES` of distances at a time on a CPU (all rows at once
+    elsewhere)."""
+    n = zc.shape[0]
+    rows = block_rows(pc.shape[0], zc.dtype, zc.device) if zc.device.type == "cpu" else max(n, 1)
+    norms = pc.square().sum(1)
+    blocks = [top_k_rows(squared_distances(zc[a:a + rows], pc, norms=norms).neg_(), k)[0].neg_()
+              for a in range(0, n, rows)]
+    return torch.cat(blocks) if blocks else zc.new_empty(0, k)
+
+
 @calibrate_temperature.register_fake
-def _(z: Tensor, prototypes: Tensor, target_entropy: float) -> Tensor:
+def _(z: Tensor, prototypes: Tensor, target_entropy: float, top_k: int = 0) -> Tensor:
     return z.new_empty((), dtype=torch.float64)
