@@ -33,15 +33,11 @@ from typing import Any
 
 from eval import harness
 from eval._provenance import ROOT, repo_relative
+from eval.per_second.plan import BASELINES, CANDIDATES, OUT
 from softvq.models.files import RunLock, RunLockedError, write_atomic
 
 log = logging.getLogger("eval.per_second")
 
-OUT = ROOT / "reports" / "per_second"
-# The candidates (eval.harness: truncated layers, the annealed one), the exact layer, and the hard VQ baselines; at
-# K = 16384 the capped restart is the stronger hard VQ (docs/studies.md, "Long training").
-CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_anneal")
-BASELINES = ("ddcl", "hard_ema", "hard_ema_cap")
 
 
 def record_path(out: Path, num_codes: int, method: str, seed: int) -> Path:
@@ -81,11 +77,11 @@ def train_one(num_codes: int, method: str, seed: int, args: argparse.Namespace) 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eval.per_second", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-root", type=Path, default=Path("data"))
     p.add_argument("--num-codes", type=int, nargs="+", default=[4096, 16384, 512])
-    p.add_argument("--methods", nargs="+", choices=harness.METHODS, default=[*CANDIDATES, "ddcl", "hard_ema"])
+    p.add_argument("--methods", nargs="+", choices=harness.METHODS, default=[*CANDIDATES, *BASELINES])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--runs", type=Path, default=ROOT.parent / "runs" / "per_second",
                    help="where runs train (default: ../runs/per_second beside the clone)")

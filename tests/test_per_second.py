@@ -1,0 +1,81 @@
+"""The per-second study (eval/per_second): its candidate layers as stated (the truncated targets, the annealing
+schedule, the amortised Jacobian against a brute-force float64 reference), and a test-sized run of the study and of
+its step-cost benchmark."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from eval import harness
+from eval.amortised import AmortisedDDCL
+from eval.per_second import main as study_main
+from eval.per_second import step_cost
+
+
+@pytest.mark.parametrize("method, k", [("ddcl_k16", 16), ("ddcl_k32", 32), ("ddcl_anneal", 128)])
+def test_truncated_candidates_hold_a_target_their_k_can_hold(method, k):
+    layer = harness.build(method, 4096, 8)
+    assert layer.top_k == k
+    assert layer.target_entropy == pytest.approx(min(math.log(k) - 0.5, 0.5 * math.log(4096)))
+    assert layer.target_entropy < math.log(layer.top_k)  # the truncated entropy can reach it
+    small = harness.build(method, 64, 8)  # k at most K / 4, its target at most log(K) / 2
+    assert small.top_k == 16 and small.target_entropy <= 0.5 * math.log(64)
+
+
+def test_the_anneal_schedule_narrows_by_thirds():
+    ks = [harness.anneal_k(step, 300, 4096) for step in (0, 99, 100, 199, 200, 299, 400)]
+    assert ks == [128, 128, 64, 64, 32, 32, 32]
+    assert harness.anneal_k(0, 300, 256) == 64  # at most K / 4
+
+
+def test_the_amortised_jacobian_is_each_codes_covariance_in_float64():
+    """The encoder's gradient is (2/T) C_c g with C_c = Cov_{q_c}(P), q_c the Boltzmann distribution of the code's own
+    position over its r nearest codes, written out here from the definition in float64; the output is the code."""
+    torch.manual_seed(0)
+    # gradient-trained prototypes: no optimizer here, so they stay where the first batch put them
+    layer = AmortisedDDCL(40, 3, neighbours=5, standardize=False, prototype_update="gradient").double().train()
+    z = torch.randn(200, 3, dtype=torch.float64)
+    layer(z)  # starts the codebook (prototypes from data, T calibrated, neighbour lists)
+    x = z.clone().requires_grad_(True)
+    g = torch.randn(200, 3, dtype=torch.float64)
+    p = layer.prototypes.detach().clone()  # the prototypes this step reads (its EMA moves them after)
+    t = layer.temperature
+    out = layer(x)
+    (out.quantized * g).sum().backward()
+    d_codes = (p[:, None] - p[None]).square().sum(-1)  # (K, K)
+    nearest = d_codes.topk(5, dim=1, largest=False).indices
+    assert torch.equal(layer.neighbour_index.sort(1).values, nearest.sort(1).values)
+    c = (x.detach()[:, None] - p[None]).square().sum(-1).argmin(1)
+    assert torch.equal(out.indices, c)
+    torch.testing.assert_close(out.quantized, p[c], rtol=0, atol=0)  # the code, bit for bit
+    expected = torch.empty_like(g)
+    for n in range(200):
+        nb = p[nearest[c[n]]]
+        q = torch.softmax(-(nb - p[c[n]]).square().sum(-1) / t, 0)
+        dev = nb - q @ nb
+        expected[n] = (2.0 / t) * (dev.t() @ (q[:, None] * dev)) @ g[n]
+    torch.testing.assert_close(x.grad, expected, rtol=1e-10, atol=1e-12)
+    assert float(out.terms["identity_residual"]) < 1e-12  # L_q = L_OLS + V for the stated q, from definitions
+
+
+def test_a_test_sized_study_run_and_step_cost(tmp_path, tiny_cifar):
+    data = str(tiny_cifar["archive"])
+    tiny = ["--epochs", "1", "--width", "8", "--res-blocks", "1", "--res-hidden", "4", "--train-subset", "64",
+            "--val-size", "16", "--batch-size", "16", "--no-progress-bar"]
+    records = study_main([*tiny, "--data-root", data, "--num-codes", "32", "--methods", "ddcl_anneal",
+                          "ddcl_amortised", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert [r["method"] for r in records] == ["ddcl_anneal", "ddcl_amortised"]
+    saved = json.loads((tmp_path / "out" / "runs" / "K32_ddcl_anneal_seed0.json").read_text())
+    assert saved["settings"]["split"] == "validation" and saved["test"] is None  # the test split is never read
+    assert saved["steps_per_epoch"] == [4]
+    again = study_main([*tiny, "--data-root", data, "--num-codes", "32", "--methods", "ddcl_anneal",
+                        "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert again[0]["wall_s"] == saved["wall_s"]  # a finished run is read, not trained again
+    result = step_cost.main(["--num-codes", "32", "--methods", "ddcl_anneal", "hard_ema", "--width", "8",
+                             "--res-blocks", "1", "--res-hidden", "4", "--batch-size", "4", "--steps", "1",
+                             "--rounds", "1", "--warmup", "0", "--json", str(tmp_path / "cost.json")])
+    assert set(result["steps"]["32"]) == {"ddcl_anneal@8", "hard_ema"}  # the anneal at each of its k (K / 4 here)
