@@ -17,9 +17,10 @@ satisfies it); the reported terms are computed from their definitions on a strid
 tokens, and H(Q), which the entropy control holds at ``log(r) - 0.5`` nats, is the mean entropy of the ``q_{c_n}``
 over all tokens.
 
-The neighbour lists ``(K, r)`` are refreshed for ``K / 16`` codes per training step (round robin: all of them every 16
-steps; all at the first step and after a load), at ``K / 16 x K x D`` multiply-adds per step, a sixteenth of the
-search's; the weights ``q_c`` are recomputed every step from the current prototypes and ``T`` (``O(K r D)``).
+The neighbour lists ``(K, r)`` and their squared distances are refreshed for ``K / 32`` codes per training step (round
+robin: all of them every 32 steps; all at the first step and after a load), at ``K / 32 x K x D`` multiply-adds per
+step, a 32nd of the search's; the weights ``q_c`` are recomputed every step at the current ``T`` from those
+distances, and ``mu_c``, ``V_c`` from the current prototypes (``O(K r D)``).
 Evaluation is the parent's (the nearest code; terms of the top-``r`` truncated distribution).
 """
 
@@ -69,13 +70,15 @@ class AmortisedDDCL(softvq.DDCLQuantizer):
     docstring). ``neighbours``: ``r``, the codes each code's distribution spans (and ``top_k`` of calibration and
     evaluation); the entropy target defaults to ``log(r) - 0.5`` nats. Other options: the parent's."""
 
-    def __init__(self, num_codes: int, dim: int, neighbours: int = 32, **options: Any) -> None:
+    def __init__(self, num_codes: int, dim: int, neighbours: int = 16, **options: Any) -> None:
         r = min(neighbours, num_codes)
         options.setdefault("target_entropy", min(torch.tensor(float(r)).log().item() - 0.5,
                                                  0.5 * torch.tensor(float(num_codes)).log().item()))
         super().__init__(num_codes, dim, top_k=r, **options)
         self.neighbours = r
         self.register_buffer("neighbour_index", torch.zeros(num_codes, r, dtype=torch.long), persistent=False)
+        # each list's squared distances when it was refreshed: q_c at the current T reads them (module docstring)
+        self.register_buffer("neighbour_distance", torch.zeros(num_codes, r), persistent=False)
         self._fresh = False  # neighbour lists computed for the current codebook (all of them)
         self._cursor = 0  # the next code whose list is refreshed
 
@@ -85,10 +88,10 @@ class AmortisedDDCL(softvq.DDCLQuantizer):
 
     @torch.no_grad()
     def _refresh(self, p: Tensor) -> None:
-        """The ``r`` nearest codes of some codes (all of them the first time): ``K / 16`` per step, round robin."""
+        """The ``r`` nearest codes of some codes (all of them the first time): ``K / 32`` per step, round robin."""
         k = p.shape[0]
         if self._fresh:
-            count = max(1, k // 16)
+            count = max(1, k // 32)
             codes = (torch.arange(count, device=p.device) + self._cursor) % k
             self._cursor = (self._cursor + count) % k
         else:
@@ -99,16 +102,17 @@ class AmortisedDDCL(softvq.DDCLQuantizer):
         for a in range(0, codes.shape[0], rows):
             block = codes[a:a + rows]
             d = squared_distances(p[block], p, norms=norms)
-            self.neighbour_index[block] = top_k_rows(d.neg_(), self.neighbours)[1]
+            values, self.neighbour_index[block] = top_k_rows(d.neg_(), self.neighbours)
+            self.neighbour_distance[block] = values.neg_().to(self.neighbour_distance.dtype)
 
     def _code_distributions(self, p: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Every code's ``q_c (K, r)``, centroid ``mu_c (K, D)``, ``V_c (K,)`` and entropy ``H_c (K,)`` at ``T``."""
-        nb = F.embedding(self.neighbour_index, p)  # (K, r, D); K r D floats
-        d = (nb - p[:, None, :]).square().sum(2)  # (K, r)
-        logits = -d / t.to(p.dtype)
+        """Every code's ``q_c (K, r)`` (at ``T``, from its list's distances when it was refreshed), centroid ``mu_c
+        (K, D)``, ``V_c (K,)`` and entropy ``H_c (K,)`` (the last three of the current prototypes ``p``), in
+        ``O(K r D)`` with no ``(K, r, D)`` tensor."""
+        logits = self.neighbour_distance.to(p.dtype) / -t.to(p.dtype)
         q = torch.softmax(logits, 1)
-        mu = torch.bmm(q[:, None, :], nb).squeeze(1)
-        v = (q * (nb - mu[:, None, :]).square().sum(2)).sum(1)
+        mu = F.embedding_bag(self.neighbour_index, p, per_sample_weights=q, mode="sum")
+        v = (q * p.square().sum(1)[self.neighbour_index]).sum(1) - mu.square().sum(1)
         entropy = -(q * torch.log_softmax(logits, 1)).sum(1)
         return q, mu, v, entropy
 

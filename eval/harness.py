@@ -7,8 +7,8 @@ Methods (``LABELS``; each configured as its own documentation recommends):
     ddcl_h25, ddcl_wide, ddcl_top128, ddcl_top256  the defaults with another entropy target or a top-k truncation
     ddcl_k16, ddcl_k32  the defaults truncated to each token's k nearest prototypes with an entropy target that k can
                 hold, ``log(k) - 0.5`` nats (:func:`truncated_target`): the per-second candidates of eval.per_second
-    ddcl_amortised  hard VQ's search with an amortised Jacobian: each code's Boltzmann distribution over its 32
-                nearest codes, target log(32) - 0.5 nats (eval/amortised.py, a prototype)
+    ddcl_amortised  hard VQ's search with an amortised Jacobian: each code's Boltzmann distribution over its 16
+                nearest codes, target log(16) - 0.5 nats, the width of ddcl_k16 (eval/amortised.py, a prototype)
     ddcl_anneal  the same truncation cooled over the run (:class:`Anneal`): k = 128, 64, 32 in thirds of the steps,
                 each with its target ``log(k) - 0.5``: wide early, narrow late (the paper's annealing, Theorems 2-3)
     hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
@@ -61,7 +61,7 @@ LABELS = {
     "ddcl_top256": "softvq DDCL, defaults with top_k=256 (each token's 256 nearest prototypes)",
     "ddcl_k16": "softvq DDCL, top_k=16, target entropy log(16) - 0.5 nats",
     "ddcl_k32": "softvq DDCL, top_k=32, target entropy log(32) - 0.5 nats",
-    "ddcl_amortised": "DDCL with an amortised Jacobian (each code's distribution over its 32 nearest codes)",
+    "ddcl_amortised": "DDCL with an amortised Jacobian (each code's distribution over its 16 nearest codes)",
     "ddcl_anneal": "softvq DDCL, top_k 128 -> 64 -> 32 by thirds of the run, target entropy log(k) - 0.5 nats",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
     "hard_ema_cap": "softvq HardVQ, EMA 0.99 + restart 1 capped at N / (4K)",
@@ -197,7 +197,7 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     if method == "ddcl_amortised":
         from eval.amortised import AmortisedDDCL  # a prototype of eval.per_second, beside the library
 
-        return AmortisedDDCL(num_codes, dim, **{"neighbours": 32, **extra})
+        return AmortisedDDCL(num_codes, dim, **{"neighbours": 16, **extra})
     if method in ("hard_ema", "hard_ema_cap"):
         restart = HARD_RESTART if method == "hard_ema" else HARD_RESTART_CAPPED
         return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "restart": restart, **extra})
