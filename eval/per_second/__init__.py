@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import harness
-from eval._provenance import ROOT, repo_relative
+from eval._provenance import ROOT, code_commit, repo_relative
 from eval.per_second.plan import BASELINES, CANDIDATES, OUT
 from softvq.models.files import RunLock, RunLockedError, write_atomic
 
@@ -55,13 +55,14 @@ def train_one(num_codes: int, method: str, seed: int, args: argparse.Namespace) 
             if path.exists():  # finished by another process while this one waited for nothing: read it
                 return json.loads(path.read_text())
             one = argparse.Namespace(**{**vars(args), "num_codes": num_codes})
-            log.info("training K=%d %s seed %d", num_codes, method, seed)
+            code = code_commit()  # at launch: the tree may move on while it trains (fit_run reads it at the end)
+            log.info("training K=%d %s seed %d at %s", num_codes, method, seed, code)
             _, _, record = harness.fit_run(method, seed, one, directory, test=False, echo=True,
                                            callbacks=harness.method_callbacks(method))
     except RunLockedError:
         log.info("K=%d %s seed %d is held by another process: skipped", num_codes, method, seed)
         return None
-    record.update(num_codes=num_codes, label=harness.LABELS[method],
+    record.update(num_codes=num_codes, label=harness.LABELS[method], code=code,
                   settings={**record["settings"], "data": repo_relative(args.data_root), "split": "validation"},
                   steps_per_epoch=[row.get("step") for row in record["history"]])
     path.parent.mkdir(parents=True, exist_ok=True)
