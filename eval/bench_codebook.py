@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from eval._bench import markdown_table, sweep, sync
+from eval._bench import markdown_table, peak_memory_mib, serve_large_blocks_with_mmap, sweep, sync
 from eval._hard import HARD_RESTART
 
 METHODS = ("ddcl", "ddcl_plain", "hard", "vqp", "vqp_recipe")
@@ -36,12 +36,17 @@ TOP_K = ("ddcl_top_k",)
 RESIDUAL = ("rddcl", "rhard", "vqp_rvq")
 RESIDUAL_LEVELS = 4
 COMPILED = ("ddcl_compiled", "hard_compiled")
+# The per-second candidates of eval.per_second, as eval.harness builds them (not in the default sweep)
+CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_amortised")
 LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "ddcl_plain": "DDCLQuantizer(recipe='plain'), gradient-trained prototypes",
           "hard": "HardVQ (EMA 0.99 + dead-code restart 1)", "vqp": "vector-quantize-pytorch VectorQuantize",
           "vqp_recipe": "VectorQuantize(kmeans_init, threshold_ema_dead_code=2, rotation_trick)",
           "ddcl_top_k": "DDCLQuantizer(top_k=k), its defaults otherwise",
           "ddcl_compiled": "torch.compile(DDCLQuantizer, fullgraph=True)",
+          "ddcl_k16": "DDCLQuantizer(top_k=16, target_entropy=log(16) - 0.5) (eval.harness)",
+          "ddcl_k32": "DDCLQuantizer(top_k=32, target_entropy=log(32) - 0.5) (eval.harness)",
+          "ddcl_amortised": "DDCL with an amortised Jacobian, 16 neighbours per code (eval/amortised.py)",
           "hard_compiled": "torch.compile(HardVQ, fullgraph=True)",
           "rddcl": f"ResidualDDCL({RESIDUAL_LEVELS} levels, its defaults)",
           "rhard": f"ResidualHardVQ({RESIDUAL_LEVELS} levels, EMA 0.99 + restart 1)",
@@ -70,6 +75,10 @@ def build(method: str, num_codes: int, dim: int, top_k: int | None = None) -> nn
         from softvq import DDCLQuantizer
 
         return DDCLQuantizer(num_codes, dim, check_finite=False, top_k=top_k or top_k_bound(num_codes))
+    if method in CANDIDATES:
+        from eval.harness import build as build_candidate
+
+        return build_candidate(method, num_codes, dim, {"check_finite": False})
     if method == "ddcl_plain":
         from softvq import DDCLQuantizer
 
@@ -97,7 +106,7 @@ def build(method: str, num_codes: int, dim: int, top_k: int | None = None) -> nn
             return VectorQuantize(dim=dim, codebook_size=num_codes, decay=0.8, commitment_weight=1.0)
         return VectorQuantize(dim=dim, codebook_size=num_codes, kmeans_init=True, threshold_ema_dead_code=2,
                               rotation_trick=True)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS + TOP_K + COMPILED + RESIDUAL}")
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS + TOP_K + COMPILED + RESIDUAL + CANDIDATES}")
 
 
 def make_step(module: nn.Module, z: torch.Tensor) -> Callable[[], None]:
@@ -144,13 +153,29 @@ def floors(num_codes: int, args: argparse.Namespace, device: torch.device) -> di
     return {"mm": lambda: torch.mm(a, b, out=out), "pass": lambda: out.mul_(1.0)}
 
 
+def first_step_memory(args: argparse.Namespace, device: torch.device) -> dict[int, dict[str, float]]:
+    """The peak extra memory (MiB) of every method's first training step on a fresh layer, per K."""
+    if device.type == "cpu":
+        serve_large_blocks_with_mmap()
+    torch.manual_seed(0)
+    z = torch.randn(max(args.tokens // 1024, 1), min(args.tokens, 1024), args.dim, device=device)
+    out: dict[int, dict[str, float]] = {}
+    for num_codes in args.codes:
+        out[num_codes] = {}
+        for method in args.methods:
+            module = build(method, num_codes, args.dim, args.top_k).to(device).train()
+            out[num_codes][method] = peak_memory_mib(make_step(module, z), device)
+            del module
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192, help="N, tokens per step (default 8192)")
     parser.add_argument("--dim", type=int, default=64, help="D, token dimension (default 64)")
     parser.add_argument("--codes", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096],
                         help="K values to sweep (default 64..4096)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS + TOP_K + COMPILED + RESIDUAL,
+    parser.add_argument("--methods", nargs="+", choices=METHODS + TOP_K + COMPILED + RESIDUAL + CANDIDATES,
                         default=list(METHODS), help="quantizers to compare; ratios are to HardVQ when it is included")
     parser.add_argument("--top-k", type=int, default=None,
                         help="k of ddcl_top_k (default: top_k_bound(K), the measured accuracy bound)")
@@ -162,6 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device (default: cuda if available, else cpu)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--first-step", action="store_true",
+                        help="also the peak memory of a fresh layer's first training step (initialisation and "
+                             "temperature calibration included)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = parser.parse_args(argv)
     if args.compile:
@@ -174,7 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # The ratios the targets are about (numerator, denominator), printed where both were measured.
-RATIOS = (("ddcl", "hard"), ("ddcl_top_k", "hard"), ("ddcl_top_k", "ddcl"), ("ddcl", "vqp"), ("ddcl", "vqp_recipe"),
+RATIOS = (("ddcl", "hard"), ("ddcl_top_k", "hard"), ("ddcl_k16", "hard"), ("ddcl_k32", "hard"),
+          ("ddcl_amortised", "hard"), ("ddcl_top_k", "ddcl"), ("ddcl", "vqp"), ("ddcl", "vqp_recipe"),
           ("ddcl_compiled", "hard_compiled"),
           ("ddcl_compiled", "ddcl"), ("hard_compiled", "hard"), ("ddcl_plain", "hard"), ("rddcl", "rhard"),
           ("rddcl", "vqp_rvq"), ("rddcl", "ddcl"))
@@ -208,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
           f"N={args.tokens} tokens, D={args.dim}, median of {args.reps} interleaved fwd+bwd steps")
     rows = sweep("K", args.codes, lambda k: prepare(k, args, device), args.reps, device, not args.no_memory)
     print(format_table(rows, args.methods, not args.no_memory))
+    if args.first_step:
+        first = first_step_memory(args, device)
+        print(markdown_table(["K"] + [f"{m} first step MiB" for m in args.methods],
+                             [[str(k)] + [f"{first[k][m]:.0f}" for m in args.methods] for k in args.codes]))
+        for row in rows:
+            row["first_step_mib"] = first[row["K"]]
     print("methods: " + "; ".join(f"{m} = {LABELS[m]}" for m in args.methods))
     if args.json:
         with open(args.json, "w") as f:
