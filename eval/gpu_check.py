@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import sys
 import time
@@ -38,10 +39,12 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 def layers(num_codes: int = 512) -> dict[str, torch.nn.Module]:
     """The checked layers; ``ddcl_top_k`` with k at the accuracy bound measured on a CPU, K / 4 up to 512 codes and
-    K / 8 above (docs/scaling.md, "Top-k assignments")."""
+    K / 8 above (docs/scaling.md, "Top-k assignments"), and ``ddcl_k16``, the per-second candidate."""
     k = num_codes // 4 if num_codes <= 512 else num_codes // 8
     return {"ddcl": DDCLQuantizer(num_codes, 64, check_finite=False),
             "ddcl_top_k": DDCLQuantizer(num_codes, 64, top_k=k, check_finite=False),
+            # the per-second candidate of eval.per_second: its two-stage selection (softvq._kernels.top_k_rows)
+            "ddcl_k16": DDCLQuantizer(num_codes, 64, top_k=16, target_entropy=math.log(16) - 0.5, check_finite=False),
             "ddcl_plain": DDCLQuantizer(num_codes, 64, recipe="plain", check_finite=False),
             "hard": HardVQ(num_codes, 64, ema_decay=0.99, restart=HARD_RESTART, check_finite=False)}
 
