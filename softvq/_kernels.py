@@ -89,20 +89,21 @@ def nearest_codes(z: Tensor, codebook: Tensor, rows: int | None = None) -> Tenso
 def selection_group(num_codes: int, k: int) -> int:
     """The group size ``G`` of :func:`top_k_rows` for ``k`` of ``num_codes`` entries per row: ``sqrt(K / k)`` (which
     balances its two top-k passes, over the ``K / G`` group maxima and over the ``k G`` candidates) rounded down to a
-    power of two, within ``[4, 32]`` (N = 8192 rows, 2 threads: within 25% of the best power of two at K = 4096 to
-    65,536 and k = 8 to 64; ``python -m eval.bench_selection``)."""
+    power of two, within ``[4, 16]`` (``python -m eval.bench_selection --groups 8 16 32``: at N = 8192 rows, 2
+    threads of an AMD EPYC, 16 was as fast as 32 or faster at K = 16384 and 65,536, k = 8 to 64)."""
     target = math.sqrt(max(num_codes, 1) / max(k, 1))
-    return int(min(32, max(4, 2 ** math.floor(math.log2(max(target, 1.0))))))
+    return int(min(16, max(4, 2 ** math.floor(math.log2(max(target, 1.0))))))
 
 
 def top_k_rows(s: Tensor, k: int, group: int | None = None) -> tuple[Tensor, Tensor]:
     """The ``k`` largest entries of every row of ``s (n, K)`` and their columns, ``(n, k)`` each, in no particular
-    order: the set ``s.topk(k, dim=1)`` returns (ties aside), at about the cost of one pass over ``s``.
+    order: the set ``s.topk(k, dim=1)`` returns (ties aside), at a fraction of its cost where ``K`` is large.
 
-    Why by hand: ``torch.topk`` over rows of ``K`` entries costs several passes over them (on a CPU, 6x a max over
-    the same rows at ``K`` = 16384, ``k`` = 64). Here, in two stages, with ``M = K // G`` groups of ``G`` columns
-    (``group``, default :func:`selection_group`), group ``j`` the columns ``j, j + M, j + 2M, ...`` (strided, so
-    that its maximum is an elementwise max of ``G`` contiguous slices: one vectorised, value-only pass over ``s``);
+    Why by hand: ``torch.topk`` over rows of ``K`` entries costs many passes over them (on a CPU, N = 8192 rows,
+    K = 16384: 155 ms for k = 16 against 28 ms for an argmax pass; this: 67 ms; ``python -m eval.bench_selection``).
+    Here, in two stages, with ``M = K // G`` groups of ``G`` columns (``group``, default :func:`selection_group`),
+    group ``j`` the columns ``j, j + M, j + 2M, ...`` (strided, so that its maximum is an elementwise max of ``G``
+    contiguous slices: one vectorised, value-only pass over ``s``);
     then the ``k`` groups with the largest maxima, and the ``k`` largest among their entries. It is exact: each of
     the row's ``k`` largest entries lies in a group whose maximum is at least the ``k``-th largest value, and at most
     ``k`` groups have such a maximum (a tie there may swap an entry for an equal one). Where ``G`` does not divide

@@ -57,8 +57,8 @@ def test_rows_of_minus_infinity_and_large_k_fall_back_or_stay_exact():
 
 
 def test_the_default_group_balances_the_two_passes():
-    assert selection_group(16384, 16) == 32 and selection_group(16384, 64) == 16
-    assert selection_group(4096, 64) == 8 and selection_group(65536, 16) == 32  # clamped to [4, 32]
+    assert selection_group(16384, 64) == 16 and selection_group(4096, 64) == 8 and selection_group(1024, 16) == 8
+    assert selection_group(16384, 16) == 16 and selection_group(65536, 16) == 16  # clamped to [4, 16]
     assert selection_group(64, 64) == 4
 
 
