@@ -6,7 +6,8 @@ Reads the finished runs (``--out/runs/*.json``) and the step costs (``--out/step
 :mod:`eval.per_second.step_cost`), writes ``--out/report.md`` (a table per K) and ``--out/psnr_vs_seconds.png``.
 
 A run's seconds at the end of epoch ``e`` are its optimizer steps to then times its method's median step cost measured
-side by side (``ddcl_anneal``: the steps of each phase times that phase's k's cost). The budget at each K is the
+side by side (``ddcl_anneal``: the steps of each phase times that phase's k's cost, ``ddcl_anneal@k`` or the same
+layer's ``ddcl_k<k>``). The budget at each K is the
 seconds the fastest hard VQ (``hard_ema`` or ``hard_ema_cap``) needs for its epochs; every method's validation PSNR
 (hard codes) at that budget is read off its curve, linear between epoch ends ("–" where the budget ends before its
 first epoch).
@@ -39,7 +40,7 @@ def step_seconds(costs: dict[str, list[float]], method: str, num_codes: int, ste
         for step in range(steps):
             k = harness.anneal_k(step, total, num_codes)
             per_k[k] = per_k.get(k, 0) + 1
-        names = {k: f"ddcl_anneal@{k}" for k in per_k}
+        names = {k: f"ddcl_anneal@{k}" if f"ddcl_anneal@{k}" in costs else f"ddcl_k{k}" for k in per_k}
         if not all(name in costs for name in names.values()):
             return None
         return sum(count * statistics.median(costs[names[k]]) for k, count in per_k.items())

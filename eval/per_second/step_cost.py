@@ -7,7 +7,8 @@ D = 64, batch 128); each method is fitted by Lightning for ``--steps`` steps on 
 methods one after the other in ``--rounds`` interleaved rounds so that machine noise hits them alike
 (:func:`eval.bench_train.time_steps`: every step from its start hook to its end hook, warm-up steps dropped). Run it on
 quiet cores: pause training jobs (SIGSTOP) while it runs. ``ddcl_anneal`` is timed at each of its k
-(``ddcl_anneal@128`` ...): its seconds are each phase's steps times that phase's cost. Printed: the median step and its
+(``ddcl_anneal@128`` ...; a k that ``ddcl_k<k>`` times is that entry): its seconds are each phase's steps times that
+phase's cost. Printed: the median step and its
 ratio to ``hard_ema``'s; written (``--json``, default ``reports/per_second/step_cost.json``): every step's seconds.
 """
 
@@ -35,11 +36,13 @@ from softvq.models import VQVAE
 
 
 def timed_methods(methods: Sequence[str], num_codes: int) -> list[str]:
-    """The names timed: ``ddcl_anneal`` as one entry per k of its schedule (``ddcl_anneal@k``)."""
+    """The names timed: ``ddcl_anneal`` as one entry per k of its schedule (``ddcl_anneal@k``), except a k whose
+    layer a truncated method already times (``ddcl_k32`` is ``ddcl_anneal``'s last phase: the same layer)."""
     out = []
     for method in methods:
         if method == "ddcl_anneal":
-            out += [f"ddcl_anneal@{min(k, max(1, num_codes // 4))}" for k in harness.ANNEAL_K]
+            ks = [min(k, max(1, num_codes // 4)) for k in harness.ANNEAL_K]
+            out += [f"ddcl_anneal@{k}" for k in ks if f"ddcl_k{k}" not in methods]
         else:
             out.append(method)
     return list(dict.fromkeys(out))
