@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import softvq._kernels
 import softvq._soft_centroid as sc
 from softvq import DDCLQuantizer
 from softvq.parts import Gradient
@@ -100,3 +101,19 @@ def test_top_k_never_builds_an_n_by_k_array(monkeypatch, recipe):
     # the largest: one chunk's scores (rows, K); the (N, K) array is 16x that
     assert seen.largest == rows * num_codes, seen.largest
     assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+def test_a_top_k_layers_first_step_with_its_calibration_never_builds_an_n_by_k_array(monkeypatch):
+    """The first training batch (initialisation, and T calibrated on the truncated distribution, a block of distances
+    at a time) stays within one block too: the memory of a large codebook's first step is bounded like a later one's."""
+    n, num_codes, k, rows = 1024, 2048, 8, 64
+    chunked(monkeypatch, rows)
+    monkeypatch.setattr(softvq._kernels, "CPU_BLOCK_BYTES", rows * num_codes * 4)  # calibration blocks of 64 rows
+    torch.manual_seed(0)
+    layer = DDCLQuantizer(num_codes, 16, top_k=k, target_entropy=1.5).train()
+    z = torch.randn(n, 16, requires_grad=True)
+    with LargestOutput() as seen:
+        out = layer(z)
+        (out.quantized.square().sum() + out.loss).backward()
+    assert layer.temperature_control.ready and out.probs.shape == (n, k)
+    assert seen.largest == rows * num_codes, seen.largest  # one block of scores; (N, K) is 16x that
