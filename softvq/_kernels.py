@@ -109,9 +109,12 @@ def top_k_rows(s: Tensor, k: int, group: int | None = None) -> tuple[Tensor, Ten
     ``k`` groups have such a maximum (a tie there may swap an entry for an equal one). Where ``G`` does not divide
     ``K`` the last ``K - G M`` columns join groups ``0, 1, ...`` as one more member each (read as ``-inf`` by the
     other groups). Shapes depend on ``n``, ``K``, ``k`` and ``G`` only (no host-device synchronisation, nothing
-    data-dependent), so it compiles with ``fullgraph=True``. Where the stages would not save work
-    (``k G >= K``) it is ``s.topk``."""
+    data-dependent), so it compiles with ``fullgraph=True``. Where the stages would not save work it is ``s.topk``:
+    where ``k G >= K``, and by default (``group=None``) below ``K`` = 8192 with ``k`` < 32, where ``torch.topk`` was
+    as fast or faster (K = 4096, k = 8 and 16: 0.7x the time of this; k = 64: 1.5x this)."""
     n, num_codes = s.shape
+    if group is None and num_codes < 8192 and k < 32:
+        return s.topk(k, dim=1, sorted=False)
     g = group or selection_group(num_codes, k)
     m = num_codes // max(g, 1)
     if k >= num_codes or g < 2 or k >= m or k * (g + 1) >= num_codes:

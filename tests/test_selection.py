@@ -78,3 +78,26 @@ def test_compiles_with_fullgraph_to_the_same_selection():
     for group in (4, 8):
         got, ref = _sorted(*compiled(s, 6, group)), _sorted(*top_k_rows(s, 6, group))
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_a_layer_selecting_in_two_stages_is_the_truncated_distribution_in_float64():
+    """k = 32 of K = 256 takes the two-stage path by default: the layer's output, assignments and encoder gradient
+    equal the brute-force truncated layer's (tests/test_topk.py's reference)."""
+    from test_topk import truncated_brute_force
+
+    from softvq import DDCLQuantizer
+    from softvq.parts import Gradient
+
+    torch.manual_seed(0)
+    layer = DDCLQuantizer(256, 4, 0.7, recipe="plain", top_k=32, init="normal", prototype_update=Gradient("l_q"))
+    layer = layer.double()
+    z = torch.randn(50, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(50, 4, dtype=torch.float64)
+    out = layer(z)
+    (out.quantized * g).sum().backward()
+    z_ref = z.detach().clone().requires_grad_(True)
+    q, mu, _ = truncated_brute_force(z_ref, layer.prototypes.detach(), 0.7, 32)
+    (mu * g).sum().backward()
+    torch.testing.assert_close(out.dense_probs(256), q.detach(), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(out.quantized, mu.detach(), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(z.grad, z_ref.grad, rtol=1e-10, atol=1e-12)
