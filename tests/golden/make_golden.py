@@ -21,6 +21,7 @@ bits are the refactor's tool, not a committed test, since they change with the C
 count.
 
     python tests/golden/make_golden.py                       # rewrite trajectories/*.pt (after a change of numerics)
+    python tests/golden/make_golden.py --cases ddcl_top_k    # rewrite one case's (a change that moves only it)
     python tests/golden/make_golden.py --check               # what tests/test_golden.py does
     python tests/golden/make_golden.py --bits runs/bits.json         # a refactor's start, on this machine
     python tests/golden/make_golden.py --bits-check runs/bits.json   # after each of its steps
@@ -299,10 +300,11 @@ def load(name: str) -> dict[int, dict[str, Any]]:
     return torch.load(TRAJECTORIES / f"{name}.pt", weights_only=True)["steps"]
 
 
-def record() -> None:
+def record(names: list[str] | None = None) -> None:
+    """Rewrite the golden file of every case, or of the cases ``names`` (a change of numerics that moves only those)."""
     TRAJECTORIES.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout
-    for name in CASES:
+    for name in names or CASES:
         golden, _ = run(name)
         twin = name.removesuffix("_float64")
         for step, rec in golden.items():
@@ -322,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="replay the golden file's steps (what the test does)")
     mode.add_argument("--bits", metavar="FILE", type=Path, help="write this machine's bit-for-bit record to FILE")
     mode.add_argument("--bits-check", metavar="FILE", type=Path, help="compare with a bit-for-bit record")
+    p.add_argument("--cases", nargs="+", choices=sorted(CASES), help="rewrite only these cases' golden files")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.bits or args.bits_check:
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(failures) or "every case reproduces the record bit for bit")
         return 1 if failures else 0
     if not args.check:
-        record()
+        record(args.cases)
         return 0
     failures = [msg for name in CASES if (msg := compare(name))]
     print("\n".join(failures) or "every case replays within its tolerance")
