@@ -88,7 +88,8 @@ def tables(runs: list[dict[str, Any]], cost: dict[str, Any]) -> tuple[str, dict[
             rows.append([
                 r["method"], str(r["seed"]), " / ".join(f"{h['val_psnr_hard']:.2f}" for h in r["history"]),
                 f"{100 * last['val_utilization']:.1f}", f"{last['val_perplexity'] / num_codes:.3f}",
-                f"{last.get('temperature') or float('nan'):.3g}", f"{last.get('entropy', float('nan')):.2f}",
+                "–" if last.get("temperature") is None else f"{last['temperature']:.3g}",
+                "–" if last.get("temperature") is None else f"{last.get('entropy', float('nan')):.2f}",
                 "–" if method_cost is None else f"{method_cost * 1e3:.0f}",
                 "–" if method_cost is None or base is None else f"{base / method_cost:.2f}x",
                 "–" if not pts else f"{pts[-1][0]:.0f}",
