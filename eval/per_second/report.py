@@ -129,16 +129,20 @@ def write_report(out: Path = OUT) -> str:
     cost_path = out / "step_cost.json"
     cost = json.loads(cost_path.read_text()) if cost_path.exists() else {}
     body, curves = tables(runs, cost)
+    per_k = "; ".join(f"K = {k}: code {m.get('code')}, {m.get('rounds')} rounds x {m.get('steps_per_fit')} steps"
+                      for k, m in sorted(cost.get("measured", {}).items(), key=lambda kv: int(kv[0])))
     machine = (f"step costs: {cost.get('machine', '?')}, {cost.get('cpu_capability', '?')}, torch "
-               f"{cost.get('torch', '?')}, {cost.get('threads', '?')} threads, code {cost.get('code', '?')}, median "
-               f"of {cost.get('rounds', '?')} interleaved rounds x {cost.get('steps_per_fit', '?')} steps"
+               f"{cost.get('torch', '?')}, {cost.get('threads', '?')} threads, the median of interleaved rounds "
+               f"({per_k or 'code ' + str(cost.get('code')) + ', ' + str(cost.get('rounds')) + ' rounds'})"
                if cost else "step costs: not measured yet")
     codes = sorted({r.get("code", "?") for r in runs})
+    measured = cost.get("measured", {})  # per K: the commit and rounds of its step costs
     text = (f"# Per second: DDCL candidates against the strongest hard VQ (short setting, validation)\n\n"
             f"Regenerate: `python -m eval.per_second.report` (from the records in `reports/per_second/runs/`, trained "
             f"by `python -m eval.per_second --data-root ../shared/data/cifar10-jpeg.tar.gz --num-codes K --methods ... "
             f"--seeds 0 --threads 1 --commit`, and `step_cost.json`, from `python -m eval.per_second.step_cost`)\n\n"
-            f"Code: runs trained at {', '.join(codes) or '-'}; step costs measured at {cost.get('code', '-')}.\n\n"
+            f"Code: runs trained at {', '.join(codes) or '-'}; step costs measured at "
+            f"{', '.join(sorted({m.get('code') or '-' for m in measured.values()})) or cost.get('code', '-')}.\n\n"
             f"{machine}. The test split was not read.\n\n{body}\n\n![validation PSNR against seconds]"
             f"(psnr_vs_seconds.png)\n")
     reading = out / "reading.md"  # the hand-written reading of the numbers above, kept beside them

@@ -110,11 +110,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   machine=platform.processor() or platform.machine(),
                   cpu_capability=torch.backends.cpu.get_cpu_capability(), accelerator=args.accelerator,
                   rounds=args.rounds, steps_per_fit=args.steps, warmup=args.warmup)
+    result["measured"] = {k: {"code": result["code"], "rounds": args.rounds, "steps_per_fit": args.steps}
+                          for k in result["steps"]}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         previous = json.loads(args.json.read_text()) if args.json.exists() else {}
-        if previous.get("code") == result["code"] and previous.get("threads") == result["threads"]:
-            result["steps"] = {**previous.get("steps", {}), **result["steps"]}  # other K of the same code and threads
+        if previous.get("threads") == result["threads"] and previous.get("machine") == result["machine"]:
+            # the other K's measurements stay, each with the commit and rounds it was measured at
+            kept = {k: v for k, v in previous.get("steps", {}).items() if k not in result["steps"]}
+            old = previous.get("measured", {})
+            result["measured"] = {**{k: old.get(k, {"code": previous.get("code"), "rounds": previous.get("rounds"),
+                                                    "steps_per_fit": previous.get("steps_per_fit")}) for k in kept},
+                                  **result["measured"]}
+            result["steps"] = {**kept, **result["steps"]}
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
