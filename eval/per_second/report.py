@@ -3,7 +3,7 @@
     python -m eval.per_second.report [--out reports/per_second]
 
 Reads the finished runs (``--out/runs/*.json``) and the step costs (``--out/step_cost.json``, from
-:mod:`eval.per_second.step_cost`), writes ``--out/report.md`` (a table per K, then ``--out/reading.md``, the
+:mod:`eval.per_second.step_cost`), writes ``--out/report.md`` (a table per K, then ``--out/reading.txt``, the
 hand-written reading, where there is one) and ``--out/psnr_vs_seconds.png``.
 
 A run's seconds at the end of epoch ``e`` are its optimizer steps to then times its method's median step cost measured
@@ -145,7 +145,7 @@ def write_report(out: Path = OUT) -> str:
             f"{', '.join(sorted({m.get('code') or '-' for m in measured.values()})) or cost.get('code', '-')}.\n\n"
             f"{machine}. The test split was not read.\n\n{body}\n\n![validation PSNR against seconds]"
             f"(psnr_vs_seconds.png)\n")
-    reading = out / "reading.md"  # the hand-written reading of the numbers above, kept beside them
+    reading = out / "reading.txt"  # the hand-written reading of the numbers above, kept beside them
     if reading.exists():
         text += "\n" + reading.read_text()
     (out / "report.md").write_text(text)
