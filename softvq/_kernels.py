@@ -1,5 +1,6 @@
 """Distance kernels: squared distances of tokens to a codebook in one matmul, a row-wise max with its index that is
-fast on a CPU, and the nearest code of every token computed in row blocks (no ``(N, K)`` array)."""
+fast on a CPU, the nearest code of every token computed in row blocks (no ``(N, K)`` array), and each row's k largest
+entries selected in two exact stages. Their measured costs: docs/scaling.md, "Throughput"."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def max_rows(x: Tensor, largest: bool = True) -> tuple[Tensor, Tensor]:
     """``x.max(1)`` (``largest=False``: ``x.min(1)``) of an ``(N, K)`` matrix: the values and the first index of each
     row's extreme, the same result, faster on a CPU.
 
-    Why by hand: on a CPU torch's reductions that return an index run about 15x slower than the value-only ones here
-    (2.0 ms against 0.14 ms at 8192 x 512), so the rows are split in blocks of 32: the blocks' extremes (value-only),
+    Why by hand: on a CPU torch's reductions that return an index run far slower than the value-only ones
+    (docs/scaling.md, "Throughput"), so the rows are split in blocks of 32: the blocks' extremes (value-only),
     the first block holding the row's extreme (an index reduction over K / 32 entries) and the first position inside
     it (over 32). Elsewhere, and when ``K`` is not a multiple of 32, it is ``x.max(1)`` itself.
     """
@@ -45,10 +46,8 @@ def max_rows(x: Tensor, largest: bool = True) -> tuple[Tensor, Tensor]:
 
 
 # The bytes of one block of scores in nearest_codes. On a CPU the block stays in cache between the matmul that writes it
-# and the passes that read it: N = 8192, D = 64, 2 threads of an AMD EPYC, the nearest codes took 8.5 / 78 / 383 ms in
-# one (N, K) array at K = 512 / 4096 / 16384 and 4.7 / 32 / 165 ms in blocks of 2 to 16 MiB (1024 / 256 / 128-256
-# rows), less than the (N, D) x (D, K) matmul alone writing its (N, K) result (9.6 / 57 / 253 ms). On an accelerator
-# the blocks only bound the memory.
+# and the passes that read it, which made the search faster than the matmul writing one (N, K) array (measured:
+# docs/scaling.md, "Throughput"). On an accelerator the blocks only bound the memory.
 CPU_BLOCK_BYTES = 8 * 2**20
 DEVICE_BLOCK_BYTES = 256 * 2**20
 
@@ -89,8 +88,8 @@ def nearest_codes(z: Tensor, codebook: Tensor, rows: int | None = None) -> Tenso
 def selection_group(num_codes: int, k: int) -> int:
     """The group size ``G`` of :func:`top_k_rows` for ``k`` of ``num_codes`` entries per row: ``sqrt(K / k)`` (which
     balances its two top-k passes, over the ``K / G`` group maxima and over the ``k G`` candidates) rounded down to a
-    power of two, within ``[4, 16]`` (``python -m eval.bench_selection --groups 8 16 32``: at N = 8192 rows, 2
-    threads of an AMD EPYC, 16 was as fast as 32 or faster at K = 16384 and 65,536, k = 8 to 64)."""
+    power of two, within ``[4, 16]``: on a CPU 16 was as fast as 32 or faster at large K (``python -m
+    eval.bench_selection --groups 8 16 32``; docs/scaling.md, "Two-stage selection")."""
     target = math.sqrt(max(num_codes, 1) / max(k, 1))
     return int(min(16, max(4, 2 ** math.floor(math.log2(max(target, 1.0))))))
 
@@ -99,8 +98,8 @@ def top_k_rows(s: Tensor, k: int, group: int | None = None) -> tuple[Tensor, Ten
     """The ``k`` largest entries of every row of ``s (n, K)`` and their columns, ``(n, k)`` each, in no particular
     order: the set ``s.topk(k, dim=1)`` returns (ties aside), at a fraction of its cost where ``K`` is large.
 
-    Why by hand: ``torch.topk`` over rows of ``K`` entries costs many passes over them (on a CPU, N = 8192 rows,
-    K = 16384: 155 ms for k = 16 against 28 ms for an argmax pass; this: 67 ms; ``python -m eval.bench_selection``).
+    Why by hand: on a CPU ``torch.topk`` over rows of ``K`` entries costs several argmax passes over them, and this
+    a fraction of that from K = 16384 on (``python -m eval.bench_selection``; docs/scaling.md, "Two-stage selection").
     Here, in two stages, with ``M = K // G`` groups of ``G`` columns (``group``, default :func:`selection_group`),
     group ``j`` the columns ``j, j + M, j + 2M, ...`` (strided, so that its maximum is an elementwise max of ``G``
     contiguous slices: one vectorised, value-only pass over ``s``);
@@ -111,13 +110,12 @@ def top_k_rows(s: Tensor, k: int, group: int | None = None) -> tuple[Tensor, Ten
     other groups). Shapes depend on ``n``, ``K``, ``k`` and ``G`` only (no host-device synchronisation, nothing
     data-dependent), so it compiles with ``fullgraph=True``. Where the stages would not save work it is ``s.topk``:
     where ``k G >= K``, and by default (``group=None``) below ``K`` = 8192 with ``k`` < 32, where ``torch.topk`` was
-    as fast or faster (K = 4096, k = 8 and 16: 0.7x the time of this; k = 64: 1.5x this)."""
+    as fast or faster on a CPU."""
     n, num_codes = s.shape
-    if group is None and num_codes < 8192 and k < 32:
-        return s.topk(k, dim=1, sorted=False)
     g = group or selection_group(num_codes, k)
     m = num_codes // max(g, 1)
-    if k >= num_codes or g < 2 or k >= m or k * (g + 1) >= num_codes:
+    small = group is None and num_codes < 8192 and k < 32
+    if small or k >= num_codes or g < 2 or k >= m or k * (g + 1) >= num_codes:
         return s.topk(k, dim=1, sorted=False)
     rest = num_codes - g * m  # 0 <= rest < m: columns g m + j join group j
     blocks = s[:, : g * m].reshape(n, g, m)  # blocks[:, a, j] = s[:, a m + j], member a of group j

@@ -118,7 +118,7 @@ def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, scores: tuple[Tenso
     ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (in no particular order). The soft
     centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built)."""
     s = logit_scores(zc, *scores)  # (n, K)
-    # the set s.topk(k) returns, in two stages at about one pass's cost (unsorted: the set holds the row's largest)
+    # the set s.topk(k) returns, in two exact stages where that is faster (unsorted: the set holds the row's largest)
     top, sel = top_k_rows(s, k)  # (n, k)
     # the largest score and its prototype from the k kept (no other pass over (n, K)): the first index on a tie, as
     # max_rows gives it over all K
