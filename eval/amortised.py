@@ -34,7 +34,7 @@ from torch import Tensor
 
 import softvq
 from softvq._checks import flatten_tokens
-from softvq._kernels import block_rows, nearest_codes, squared_distances, top_k_rows
+from softvq._kernels import nearest_codes, nearest_k_codes
 from softvq._precision import compute_dtype
 from softvq.types import QuantizerOutput, empty_output
 
@@ -97,13 +97,8 @@ class AmortisedDDCL(softvq.DDCLQuantizer):
         else:
             codes = torch.arange(k, device=p.device)
             self._fresh, self._cursor = True, 0
-        rows = block_rows(k, p.dtype, p.device)
-        norms = p.square().sum(1)
-        for a in range(0, codes.shape[0], rows):
-            block = codes[a:a + rows]
-            d = squared_distances(p[block], p, norms=norms)
-            values, self.neighbour_index[block] = top_k_rows(d.neg_(), self.neighbours)
-            self.neighbour_distance[block] = values.neg_().to(self.neighbour_distance.dtype)
+        distances, self.neighbour_index[codes] = nearest_k_codes(p[codes], p, self.neighbours)
+        self.neighbour_distance[codes] = distances.to(self.neighbour_distance.dtype)
 
     def _code_distributions(self, p: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Every code's ``q_c (K, r)`` (at ``T``, from its list's distances when it was refreshed), centroid ``mu_c

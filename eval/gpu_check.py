@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import time
 import torch
 
 from eval._hard import HARD_RESTART, HARD_RESTART_FLAGS
+from eval.harness import truncated_layer
 from softvq import DDCLQuantizer, HardVQ
 
 FAILED: list[str] = []
@@ -44,7 +44,7 @@ def layers(num_codes: int = 512) -> dict[str, torch.nn.Module]:
     return {"ddcl": DDCLQuantizer(num_codes, 64, check_finite=False),
             "ddcl_top_k": DDCLQuantizer(num_codes, 64, top_k=k, check_finite=False),
             # the per-second candidate of eval.per_second: its two-stage selection (softvq._kernels.top_k_rows)
-            "ddcl_k16": DDCLQuantizer(num_codes, 64, top_k=16, target_entropy=math.log(16) - 0.5, check_finite=False),
+            "ddcl_k16": truncated_layer(num_codes, 64, 16, {"check_finite": False}),
             "ddcl_plain": DDCLQuantizer(num_codes, 64, recipe="plain", check_finite=False),
             "hard": HardVQ(num_codes, 64, ema_decay=0.99, restart=HARD_RESTART, check_finite=False)}
 

@@ -83,6 +83,14 @@ def truncated_target(k: int, num_codes: int) -> float:
     return min(math.log(k) - 0.5, 0.5 * math.log(num_codes))
 
 
+def truncated_layer(num_codes: int, dim: int, k: int, extra: dict[str, Any] | None = None) -> softvq.DDCLQuantizer:
+    """``DDCLQuantizer`` truncated to each token's ``k`` nearest prototypes (at most ``K / 4``) with
+    :func:`truncated_target`: ``ddcl_k16``, ``ddcl_k32`` and each phase of ``ddcl_anneal``; ``extra`` overrides."""
+    k = min(k, max(1, num_codes // 4))
+    return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": k, "target_entropy": truncated_target(k, num_codes),
+                                                   **(extra or {})})
+
+
 class Anneal(L.Callback):
     """``ddcl_anneal``'s schedule: before every training step, the layer's ``top_k`` and entropy target for the part
     of the run done (``trainer.global_step`` of ``trainer.estimated_stepping_batches``): :data:`ANNEAL_K` in equal
@@ -191,9 +199,7 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     if method in TOP_K:  # the defaults with the Boltzmann distribution truncated to each token's k nearest
         return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": TOP_K[method], **extra})
     if method in TRUNCATED or method == "ddcl_anneal":  # truncated, with a target k can hold (Anneal moves both)
-        k = min(TRUNCATED.get(method, ANNEAL_K[0]), max(1, num_codes // 4))
-        return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": k, "target_entropy": truncated_target(k, num_codes),
-                                                       **extra})
+        return truncated_layer(num_codes, dim, TRUNCATED.get(method, ANNEAL_K[0]), extra)
     if method == "ddcl_amortised":
         from eval.amortised import AmortisedDDCL  # a prototype of eval.per_second, beside the library
 

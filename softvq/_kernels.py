@@ -85,6 +85,20 @@ def nearest_codes(z: Tensor, codebook: Tensor, rows: int | None = None) -> Tenso
     return out
 
 
+@torch.no_grad()
+def nearest_k_codes(z: Tensor, codebook: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` nearest codes of every token: their squared distances and indices, ``(N, k)`` each, in no particular
+    order, for ``z (N, D)`` and ``codebook (K, D)``; computed as :func:`nearest_codes` is, a block of
+    :func:`block_rows` tokens at a time (no ``(N, K)`` array), each block's ``k`` by :func:`top_k_rows`."""
+    n, num_codes = z.shape[0], codebook.shape[0]
+    rows = block_rows(num_codes, z.dtype, z.device)
+    norms = codebook.square().sum(1)
+    parts = [top_k_rows(squared_distances(z[a:a + rows], codebook, norms=norms).neg_(), k) for a in range(0, n, rows)]
+    if not parts:
+        return z.new_empty(0, k), torch.empty(0, k, dtype=torch.long, device=z.device)
+    return torch.cat([v for v, _ in parts]).neg_(), torch.cat([i for _, i in parts])
+
+
 def selection_group(num_codes: int, k: int) -> int:
     """The group size ``G`` of :func:`top_k_rows` for ``k`` of ``num_codes`` entries per row: ``sqrt(K / k)`` (which
     balances its two top-k passes, over the ``K / G`` group maxima and over the ``k G`` candidates) rounded down to a

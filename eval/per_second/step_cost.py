@@ -26,7 +26,6 @@ from typing import Any
 import lightning as L
 import torch
 
-import softvq
 from eval import bench_train, harness
 from eval._bench import markdown_table
 from eval._provenance import code_commit
@@ -52,11 +51,8 @@ def build_model(name: str, num_codes: int, args: argparse.Namespace) -> VQVAE:
     """The study's VQ-VAE with method ``name``'s bottleneck (``ddcl_anneal@k``: the annealed layer at that k)."""
     method, _, k = name.partition("@")
     L.seed_everything(args.seed, verbose=False)
-    if k:
-        quantizer = softvq.DDCLQuantizer(num_codes, args.code_dim, top_k=int(k),
-                                         target_entropy=harness.truncated_target(int(k), num_codes))
-    else:
-        quantizer = harness.build(method, num_codes, args.code_dim)
+    quantizer = (harness.truncated_layer(num_codes, args.code_dim, int(k)) if k
+                 else harness.build(method, num_codes, args.code_dim))
     return VQVAE(quantizer=quantizer, code_dim=args.code_dim, width=args.width, res_blocks=args.res_blocks,
                  res_hidden=args.res_hidden, lr=args.lr)
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from softvq._checks import STANDARDIZED_MAX, check_float, check_positive_int
 from softvq._collectives import all_reduce_sum_, is_distributed
-from softvq._kernels import block_rows, squared_distances, top_k_rows
+from softvq._kernels import nearest_k_codes, squared_distances
 from softvq._precision import FullPrecisionState
 from softvq._soft_centroid import softmax_floor
 from softvq.parts._settings import from_mapping, is_auto
@@ -376,7 +376,7 @@ def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float, 
     over ``prototypes (K, D)`` equals ``target_entropy``, summed over processes under ``torch.distributed``. With
     ``0 < top_k < K`` it is the entropy of the distribution truncated to each token's ``top_k`` nearest prototypes
     (``DDCLQuantizer(top_k=k)``'s): the distances are then computed a block of rows at a time and only each row's
-    ``top_k`` smallest kept (:func:`softvq._kernels.top_k_rows`), so memory is ``O(n top_k)`` plus one block.
+    ``top_k`` smallest kept (:func:`softvq._kernels.nearest_k_codes`), so memory is ``O(n top_k)`` plus one block.
 
     H(Q) rises monotonically with ``u = log T``, with slope ``dH/du = Var_q(d / T)`` averaged over tokens, so the root
     is found by Newton's method in ``u``, safeguarded by bisection, inside a bracket of a factor 1e9 in ``T`` around
@@ -393,7 +393,8 @@ def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float, 
     """
     center = prototypes.mean(0)
     zc, pc = z - center, prototypes - center
-    d = _truncated_distances(zc, pc, top_k) if 0 < top_k < pc.shape[0] else squared_distances(zc, pc)  # (n, K | k)
+    # (n, K), or with top_k each token's top_k nearest (n, top_k), a block of tokens at a time
+    d = nearest_k_codes(zc, pc, top_k)[0] if 0 < top_k < pc.shape[0] else squared_distances(zc, pc)
     if d.dtype not in (torch.float32, torch.float64):
         d = d.float()
     n, k = d.shape
@@ -412,18 +413,6 @@ def calibrate_temperature(z: Tensor, prototypes: Tensor, target_entropy: float, 
     for (_, steps), sample, count in zip(_SCHEDULE, samples, total[1:], strict=True):
         u = _newton_in_log_t(sample, count, target_entropy, u, lo0, hi0, steps, rows)
     return torch.exp(u)
-
-
-def _truncated_distances(zc: Tensor, pc: Tensor, k: int) -> Tensor:
-    """``(n, k)``: each row's ``k`` smallest squared distances of ``zc (n, D)`` to ``pc (K, D)``, in no particular
-    order, a block of :data:`softvq._kernels.CPU_BLOCK_BYTES` of distances at a time on a CPU (all rows at once
-    elsewhere)."""
-    n = zc.shape[0]
-    rows = block_rows(pc.shape[0], zc.dtype, zc.device) if zc.device.type == "cpu" else max(n, 1)
-    norms = pc.square().sum(1)
-    blocks = [top_k_rows(squared_distances(zc[a:a + rows], pc, norms=norms).neg_(), k)[0].neg_()
-              for a in range(0, n, rows)]
-    return torch.cat(blocks) if blocks else zc.new_empty(0, k)
 
 
 @calibrate_temperature.register_fake
