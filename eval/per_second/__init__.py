@@ -52,7 +52,7 @@ def train_one(num_codes: int, method: str, seed: int, args: argparse.Namespace) 
     directory = args.runs / f"K{num_codes}" / method / f"seed{seed}"
     try:
         with RunLock(directory):
-            if path.exists():  # finished by another process while this one waited for nothing: read it
+            if path.exists():  # another process finished it between the check above and taking the lock
                 return json.loads(path.read_text())
             one = argparse.Namespace(**{**vars(args), "num_codes": num_codes})
             code = code_commit()  # at launch: the tree may move on while it trains (fit_run reads it at the end)
