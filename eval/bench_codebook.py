@@ -10,7 +10,7 @@ temperature control) and the finite check off: ``ddcl`` is ``DDCLQuantizer``'s d
 ``hard`` is ``HardVQ`` with an EMA codebook and dead-code restart (the strongest hard VQ here, configured as the
 DDCL layer's recipe: decay 0.99, threshold 1), ``vqp`` vector-quantize-pytorch's ``VectorQuantize`` (EMA decay 0.8,
 commitment 1) and ``vqp_recipe`` the settings its README gives against dead codes (k-means init, EMA dead-code
-threshold 2, rotation trick). ``--compile`` adds ``ddcl_compiled`` and ``hard_compiled``.
+threshold a tenth of the mean cluster size, rotation trick). ``--compile`` adds ``ddcl_compiled`` and ``hard_compiled``.
 
 Every configuration times the three quantizers in interleaved rounds in one process (so machine noise hits all
 of them alike) and reports the median; peak memory is the extra memory of one step (see ``eval/_bench.py``).
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from eval._bench import markdown_table, peak_memory_mib, serve_large_blocks_with_mmap, sweep, sync
-from eval._hard import HARD_RESTART
+from eval._hard import HARD_RESTART, VQP_RECIPE
 
 METHODS = ("ddcl", "ddcl_plain", "hard", "vqp", "vqp_recipe")
 # DDCLQuantizer(top_k=k) (not in the default sweep: --methods ddcl_top_k ...); k from --top-k, else top_k_bound(K)
@@ -41,7 +41,7 @@ CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_amortised")
 LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "ddcl_plain": "DDCLQuantizer(recipe='plain'), gradient-trained prototypes",
           "hard": "HardVQ (EMA 0.99 + dead-code restart 1)", "vqp": "vector-quantize-pytorch VectorQuantize",
-          "vqp_recipe": "VectorQuantize(kmeans_init, threshold_ema_dead_code=2, rotation_trick)",
+          "vqp_recipe": "VectorQuantize(kmeans_init, dead_code_threshold_ratio=0.1, rotation_trick)",
           "ddcl_top_k": "DDCLQuantizer(top_k=k), its defaults otherwise",
           "ddcl_compiled": "torch.compile(DDCLQuantizer, fullgraph=True)",
           "ddcl_k16": "DDCLQuantizer(top_k=16, target_entropy=log(16) - 0.5) (eval.harness)",
@@ -50,7 +50,7 @@ LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "hard_compiled": "torch.compile(HardVQ, fullgraph=True)",
           "rddcl": f"ResidualDDCL({RESIDUAL_LEVELS} levels, its defaults)",
           "rhard": f"ResidualHardVQ({RESIDUAL_LEVELS} levels, EMA 0.99 + restart 1)",
-          "vqp_rvq": f"vector-quantize-pytorch ResidualVQ({RESIDUAL_LEVELS} levels, kmeans init, threshold 2, "
+          "vqp_rvq": f"vector-quantize-pytorch ResidualVQ({RESIDUAL_LEVELS} levels, kmeans init, dead-code ratio 0.1, "
                      f"rotation trick)"}
 
 
@@ -95,8 +95,7 @@ def build(method: str, num_codes: int, dim: int, top_k: int | None = None) -> nn
     if method == "vqp_rvq":
         from vector_quantize_pytorch import ResidualVQ
 
-        return ResidualVQ(dim=dim, num_quantizers=RESIDUAL_LEVELS, codebook_size=num_codes, kmeans_init=True,
-                          threshold_ema_dead_code=2, rotation_trick=True)
+        return ResidualVQ(dim=dim, num_quantizers=RESIDUAL_LEVELS, codebook_size=num_codes, **VQP_RECIPE)
     if method in ("vqp", "vqp_recipe"):
         try:
             from vector_quantize_pytorch import VectorQuantize
@@ -104,8 +103,7 @@ def build(method: str, num_codes: int, dim: int, top_k: int | None = None) -> nn
             raise SystemExit("vector-quantize-pytorch is not installed: pip install -e '.[bench]'") from err
         if method == "vqp":
             return VectorQuantize(dim=dim, codebook_size=num_codes, decay=0.8, commitment_weight=1.0)
-        return VectorQuantize(dim=dim, codebook_size=num_codes, kmeans_init=True, threshold_ema_dead_code=2,
-                              rotation_trick=True)
+        return VectorQuantize(dim=dim, codebook_size=num_codes, **VQP_RECIPE)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS + TOP_K + COMPILED + RESIDUAL + CANDIDATES}")
 
 

@@ -16,8 +16,8 @@ Methods (``LABELS``; each configured as its own documentation recommends):
                 (``Restart(1.0, decay=0.99, cap=0.25)``, the cap of ``softvq.Restart``'s defaults): the cap binds
                 from K = N / 4 (2,048 codes at 8,192 tokens a batch), and from K = N on, where the mean code wins
                 under one token a batch, the uncapped threshold restarts most codes every step
-    vqp_vq      vector-quantize-pytorch ``VectorQuantize(kmeans_init=True, threshold_ema_dead_code=2,
-                rotation_trick=True)``, the recipe its README gives against dead codes
+    vqp_vq      vector-quantize-pytorch ``VectorQuantize(kmeans_init=True, dead_code_threshold_ratio=0.1,
+                rotation_trick=True)`` (:data:`VQP_RECIPE`), the recipe its README gives against dead codes
     vqp_fsq     vector-quantize-pytorch ``FSQ`` at the FSQ paper's levels for K (:func:`fsq_levels`) with its
                 input/output projection
     vqp_simvq   vector-quantize-pytorch ``SimVQ``, its defaults (rotation trick, frozen codebook + learned projection)
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import softvq
-from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED
+from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED, VQP_RECIPE
 from eval._provenance import code_commit
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
@@ -185,7 +185,7 @@ class PeerAdapter(nn.Module):
 
 def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | None = None) -> nn.Module:
     """The bottleneck ``method`` for ``num_codes`` codes of dimension ``dim``; ``overrides`` replace options of its
-    recommended configuration (a probe of one option, e.g. ``{"threshold_ema_dead_code": 0}``: VectorQuantize
+    recommended configuration (a probe of one option, e.g. ``{"dead_code_threshold_ratio": 0.0}``: VectorQuantize
     without its dead-code replacement)."""
     extra = dict(overrides or {})
     if method == "ddcl":
@@ -209,7 +209,7 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
         return softvq.HardVQ(num_codes, dim, **{"ema_decay": 0.99, "restart": restart, **extra})
     vqp = _vqp()
     if method == "vqp_vq":
-        options = {"kmeans_init": True, "threshold_ema_dead_code": 2, "rotation_trick": True, **extra}
+        options = {**VQP_RECIPE, **extra}
         return PeerAdapter(vqp.VectorQuantize(dim=dim, codebook_size=num_codes, **options), "vq", num_codes, dim)
     if method == "vqp_fsq":
         levels = fsq_levels(num_codes)
