@@ -113,17 +113,24 @@ def _assign_rows(zc: Tensor, pc: Tensor, p_sq: Tensor, scores: tuple[Tensor, Ten
 
 
 def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, scores: tuple[Tensor, Tensor], k: int,
-                       keep_x: bool) -> tuple[Tensor | None, ...]:
+                       keep_x: bool, neighbours: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """:func:`_assign_rows` for the distribution truncated to each row's ``k`` largest scores: ``q`` and (``keep_x``)
     ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (in no particular order). The soft
-    centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built)."""
+    centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built).
+    With a ``neighbours (K, r)`` table whose row ``c`` lists ``c`` and ``r - 1`` other prototypes, the set is instead
+    the row of the nearest prototype (``k = r``): one argmax pass and a gather, no selection over ``K``."""
     s = logit_scores(zc, *scores)  # (n, K)
-    # the set s.topk(k) returns, in two exact stages where that is faster (unsorted: the set holds the row's largest)
-    top, sel = top_k_rows(s, k)  # (n, k)
-    # the largest score and its prototype from the k kept (no other pass over (n, K)): the first index on a tie, as
-    # max_rows gives it over all K
-    s_max = top.amax(1)
-    indices = torch.where(top == s_max[:, None], sel, pc.shape[0]).amin(1)
+    if neighbours is not None:
+        s_max, indices = max_rows(s)  # the nearest prototype, as over all K
+        sel = neighbours[indices]  # (n, r): its row holds it, so s_max is among the kept scores
+        top = s.gather(1, sel)
+    else:
+        # the set s.topk(k) returns, in two exact stages where that is faster (unsorted: it holds the row's largest)
+        top, sel = top_k_rows(s, k)  # (n, k)
+        # the largest score and its prototype from the k kept (no other pass over (n, K)): the first index on a tie,
+        # as max_rows gives it over all K
+        s_max = top.amax(1)
+        indices = torch.where(top == s_max[:, None], sel, pc.shape[0]).amin(1)
     q = _softmax_floored(top, s_max)  # (n, k); top now holds x = top - s_max, floored
     mu_c = F.embedding_bag(sel, pc, per_sample_weights=q, mode="sum")  # (n, D) sum_j q_j p_sel_j
     q_p_sq = (q * p_sq[sel]).sum(1)
@@ -150,7 +157,9 @@ class _SoftCentroid(torch.autograd.Function):
     :class:`Objective`): the codebook term only reaches the prototypes, the commitment term only reaches ``z``;
     ``mu`` and ``q`` are differentiable w.r.t. both. ``record`` (any object with a ``done`` attribute, or ``None``) is
     marked ``done`` when this pass's backward runs: the layer's record of the state this forward pass read, which a
-    recomputation during backward (activation checkpointing) replays.
+    recomputation during backward (activation checkpointing) replays. ``top_k > 0`` truncates each token's
+    distribution to its ``top_k`` nearest prototypes; a ``neighbours (K, r)`` table (row ``c`` lists ``c`` first),
+    to the row of its nearest prototype (:func:`_assign_rows_top_k`); ``q`` is then ``(N, k)``.
 
     The backward pass is written out so that it touches each ``(N, K)`` array as few times as possible (it is
     memory-bound on CPU): per side one matmul for ``dL/dq`` and three element-wise passes.
@@ -165,6 +174,7 @@ class _SoftCentroid(torch.autograd.Function):
         objective: Objective,
         record: Any = None,
         top_k: int = 0,
+        neighbours: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         cb_term, cb_weight, cm_term, cm_weight = objective
         n, dim = z.shape
@@ -181,8 +191,8 @@ class _SoftCentroid(torch.autograd.Function):
         chunks = _row_chunks(n, pc.shape[0], z.device)
         scores = score_operands(pc, p_sq, t)
         sel = None
-        if 0 < top_k < pc.shape[0]:  # the distribution truncated to each token's top_k prototypes
-            parts = [_assign_rows_top_k(zc[rows], pc, p_sq, scores, top_k, need_d) for rows in chunks]
+        if neighbours is not None or 0 < top_k < pc.shape[0]:  # truncated: each token's top_k, or its code's row
+            parts = [_assign_rows_top_k(zc[rows], pc, p_sq, scores, top_k, need_d, neighbours) for rows in chunks]
             q, mu_c, q_p_sq, qx, s_max, indices, x, sel = (torch.cat(part) if part[0] is not None else None
                                                            for part in zip(*parts, strict=True))
             q_argmax = q.amax(1)  # the argmax's assignment (its x is 0, the largest)
@@ -279,4 +289,4 @@ class _SoftCentroid(torch.autograd.Function):
                     grads_z.append(_grad_tokens_top_k(c, p_sel, w_z, lq_cm, fe_cm, a_ols) if sparse
                                    else _grad_tokens(c, w_z, lq_cm, fe_cm, a_ols))
             grad_z = torch.cat(grads_z) if grads_z else None
-        return grad_z, grad_p, None, None, None, None
+        return grad_z, grad_p, None, None, None, None, None

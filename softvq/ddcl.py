@@ -494,7 +494,8 @@ class DDCLQuantizer(FullPrecisionState):
             temperature = self._pass_temperature(zf, p, replay, keep=update and not deferred)
             record = self._records.push(p_raw, temperature) if eager and update else None
             mu, q, indices, loss, stats, chosen = _SoftCentroid.apply(zf, p, temperature, self._objective(), record,
-                                                                      self._top_k or 0)
+                                                                      self._top_k or 0,
+                                                                      self._neighbour_table(p, update, replay))
             out, loss = self._output_codes(zf, p, mu, indices, loss, mean, std)
         if update and not deferred:
             soft = q.detach()
@@ -548,6 +549,12 @@ class DDCLQuantizer(FullPrecisionState):
         if control.ready:
             return control.temperature_t
         return control.calibrate(zf.detach(), p.detach(), keep=keep, top_k=self._top_k)
+
+    def _neighbour_table(self, p: Tensor, update: bool, replay: ForwardRecord | None) -> Tensor | None:
+        """A ``(K, r)`` table truncating each token's distribution to the row of its nearest prototype, or ``None``:
+        the exact or ``top_k`` distribution (this layer's). A hook for the per-second candidates of eval/ (prototypes
+        ``p`` of this pass; ``update``: a training step; ``replay``: a recomputation, which must see the same table)."""
+        return None
 
     def _objective(self) -> Objective:
         """The terms the autograd function computes: the codebook term only for gradient-trained prototypes, the

@@ -5,8 +5,9 @@ from __future__ import annotations
 from eval._provenance import ROOT
 
 OUT = ROOT / "reports" / "per_second"
-# The candidates (eval.harness: the truncated layers, the annealed one, the amortised Jacobian), the exact layer, and
+# The candidates (eval.harness: the truncated layers, over each token's nearest codes or its code's neighbours, the
+# annealed one, the amortised Jacobian), the exact layer, and
 # the hard VQ baselines; from K = N / 4 on the capped restart is the stronger hard VQ
 # (docs/studies.md, "Long training").
-CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_anneal", "ddcl_amortised")
+CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_n16", "ddcl_n32", "ddcl_anneal", "ddcl_amortised")
 BASELINES = ("ddcl", "hard_ema", "hard_ema_cap")

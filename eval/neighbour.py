@@ -1,0 +1,91 @@
+"""A DDCL layer truncated to the neighbourhood of each token's code: the per-second candidates ``ddcl_n16`` and
+``ddcl_n32`` of eval.per_second (a prototype, not yet the library's).
+
+The layer (docs/design.md's notation). :class:`softvq.DDCLQuantizer` with ``top_k`` truncation, except for the set a
+token's distribution spans in a training step: instead of its ``r`` nearest prototypes (a selection over all ``K``
+scores, 4-7x an argmax pass on a CPU: reports/per_second/selection.md), the ``r`` prototypes nearest to its nearest
+prototype ``c_n``,
+
+    q_n = softmax_j(-||z_n - p_j||^2 / T) over j in S(c_n),   S(c) = {c} and the r - 1 codes nearest to p_c,
+
+which holds the argmax and, for a token near its code, mostly the same codes as its own ``r`` nearest. So the step is
+the exact layer's score matmul, one argmax pass (HardVQ's search), a gather of ``r`` scores per token and the top-k
+layer's ``O(N r D)`` soft centroid and backward pass. The encoder's gradient is the soft centroid's Jacobian
+``(2/T) Cov_q(P)`` of this ``q`` (the set held fixed within the step, as ``top_k``'s is), and ``L_q = L_OLS + V``
+holds exactly for it: the reported terms are those of the stated ``q``, over all tokens.
+
+The lists ``S(c)`` (a ``(K, r)`` table) are computed for every code at the first training step and after a load, then
+refreshed for ``K / 32`` codes per step (round robin: all of them every 32 steps), at ``K / 32 x K x D``
+multiply-adds, a 32nd of the search's at ``N = K``. A list goes stale as the prototypes move, but always holds its
+own code (its first entry), so the stated ``q`` always holds the token's nearest prototype. The temperature is
+calibrated and evaluation runs on the parent's ``top_k = r`` truncation (each token's own ``r`` nearest).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import softvq
+from softvq._kernels import nearest_k_codes
+from softvq._replay import ForwardRecord
+
+
+class NeighbourDDCL(softvq.DDCLQuantizer):
+    """:class:`softvq.DDCLQuantizer` whose training distribution spans the ``neighbours`` codes nearest to each token's
+    code (module docstring); the entropy target defaults to ``log(r) - 0.5`` nats (at most ``log K / 2``). Other
+    options: the parent's."""
+
+    def __init__(self, num_codes: int, dim: int, neighbours: int = 16, refresh_every: int = 32,
+                 **options: Any) -> None:
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be a positive number of steps, got {refresh_every}")
+        r = max(1, min(neighbours, num_codes))
+        options.setdefault("target_entropy", min(math.log(r) - 0.5, 0.5 * math.log(num_codes)) if r > 1 else None)
+        super().__init__(num_codes, dim, top_k=r, **options)
+        self.neighbours, self.refresh_every = r, refresh_every
+        self.register_buffer("neighbour_index", torch.zeros(num_codes, r, dtype=torch.long), persistent=False)
+        self._fresh = False  # lists computed for the current codebook (all of them)
+        self._cursor = 0  # the next code whose list is refreshed
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._fresh = False
+
+    @torch.no_grad()
+    def refresh(self, p: Tensor) -> None:
+        """The lists of ``K / refresh_every`` codes (all of them the first time), round robin: each code first, then
+        its ``r - 1`` nearest other codes of ``p (K, D)``."""
+        k = p.shape[0]
+        if self._fresh:
+            count = max(1, k // self.refresh_every)
+            codes = (torch.arange(count, device=p.device) + self._cursor) % k
+            self._cursor = (self._cursor + count) % k
+        else:
+            codes = torch.arange(k, device=p.device)
+            self._fresh, self._cursor = True, 0
+        distances, index = nearest_k_codes(p[codes], p, self.neighbours)
+        # the code itself first (a duplicate prototype may tie with it at distance 0 and take its place in the k
+        # nearest: it is then put back, in place of the farthest)
+        is_self = index == codes[:, None]
+        order = distances.masked_fill(is_self, -1.0).argsort(1)
+        index = index.gather(1, order)
+        shifted = torch.cat([codes[:, None], index[:, :-1]], 1)
+        self.neighbour_index[codes] = torch.where(is_self.any(1, keepdim=True), index, shifted)
+
+    def _neighbour_table(self, p: Tensor, update: bool, replay: ForwardRecord | None) -> Tensor | None:
+        if not self.training or torch.compiler.is_compiling():
+            return None  # evaluation (and a compiled graph): the parent's top_k = r
+        if update and replay is None:
+            self.refresh(p.detach())
+        return self.neighbour_index if self._fresh else None
+
+
+def neighbour_layer(num_codes: int, dim: int, r: int, extra: dict[str, Any] | None = None) -> NeighbourDDCL:
+    """``ddcl_n16`` / ``ddcl_n32``: :class:`NeighbourDDCL` with ``r`` neighbours (at most ``K / 4``) and the entropy
+    target of the truncated layers, ``log(r) - 0.5`` nats (at most ``log K / 2``)."""
+    r = min(r, max(1, num_codes // 4))
+    return NeighbourDDCL(num_codes, dim, neighbours=r, **(extra or {}))
