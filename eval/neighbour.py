@@ -15,8 +15,9 @@ layer's ``O(N r D)`` soft centroid and backward pass. The encoder's gradient is 
 holds exactly for it: the reported terms are those of the stated ``q``, over all tokens.
 
 The lists ``S(c)`` (a ``(K, r)`` table) are computed for every code at the first training step and after a load, then
-refreshed for ``K / 32`` codes per step (round robin: all of them every 32 steps), at ``K / 32 x K x D``
-multiply-adds, a 32nd of the search's at ``N = K``. A list goes stale as the prototypes move, but always holds its
+refreshed for ``K / 32`` codes per step and at most 512 (round robin: all of them every 32 steps up to K = 16384),
+at ``K / 32 x K x D`` multiply-adds, a 64th of the search's at K = 4096 and N = 8192 tokens, a 16th from K = 16384
+on (at K = 65,536 a list is refreshed every 128 steps). A list goes stale as the prototypes move, but always holds its
 own code (its first entry), so the stated ``q`` always holds the token's nearest prototype. The temperature is
 calibrated and evaluation runs on the parent's ``top_k = r`` truncation (each token's own ``r`` nearest).
 """
@@ -40,13 +41,15 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
     options: the parent's."""
 
     def __init__(self, num_codes: int, dim: int, neighbours: int = 16, refresh_every: int = 32,
-                 **options: Any) -> None:
+                 max_refresh: int = 512, **options: Any) -> None:
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be a positive number of steps, got {refresh_every}")
+        if max_refresh < 1:
+            raise ValueError(f"max_refresh must be a positive number of codes, got {max_refresh}")
         r = max(1, min(neighbours, num_codes))
         options.setdefault("target_entropy", min(math.log(r) - 0.5, 0.5 * math.log(num_codes)) if r > 1 else None)
         super().__init__(num_codes, dim, top_k=r, **options)
-        self.neighbours, self.refresh_every = r, refresh_every
+        self.neighbours, self.refresh_every, self.max_refresh = r, refresh_every, max_refresh
         self.register_buffer("neighbour_index", torch.zeros(num_codes, r, dtype=torch.long), persistent=False)
         self._fresh = False  # lists computed for the current codebook (all of them)
         self._cursor = 0  # the next code whose list is refreshed
@@ -57,11 +60,11 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
 
     @torch.no_grad()
     def refresh(self, p: Tensor) -> None:
-        """The lists of ``K / refresh_every`` codes (all of them the first time), round robin: each code first, then
-        its ``r - 1`` nearest other codes of ``p (K, D)``."""
+        """The lists of ``K / refresh_every`` codes, at most ``max_refresh`` (all of them the first time), round
+        robin: each code first, then its ``r - 1`` nearest other codes of ``p (K, D)``."""
         k = p.shape[0]
         if self._fresh:
-            count = max(1, k // self.refresh_every)
+            count = max(1, min(k // self.refresh_every, self.max_refresh))
             codes = (torch.arange(count, device=p.device) + self._cursor) % k
             self._cursor = (self._cursor + count) % k
         else:

@@ -85,8 +85,15 @@ def test_lists_refresh_round_robin_and_always_hold_their_own_code():
     assert torch.equal(layer.neighbour_index[8:], stale[8:])
     layer.refresh(moved)
     assert torch.equal(layer.neighbour_index[8:16].sort(1).values, fresh[8:16].sort(1).values)
+    capped = NeighbourDDCL(64, 4, neighbours=4, refresh_every=8, max_refresh=3, init="normal")
+    capped.refresh(p)
+    capped.refresh(moved)  # 3 codes a step, not 64 / 8
+    assert torch.equal(capped.neighbour_index[:3].sort(1).values, fresh[:3].sort(1).values)
+    assert not torch.equal(capped.neighbour_index[3:8].sort(1).values, fresh[3:8].sort(1).values)
     with pytest.raises(ValueError, match="refresh_every.*0"):
         NeighbourDDCL(64, 4, refresh_every=0)
+    with pytest.raises(ValueError, match="max_refresh.*0"):
+        NeighbourDDCL(64, 4, max_refresh=0)
 
 
 def test_harness_builds_the_candidates_with_the_truncated_layers_targets():
