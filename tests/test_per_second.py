@@ -1,11 +1,12 @@
 """The per-second study (eval/per_second): its candidate layers as stated (the truncated targets, the annealing
 schedule, the amortised Jacobian against a brute-force float64 reference), and a test-sized run of the study and of
-its step-cost benchmark."""
+its step-cost benchmark, and the report's summary over seeds."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from eval import harness
 from eval.amortised import AmortisedDDCL
 from eval.per_second import main as study_main
+from eval.per_second import report as per_second_report
 from eval.per_second import step_cost
 
 
@@ -79,3 +81,29 @@ def test_a_test_sized_study_run_and_step_cost(tmp_path, tiny_cifar):
                              "--res-blocks", "1", "--res-hidden", "4", "--batch-size", "4", "--steps", "1",
                              "--rounds", "1", "--warmup", "0", "--json", str(tmp_path / "cost.json")])
     assert set(result["steps"]["32"]) == {"ddcl_anneal@8", "hard_ema"}  # the anneal at each of its k (K / 4 here)
+
+
+def test_the_report_summarises_seeds_at_the_fastest_hard_vqs_seconds():
+    def run(method, seed, first, last):
+        history = [{"step": 10, "val_psnr_hard": first, "val_utilization": 0.99, "val_perplexity": 30.0},
+                   {"step": 20, "val_psnr_hard": last, "val_utilization": 1.0, "val_perplexity": 31.0}]
+        return {"method": method, "seed": seed, "num_codes": 32, "history": history, "code": "abc"}
+
+    runs = [run("hard_ema", s, 20.0 + s, 22.0 + s) for s in range(3)]
+    runs += [run("ddcl_n16", s, 21.0 + 0.1 * s, 23.0 + 0.5 * s) for s in range(3)]
+    cost = {"steps": {"32": {"hard_ema": [1.0, 1.0, 1.0], "ddcl_n16": [2.0, 2.0]}}}
+    text, _ = per_second_report.tables(runs, cost)
+    summary = text.split("Over seeds, K = 32")[1]
+    # hard VQ's 20 steps take 20 s; ddcl_n16's first epoch ends there (10 steps of 2 s): its PSNR at the budget
+    final = [23.0, 23.5, 24.0]
+    at_budget = [21.0, 21.1, 21.2]
+    hard_at_budget = [22.0, 23.0, 24.0]
+    row = next(line for line in summary.splitlines() if line.startswith("| ddcl_n16"))
+    assert f"{statistics.fmean(final):.2f} ± {statistics.stdev(final):.2f}" in row
+    assert f"{statistics.fmean(at_budget):.2f} ± {statistics.stdev(at_budget):.2f}" in row
+    margin = statistics.fmean(at_budget) - statistics.fmean(hard_at_budget)
+    # -1.90 dB against a spread of 0.10 + 1.00, every seed's paired difference negative: it counts
+    assert f"{margin:+.2f} dB, beyond the seed spread" in row
+    assert "| 0, 1, 2 |" in row
+    single, _ = per_second_report.tables([r for r in runs if r["seed"] == 0], cost)
+    assert "Over seeds" not in single  # one seed each: no summary

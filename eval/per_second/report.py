@@ -23,8 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from eval import harness
 from eval._bench import markdown_table
+from eval._spread import by_seed, describe, format_mean_std, mean_std
 from eval.per_second.plan import OUT
 
 HARD = ("hard_ema", "hard_ema_cap")
@@ -100,8 +103,47 @@ def tables(runs: list[dict[str, Any]], cost: dict[str, Any]) -> tuple[str, dict[
                 "val PSNR at the fastest hard VQ's seconds" + ("" if budget is None else f" ({budget:.0f} s)"),
                 "code"]
         out.append(f"### K = {num_codes}\n\n" + markdown_table(head, rows))
+        summary = seed_summary(here, lines, budget, num_codes)
+        if summary:
+            out.append(summary)
         curves[num_codes] = {name: pts for name, pts in lines.items() if pts}
     return "\n\n".join(out), curves
+
+
+def seed_summary(runs: list[dict[str, Any]], lines: dict[str, list | None], budget: float | None,
+                 num_codes: int) -> str:
+    """Where a method has several seeds: per method the mean ± sample std over its seeds of the final validation PSNR
+    and of the PSNR at the fastest hard VQ's seconds, its lowest utilization, and (eval._spread's rule, paired by
+    seed) whether each differs from the strongest hard VQ at that K (the hard VQ with the best mean at the budget)."""
+    final: dict[str, dict[int, float]] = {}
+    timed: dict[str, dict[int, float]] = {}
+    util: dict[str, list[float]] = {}
+    for r, pts in zip(runs, lines.values(), strict=True):
+        final.setdefault(r["method"], {})[r["seed"]] = r["history"][-1]["val_psnr_hard"]
+        util.setdefault(r["method"], []).append(100 * r["history"][-1]["val_utilization"])
+        value = at(pts, budget) if pts and budget is not None else None
+        if value is not None:
+            timed.setdefault(r["method"], {})[r["seed"]] = value
+    if max(len(v) for v in final.values()) < 2:
+        return ""
+    hard = [m for m in HARD if m in timed]
+    best_hard = max(hard, key=lambda m: statistics.fmean(timed[m].values())) if hard else None
+
+    def cell(values: dict[int, float]) -> str:
+        mean, std = mean_std(np.array(list(values.values())))
+        return format_mean_std(float(mean), float(std), "{:.2f}", len(values))
+
+    rows = []
+    for method, per_seed in final.items():
+        against = "–"
+        if best_hard is not None and method != best_hard and method in timed:
+            result = by_seed(timed[method], timed[best_hard])
+            against = f"{result['margin']:+.2f} dB, {describe(result)}"
+        rows.append([method, ", ".join(str(s) for s in sorted(per_seed)), cell(per_seed),
+                     cell(timed[method]) if method in timed else "–", f"{min(util[method]):.1f}", against])
+    head = ["method", "seeds", "final val PSNR (dB)", "at the fastest hard VQ's seconds (dB)", "lowest val util %",
+            f"at those seconds vs {best_hard or 'hard VQ'}"]
+    return f"Over seeds, K = {num_codes} (mean ± sample std):\n\n" + markdown_table(head, rows)
 
 
 def plot(curves: dict[int, dict[str, list]], path: Path) -> None:
