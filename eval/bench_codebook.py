@@ -37,7 +37,7 @@ RESIDUAL = ("rddcl", "rhard", "vqp_rvq")
 RESIDUAL_LEVELS = 4
 COMPILED = ("ddcl_compiled", "hard_compiled")
 # The per-second candidates of eval.per_second, as eval.harness builds them (not in the default sweep)
-CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_n16", "ddcl_n32", "ddcl_amortised")
+CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_n16", "ddcl_n32", "ddcl_c16", "ddcl_amortised")
 LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "ddcl_plain": "DDCLQuantizer(recipe='plain'), gradient-trained prototypes",
           "hard": "HardVQ (EMA 0.99 + dead-code restart 1)", "vqp": "vector-quantize-pytorch VectorQuantize",
@@ -48,6 +48,7 @@ LABELS = {"ddcl": "DDCLQuantizer (its defaults: the in-layer recipe)",
           "ddcl_k32": "DDCLQuantizer(top_k=32, target_entropy=log(32) - 0.5) (eval.harness)",
           "ddcl_n16": "DDCL truncated to the 16 codes nearest each token's code (eval/neighbour.py)",
           "ddcl_n32": "DDCL truncated to the 32 codes nearest each token's code (eval/neighbour.py)",
+          "ddcl_c16": "DDCL truncated to the token's 16 nearest of the 64 codes nearest its code (eval/neighbour.py)",
           "ddcl_amortised": "DDCL with an amortised Jacobian, 16 neighbours per code (eval/amortised.py)",
           "hard_compiled": "torch.compile(HardVQ, fullgraph=True)",
           "rddcl": f"ResidualDDCL({RESIDUAL_LEVELS} levels, its defaults)",

@@ -11,7 +11,7 @@ Methods (``LABELS``; each configured as its own documentation recommends):
                 nearest codes, target log(16) - 0.5 nats, the width of ddcl_k16 (eval/amortised.py, a prototype)
     ddcl_n16, ddcl_n32  the truncation of ddcl_k16 / ddcl_k32 with another set: the k codes nearest to each token's
                 nearest code (a table refreshed round robin; eval/neighbour.py, a prototype): one argmax pass, no
-                selection over K
+                selection over K; ddcl_c16: the token's 16 nearest among the 64 codes nearest its code
     ddcl_anneal  the same truncation cooled over the run (:class:`Anneal`): k = 128, 64, 32 in thirds of the steps,
                 each with its target ``log(k) - 0.5``: wide early, narrow late (the paper's annealing, Theorems 2-3)
     hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
@@ -68,6 +68,7 @@ LABELS = {
     "ddcl_anneal": "softvq DDCL, top_k 128 -> 64 -> 32 by thirds of the run, target entropy log(k) - 0.5 nats",
     "ddcl_n16": "DDCL truncated to the 16 codes nearest each token's code, target log(16) - 0.5 nats",
     "ddcl_n32": "DDCL truncated to the 32 codes nearest each token's code, target log(32) - 0.5 nats",
+    "ddcl_c16": "DDCL truncated to the token's 16 nearest among the 64 codes nearest its code, target log(16) - 0.5",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
     "hard_ema_cap": "softvq HardVQ, EMA 0.99 + restart 1 capped at N / (4K)",
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead-code ratio 0.1, rotation trick)",
@@ -78,7 +79,8 @@ LABELS = {
 METHODS = tuple(LABELS)
 TOP_K = {"ddcl_top128": 128, "ddcl_top256": 256}  # DDCL's top-k truncations
 TRUNCATED = {"ddcl_k16": 16, "ddcl_k32": 32}  # top-k with an entropy target k can hold (truncated_target)
-NEIGHBOURS = {"ddcl_n16": 16, "ddcl_n32": 32}  # the same width over the neighbours of the token's code
+# the same width over the neighbours of the token's code: (r, candidates R)
+NEIGHBOURS = {"ddcl_n16": (16, None), "ddcl_n32": (32, None), "ddcl_c16": (16, 64)}
 ANNEAL_K = (128, 64, 32)  # ddcl_anneal's k over the thirds of a run
 
 
@@ -209,7 +211,7 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     if method in NEIGHBOURS:
         from eval.neighbour import neighbour_layer  # a prototype of eval.per_second, beside the library
 
-        return neighbour_layer(num_codes, dim, NEIGHBOURS[method], extra)
+        return neighbour_layer(num_codes, dim, *NEIGHBOURS[method], extra)
     if method == "ddcl_amortised":
         from eval.amortised import AmortisedDDCL  # a prototype of eval.per_second, beside the library
 

@@ -1,5 +1,5 @@
-"""A DDCL layer truncated to the neighbourhood of each token's code: the per-second candidates ``ddcl_n16`` and
-``ddcl_n32`` of eval.per_second (a prototype, not yet the library's).
+"""A DDCL layer truncated to the neighbourhood of each token's code: the per-second candidates ``ddcl_n16``,
+``ddcl_n32`` and ``ddcl_c16`` of eval.per_second (a prototype, not yet the library's).
 
 The layer (docs/design.md's notation). :class:`softvq.DDCLQuantizer` with ``top_k`` truncation, except for the set a
 token's distribution spans in a training step: instead of its ``r`` nearest prototypes (a selection over all ``K``
@@ -8,8 +8,10 @@ prototype ``c_n``,
 
     q_n = softmax_j(-||z_n - p_j||^2 / T) over j in S(c_n),   S(c) = {c} and the r - 1 codes nearest to p_c,
 
-which holds the argmax and, for a token near its code, mostly the same codes as its own ``r`` nearest. So the step is
-the exact layer's score matmul, one argmax pass (HardVQ's search), a gather of ``r`` scores per token and the top-k
+which holds the argmax and, for a token near its code, some of the same codes as its own ``r`` nearest. With
+``candidates`` ``R > r`` the lists hold ``c`` and its ``R - 1`` nearest codes, and the set is the token's ``r`` nearest
+among them (``ddcl_c16``: 16 of 64), nearer its own ``r`` nearest. So the step is the exact layer's score matmul, one
+argmax pass (HardVQ's search), a gather of ``R`` scores per token (and a selection of ``r`` among them) and the top-k
 layer's ``O(N r D)`` soft centroid and backward pass. The encoder's gradient is the soft centroid's Jacobian
 ``(2/T) Cov_q(P)`` of this ``q`` (the set held fixed within the step, as ``top_k``'s is), and ``L_q = L_OLS + V``
 holds exactly for it: the reported terms are those of the stated ``q``, over all tokens.
@@ -36,21 +38,22 @@ from softvq._replay import ForwardRecord
 
 
 class NeighbourDDCL(softvq.DDCLQuantizer):
-    """:class:`softvq.DDCLQuantizer` whose training distribution spans the ``neighbours`` codes nearest to each token's
-    code (module docstring); the entropy target defaults to ``log(r) - 0.5`` nats (at most ``log K / 2``). Other
-    options: the parent's."""
+    """:class:`softvq.DDCLQuantizer` whose training distribution spans ``neighbours`` codes near each token's code:
+    the code's nearest, or the token's nearest among the code's ``candidates`` nearest (module docstring); the entropy
+    target defaults to ``log(r) - 0.5`` nats (at most ``log K / 2``). Other options: the parent's."""
 
-    def __init__(self, num_codes: int, dim: int, neighbours: int = 16, refresh_every: int = 32,
-                 max_refresh: int = 512, **options: Any) -> None:
+    def __init__(self, num_codes: int, dim: int, neighbours: int = 16, candidates: int | None = None,
+                 refresh_every: int = 32, max_refresh: int = 512, **options: Any) -> None:
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be a positive number of steps, got {refresh_every}")
         if max_refresh < 1:
             raise ValueError(f"max_refresh must be a positive number of codes, got {max_refresh}")
         r = max(1, min(neighbours, num_codes))
+        width = max(r, min(candidates or r, num_codes))  # R: the lists' width
         options.setdefault("target_entropy", min(math.log(r) - 0.5, 0.5 * math.log(num_codes)) if r > 1 else None)
         super().__init__(num_codes, dim, top_k=r, **options)
-        self.neighbours, self.refresh_every, self.max_refresh = r, refresh_every, max_refresh
-        self.register_buffer("neighbour_index", torch.zeros(num_codes, r, dtype=torch.long), persistent=False)
+        self.neighbours, self.candidates, self.refresh_every, self.max_refresh = r, width, refresh_every, max_refresh
+        self.register_buffer("neighbour_index", torch.zeros(num_codes, width, dtype=torch.long), persistent=False)
         self._fresh = False  # lists computed for the current codebook (all of them)
         self._cursor = 0  # the next code whose list is refreshed
 
@@ -61,7 +64,7 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
     @torch.no_grad()
     def refresh(self, p: Tensor) -> None:
         """The lists of ``K / refresh_every`` codes, at most ``max_refresh`` (all of them the first time), round
-        robin: each code first, then its ``r - 1`` nearest other codes of ``p (K, D)``."""
+        robin: each code first, then its ``R - 1`` nearest other codes of ``p (K, D)``."""
         k = p.shape[0]
         if self._fresh:
             count = max(1, min(k // self.refresh_every, self.max_refresh))
@@ -70,7 +73,7 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
         else:
             codes = torch.arange(k, device=p.device)
             self._fresh, self._cursor = True, 0
-        distances, index = nearest_k_codes(p[codes], p, self.neighbours)
+        distances, index = nearest_k_codes(p[codes], p, self.candidates)
         # the code itself first (a duplicate prototype may tie with it at distance 0 and take its place in the k
         # nearest: it is then put back, in place of the farthest)
         is_self = index == codes[:, None]
@@ -87,8 +90,11 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
         return self.neighbour_index if self._fresh else None
 
 
-def neighbour_layer(num_codes: int, dim: int, r: int, extra: dict[str, Any] | None = None) -> NeighbourDDCL:
-    """``ddcl_n16`` / ``ddcl_n32``: :class:`NeighbourDDCL` with ``r`` neighbours (at most ``K / 4``) and the entropy
-    target of the truncated layers, ``log(r) - 0.5`` nats (at most ``log K / 2``)."""
+def neighbour_layer(num_codes: int, dim: int, r: int, candidates: int | None = None,
+                    extra: dict[str, Any] | None = None) -> NeighbourDDCL:
+    """``ddcl_n16`` / ``ddcl_n32`` / ``ddcl_c16``: :class:`NeighbourDDCL` with ``r`` neighbours (at most ``K / 4``)
+    among ``candidates`` (at most ``K / 2``), and the entropy target of the truncated layers, ``log(r) - 0.5`` nats (at
+    most ``log K / 2``)."""
     r = min(r, max(1, num_codes // 4))
-    return NeighbourDDCL(num_codes, dim, neighbours=r, **(extra or {}))
+    width = min(candidates, max(1, num_codes // 2)) if candidates else None
+    return NeighbourDDCL(num_codes, dim, neighbours=r, candidates=width, **(extra or {}))

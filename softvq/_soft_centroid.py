@@ -117,13 +117,17 @@ def _assign_rows_top_k(zc: Tensor, pc: Tensor, p_sq: Tensor, scores: tuple[Tenso
     """:func:`_assign_rows` for the distribution truncated to each row's ``k`` largest scores: ``q`` and (``keep_x``)
     ``x`` are ``(n, k)``, beside them the chosen prototypes ``sel (n, k)`` (in no particular order). The soft
     centroid is a weighted sum of ``k`` gathered rows (``embedding_bag``: no ``(n, k, D)`` tensor is built).
-    With a ``neighbours (K, r)`` table whose row ``c`` lists ``c`` and ``r - 1`` other prototypes, the set is instead
-    the row of the nearest prototype (``k = r``): one argmax pass and a gather, no selection over ``K``."""
+    With a ``neighbours (K, R)`` table whose row ``c`` lists ``c`` and ``R - 1`` other prototypes, the set is instead
+    taken from the row of the nearest prototype: all of it (``R <= k``), or its ``k`` largest scores: one argmax pass,
+    a gather of ``R`` scores and a selection among them, none over ``K``."""
     s = logit_scores(zc, *scores)  # (n, K)
     if neighbours is not None:
         s_max, indices = max_rows(s)  # the nearest prototype, as over all K
-        sel = neighbours[indices]  # (n, r): its row holds it, so s_max is among the kept scores
+        sel = neighbours[indices]  # (n, R): its row holds it, so s_max is among the kept scores
         top = s.gather(1, sel)
+        if sel.shape[1] > k > 0:  # the k largest of the R: the row's largest (s_max) among them
+            top, where = top.topk(k, dim=1, sorted=False)
+            sel = sel.gather(1, where)
     else:
         # the set s.topk(k) returns, in two exact stages where that is faster (unsorted: it holds the row's largest)
         top, sel = top_k_rows(s, k)  # (n, k)
@@ -158,8 +162,9 @@ class _SoftCentroid(torch.autograd.Function):
     ``mu`` and ``q`` are differentiable w.r.t. both. ``record`` (any object with a ``done`` attribute, or ``None``) is
     marked ``done`` when this pass's backward runs: the layer's record of the state this forward pass read, which a
     recomputation during backward (activation checkpointing) replays. ``top_k > 0`` truncates each token's
-    distribution to its ``top_k`` nearest prototypes; a ``neighbours (K, r)`` table (row ``c`` lists ``c`` first),
-    to the row of its nearest prototype (:func:`_assign_rows_top_k`); ``q`` is then ``(N, k)``.
+    distribution to its ``top_k`` nearest prototypes; a ``neighbours (K, R)`` table (row ``c`` lists ``c`` first),
+    to the ``top_k`` nearest among the row of its nearest prototype (:func:`_assign_rows_top_k`); ``q`` is then
+    ``(N, k)``.
 
     The backward pass is written out so that it touches each ``(N, K)`` array as few times as possible (it is
     memory-bound on CPU): per side one matmul for ``dL/dq`` and three element-wise passes.

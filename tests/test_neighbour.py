@@ -20,10 +20,12 @@ def brute_force_lists(p, r):
     return d.topk(r, dim=1, largest=False).indices
 
 
-def neighbour_brute_force(z, p, temperature, lists):
-    """docs/design.md's layer written out on the distribution truncated to the list of each token's nearest code."""
+def neighbour_brute_force(z, p, temperature, lists, r):
+    """docs/design.md's layer written out on the distribution truncated to the r nearest of the list of each token's
+    nearest code."""
     d = (z[:, None, :] - p[None, :, :]).square().sum(-1)  # (N, K)
-    rows = lists[d.detach().argmin(1)]  # (N, r): the set is piecewise constant and has no gradient
+    rows = lists[d.detach().argmin(1)]  # (N, R): the set is piecewise constant and has no gradient
+    rows = rows.gather(1, d.detach().gather(1, rows).topk(r, dim=1, largest=False).indices)
     keep = torch.zeros_like(d, dtype=torch.bool).scatter_(1, rows, True)
     q = torch.softmax((-d / temperature).masked_fill(~keep, float("-inf")), dim=1)
     mu = q @ p
@@ -33,12 +35,12 @@ def neighbour_brute_force(z, p, temperature, lists):
     return q, mu, {"l_q": l_q, "l_ols": l_ols, "v": v}
 
 
-@pytest.mark.parametrize("cb_term,cm_term", [("l_q", "l_ols"), ("l_ols", "l_q")])
-def test_the_neighbour_truncation_is_the_stated_distribution_exactly_in_float64(cb_term, cm_term):
+@pytest.mark.parametrize("cb_term,cm_term,width", [("l_q", "l_ols", 5), ("l_ols", "l_q", 5), ("l_q", "l_ols", 9)])
+def test_the_neighbour_truncation_is_the_stated_distribution_exactly_in_float64(cb_term, cm_term, width):
     torch.manual_seed(0)
     r, temperature = 5, 0.7
-    layer = NeighbourDDCL(16, 4, neighbours=r, temperature=temperature, target_entropy=None, recipe="plain",
-                          init="normal", prototype_update=Gradient(cb_term),
+    layer = NeighbourDDCL(16, 4, neighbours=r, candidates=width, temperature=temperature, target_entropy=None,
+                          recipe="plain", init="normal", prototype_update=Gradient(cb_term),
                           commitment_weight=Commitment(0.3, cm_term)).double()
     z = torch.randn(40, 4, dtype=torch.float64, requires_grad=True)
     g_mu, g_q = torch.randn(40, 4, dtype=torch.float64), torch.randn(40, 16, dtype=torch.float64)
@@ -46,14 +48,14 @@ def test_the_neighbour_truncation_is_the_stated_distribution_exactly_in_float64(
     dense = out.dense_probs(16)
     ((out.quantized * g_mu).sum() + (dense * g_q).sum() + 2.0 * out.loss).backward()
 
-    lists = brute_force_lists(layer.prototypes.detach(), r)
+    lists = brute_force_lists(layer.prototypes.detach(), width)
     assert torch.equal(layer.neighbour_index[:, 0], torch.arange(16))  # each code first in its own list
     assert torch.equal(layer.neighbour_index.sort(1).values, lists.sort(1).values)
     z_ref = z.detach().clone().requires_grad_(True)
     p_ref = layer.prototypes.detach().clone().requires_grad_(True)
-    q, mu, terms = neighbour_brute_force(z_ref, p_ref, temperature, lists)
-    cb = neighbour_brute_force(z_ref.detach(), p_ref, temperature, lists)[2][cb_term]  # reaches P only
-    cm = neighbour_brute_force(z_ref, p_ref.detach(), temperature, lists)[2][cm_term]  # reaches z only
+    q, mu, terms = neighbour_brute_force(z_ref, p_ref, temperature, lists, r)
+    cb = neighbour_brute_force(z_ref.detach(), p_ref, temperature, lists, r)[2][cb_term]  # reaches P only
+    cm = neighbour_brute_force(z_ref, p_ref.detach(), temperature, lists, r)[2][cm_term]  # reaches z only
     ((mu * g_mu).sum() + (q * g_q).sum() + 2.0 * (cb + 0.3 * cm) / 4).backward()
 
     nearest = (z.detach()[:, None] - layer.prototypes.detach()[None]).square().sum(-1).argmin(1)
@@ -97,12 +99,12 @@ def test_lists_refresh_round_robin_and_always_hold_their_own_code():
 
 
 def test_harness_builds_the_candidates_with_the_truncated_layers_targets():
-    for method, r in (("ddcl_n16", 16), ("ddcl_n32", 32)):
+    for method, r, width in (("ddcl_n16", 16, 16), ("ddcl_n32", 32, 32), ("ddcl_c16", 16, 64)):
         layer = harness.build(method, 512, 8)
-        assert layer.neighbours == layer.top_k == r
+        assert layer.neighbours == layer.top_k == r and layer.neighbour_index.shape == (512, width)
         assert layer.target_entropy == pytest.approx(harness.truncated_target(r, 512))
     assert harness.build("ddcl_n32", 64, 8).neighbours == 16  # at most K / 4
-    layer = harness.build("ddcl_n16", 256, 8)
+    layer = harness.build("ddcl_c16", 256, 8)
     out = layer(torch.randn(2, 300, 8))
     assert out.probs.shape == (2, 300, 16) and out.terms["identity_residual"] < 1e-4
     layer.eval()

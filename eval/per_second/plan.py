@@ -9,5 +9,5 @@ OUT = ROOT / "reports" / "per_second"
 # annealed one, the amortised Jacobian), the exact layer, and
 # the hard VQ baselines; from K = N / 4 on the capped restart is the stronger hard VQ
 # (docs/studies.md, "Long training").
-CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_n16", "ddcl_n32", "ddcl_anneal", "ddcl_amortised")
+CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_n16", "ddcl_n32", "ddcl_c16", "ddcl_anneal", "ddcl_amortised")
 BASELINES = ("ddcl", "hard_ema", "hard_ema_cap")
