@@ -267,7 +267,7 @@ def test_defaults_are_the_collapse_free_recipe_for_ddcl_and_the_plain_baseline_f
     assert build("--ddcl.target_entropy", "1.5").quantizer.target_entropy == 1.5
     model = build("--ddcl.temperature", "4", "--model.temperature_schedule", "cosine", "--model.temperature_final", "1")
     assert model.target_entropy is None and model.quantizer.target_entropy is None  # the schedule sets T
-    # the paper's layer: the model keeps its issue-4 control of T at 2.5 nats
+    # the paper's layer: the model, not the layer, holds T at an entropy of 2.5 nats
     plain = build("--ddcl.recipe", "plain", "--ddcl.temperature", "4")
     assert plain.target_entropy == 2.5 and plain.quantizer.target_entropy is None
     assert plain.quantizer.prototypes.requires_grad and not plain.quantizer.hard_output
