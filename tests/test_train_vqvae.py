@@ -114,7 +114,16 @@ def test_both_quantizers_write_history_checkpoints_and_grids(tmp_path, tiny_cifa
     assert all(r["val_psnr"] == r["val_psnr_hard"] and r["v"] == 0 for r in hard)  # the last one by hand above
     table = (out / "comparison.md").read_text()
     assert table.count("\n") == 4 and "ddcl util %" in table and "hard val PSNR" in table
-    assert table in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert table in printed
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the closing block names every file the command wrote, and the TensorBoard command
+    block = printed[printed.index(f"Outputs in {out}/:"):].splitlines()
+    assert block[1:] == [
+        "  comparison.md, comparison.png: the per-epoch table and curves of ddcl, hard",
+        *(f"  {q}: {q}/checkpoints/ (best-epoch02.ckpt, last.ckpt), {q}/history.jsonl, {q}/config.json, "
+          f"reconstructions {q}/recon_epoch01.png ... recon_epoch02.png" for q in ("ddcl", "hard")),
+        f"  TensorBoard: tensorboard --logdir {out}"]
 
 
 def test_resume_continues_from_the_last_checkpoint_exactly(tmp_path, tiny_cifar):
