@@ -151,6 +151,21 @@ def test_a_first_batch_that_cannot_start_the_codebook_does_not_fool_it(num_codes
     assert grad_ref / 1.5 < grad < grad_ref * 1.5
 
 
+def test_at_the_default_target_a_first_batch_of_at_most_sqrt_k_tokens_cannot_start_the_codebook():
+    """docs/design.md, "Bad batches": N e^H <= K with H = log K / 2 is N <= sqrt(K), 22.6 at K = 512, so 22 tokens
+    leave the codebook unstarted (prototypes untouched, a warning) and 23 start it."""
+    for n, starts in ((22, False), (23, True)):
+        torch.manual_seed(0)
+        layer = softvq.DDCLQuantizer(512, 8).train()
+        before = layer.prototypes.detach().clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(torch.randn(n, 8))
+        refused = [w for w in caught if "cannot start the codebook" in str(w.message)]
+        assert (not refused) == starts, n
+        assert torch.equal(layer.prototypes, before) != starts, n
+
+
 def test_a_zero_initialised_encoder_output_trains():
     """An encoder whose output layer starts at zero gives all-equal tokens at first: the codebook waits for tokens
     with a spread, while the layer's output still passes a gradient to the encoder, which then spreads them."""

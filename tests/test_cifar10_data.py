@@ -70,9 +70,15 @@ def test_directory_holding_one_archive_is_used(tiny_cifar, tmp_path):
     assert len(dm.test_set) == 50
 
 
-def test_archive_is_extracted_once_and_reused(tiny_cifar, tmp_path, monkeypatch):
+def test_archive_is_extracted_once_and_reused(tiny_cifar, tmp_path, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="softvq.data")
     first = extract_archive(tiny_cifar["archive"], tmp_path / "cache")
     marker = next((tmp_path / "cache").glob("*/.softvq-complete"))
+    # the first extraction says where the tree went and how to move the cache; a reuse says nothing
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == \
+        [f"unpacked {tiny_cifar['archive']} into {marker.parent}"]
+    assert "SOFTVQ_CACHE" in caplog.records[0].getMessage() and "--data.cache_dir" in caplog.records[0].getMessage()
+    caplog.clear()
     stamp = marker.stat().st_mtime_ns
 
     def no_second_extraction(*args, **kwargs):
@@ -82,6 +88,7 @@ def test_archive_is_extracted_once_and_reused(tiny_cifar, tmp_path, monkeypatch)
     assert extract_archive(tiny_cifar["archive"], tmp_path / "cache") == first
     assert marker.stat().st_mtime_ns == stamp
     assert sorted(p.name for p in first.iterdir() if p.is_dir()) == ["test", "train"]
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.97])

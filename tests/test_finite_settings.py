@@ -67,6 +67,19 @@ def test_an_output_scale_that_overflows_is_refused_when_built_and_assigned_and_o
     assert finite(layer, outs) and bool(torch.isfinite(outs[-1].quantized.double().square().sum()))
 
 
+@pytest.mark.parametrize("option, bound", [
+    ({"init": NormalInit}, MAGNITUDE / 8),
+    ({"standardize": lambda scale: Standardize(output_scale=scale)}, MAGNITUDE / 2**16),
+], ids=["init-scale", "output-scale"])
+def test_a_code_scale_just_above_its_bound_is_refused_and_one_just_below_is_built(option, bound):
+    """The refusals above are probed far beyond each bound; these 1% either side of it, so a bound enforced at
+    another value (too lax or too strict) fails here."""
+    (name, make), = option.items()
+    DDCLQuantizer(64, D, **{name: make(0.99 * bound)})
+    with pytest.raises(ValueError, match=r"is too large for dim=16"):
+        DDCLQuantizer(64, D, **{name: make(1.01 * bound)})
+
+
 @pytest.mark.parametrize("build", [
     lambda: DDCLQuantizer(64, D, commitment_weight=1e300),
     lambda: DDCLQuantizer(64, D, commitment_weight=Commitment(1e20, "l_ols")),

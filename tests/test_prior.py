@@ -143,7 +143,8 @@ def test_first_code_frequencies_follow_the_tempered_top_k_distribution():
         prior.net.head.bias.copy_(torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0]))  # a clearly non-uniform start
         logits = prior(torch.zeros(1, 0, dtype=torch.long))[0, 0]
     n = 20000
-    for temperature, top_k in ((1.0, None), (0.5, 3)):
+    # top_k = K - 1 (5 of 6) is the largest that truncates: the least likely code (bias -1) is never drawn
+    for temperature, top_k in ((1.0, None), (0.5, 3), (1.0, 5)):
         draws = prior.sample(n, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(0))
         freq = torch.bincount(draws[:, 0, 0], minlength=6).double() / n
         expected = (logits.double() / temperature)

@@ -3,6 +3,8 @@ cross-entropy against one written out in float64, and a prior trained on one-hot
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -92,6 +94,27 @@ def test_soft_cross_entropy_against_one_written_out_and_one_hot_targets_give_the
     assert torch.allclose(prior.soft_nll(codes, one_hot, on_hard), prior.nll(codes).double(), atol=1e-6)
     with pytest.raises(ValueError, match="soft targets must be"):
         prior.soft_nll(codes, values[..., :2], where)
+
+
+def test_the_training_loss_weighs_the_hard_codes_by_one_minus_a_and_the_soft_targets_by_a():
+    """The loss of soft_targets = a written out: (1 - a) times the hard codes' cross-entropy plus a times the soft
+    targets', each from the logits' log-softmax. The soft targets here lie off the hard codes (one-hot targets on them
+    would make the two terms equal, and any weights would pass), and a = 0.3 is not 1/2, so swapped weights differ."""
+    a = 0.3
+    prior = _prior(a).double()
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(8, (3, 2, 2), generator=g)
+    where = torch.stack([(codes + 1) % 8, (codes + 2) % 8], -1)  # two codes other than the hard one
+    probs = torch.rand(3, 2, 2, 2, generator=g, dtype=torch.float64).softmax(-1)
+    log_p = prior(codes).log_softmax(-1).reshape(3, 2, 2, 8)
+    hard = -log_p.gather(-1, codes[..., None])[..., 0]
+    soft = -(probs * log_p.gather(-1, where)).sum(-1)
+    expected = ((1 - a) * hard + a * soft).mean()
+    assert not torch.allclose(expected, (a * hard + (1 - a) * soft).mean(), atol=1e-3)  # the weights matter here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = prior.training_step((codes, torch.zeros(3, dtype=torch.long), probs, where), 0)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)  # the hard term is computed in float32
 
 
 def _fit(soft_targets: float, batches: list[tuple[torch.Tensor, ...]]) -> CodePrior:

@@ -35,8 +35,19 @@ def truncated_brute_force(z, p, temperature, k, distance="euclidean"):
 @pytest.mark.parametrize("distance", ["euclidean", "cosine"])
 @pytest.mark.parametrize("cb_term,cm_term", [("free_energy", "l_q"), ("l_q", "l_ols"), ("l_ols", "free_energy")])
 def test_top_k_is_the_truncated_distribution_exactly_in_float64(distance, cb_term, cm_term):
+    check_against_brute_force(distance, cb_term, cm_term, k=5)
+
+
+def test_top_k_of_all_codes_but_one_is_the_truncated_distribution_not_the_exact_layer():
+    """k = K - 1, the largest k that truncates: each token's farthest prototype gets no mass (an off-by-one in the
+    choice between the truncated and the exact path would give it some)."""
+    check_against_brute_force("euclidean", "free_energy", "l_q", k=15)
+
+
+def check_against_brute_force(distance: str, cb_term: str, cm_term: str, k: int) -> None:
+    """``DDCLQuantizer(16, 4, top_k=k)``'s outputs, loss terms and gradients against :func:`truncated_brute_force`."""
     torch.manual_seed(0)
-    k, temperature = 5, 0.7 if distance == "euclidean" else 0.2
+    temperature = 0.7 if distance == "euclidean" else 0.2
     layer = DDCLQuantizer(16, 4, temperature, recipe="plain", top_k=k, distance=distance, init="normal",
                           prototype_update=Gradient(cb_term), commitment_weight=Commitment(0.3, cm_term)).double()
     z = torch.randn(40, 4, dtype=torch.float64, requires_grad=True)

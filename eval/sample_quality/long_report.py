@@ -1,5 +1,5 @@
 """The report of the long runs' sample-quality study (:mod:`eval.sample_quality.long_runs`): each method over its seeds,
-the issue's targets judged from the test rows' intervals, and ``report.md``."""
+the study's targets (:func:`targets`) judged from the test rows' intervals, and ``report.md``."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _fd_of(row: dict[str, Any], key: str) -> dict[str, float] | None:
 
 
 def targets(rows: list[dict[str, Any]], ours: str = "ddcl") -> list[dict[str, Any]]:
-    """The issue's targets, judged per codebook size from the test rows.
+    """The study's targets, judged per codebook size from the test rows.
 
     - For each :data:`JUDGED` distance and each peer method: ``met`` when the highest upper end of ``ours``'s points'
       intervals lies below the lowest lower end of the peer's (no interval overlaps; every seed of both counted) and

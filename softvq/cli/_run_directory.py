@@ -28,7 +28,7 @@ log = logging.getLogger("softvq")
 
 INVOCATIONS = "invocations.jsonl"  # one line per start or resume of a run: when, which pid, the argv, what changed
 # What --overwrite removes of an old run, so that its artefacts do not mix with the new run's.
-STALE = ("history.jsonl", INVOCATIONS, "config.json", "checkpoints", "tb", "recon_epoch*.png")
+STALE = ("history.jsonl", INVOCATIONS, "config.json", "checkpoints", "tb", "recon_epoch*.png", "comparison.png")
 
 
 

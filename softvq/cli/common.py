@@ -93,6 +93,25 @@ def quiet_lightning() -> Iterator[None]:
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def data_messages() -> Iterator[None]:
+    """The data's INFO messages (logger ``softvq.data``: where an archive was unpacked) shown for the duration: on
+    stdout, or through the root logger's handlers where the caller configured logging."""
+    logger = logging.getLogger("softvq.data")
+    level = logger.level
+    handler = None if logging.getLogger().handlers else logging.StreamHandler(sys.stdout)
+    logger.setLevel(logging.INFO)
+    if handler is not None:
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if handler is not None:
+            logger.removeHandler(handler)
+
+
 def run_command(main: Callable[..., Any], argv: Sequence[str] | None = None,
                 errors: tuple[type[BaseException], ...] = EXPECTED_ERRORS) -> int:
     """``main(argv)`` as a command: 0 when it returns; on one of ``errors`` print ``error: <message>`` to stderr and

@@ -15,7 +15,9 @@ Every run directory (``--out``, or ``--out/<quantizer>`` when several quantizers
 ``config.json`` (every setting as the run used it), ``checkpoints/last.ckpt`` and ``checkpoints/best-epochNN.ckpt``
 (lowest validation MSE, NN the epoch counted from 1), ``recon_epochNN.png`` (originals / soft / hard-decoded
 reconstructions) and TensorBoard logs in ``tb/`` (``tensorboard --logdir <out>``). With several quantizers a
-per-epoch comparison table is printed at the end and written to ``<out>/comparison.md``. The run directory's
+per-epoch comparison table is printed at the end and written to ``<out>/comparison.md``; ``<out>/comparison.png``
+draws the per-epoch curves (:mod:`softvq.cli.comparison`; one quantizer's too), and a closing block names every file
+written. The run directory's
 bookkeeping (config.json, invocations.jsonl, --resume, the locks) is :mod:`softvq.cli._run_directory`.
 """
 
@@ -47,8 +49,10 @@ from softvq.cli._run_directory import (  # the run directory's bookkeeping; its 
 from softvq.cli.common import (
     GracefulStop,
     Interrupted,
+    data_messages,
     run_command,
 )
+from softvq.cli.comparison import write_comparison_png
 from softvq.data.cifar10 import CIFAR10DataModule, check_same_classes
 from softvq.models import VQVAE
 from softvq.models.callbacks import (
@@ -60,6 +64,7 @@ from softvq.models.callbacks import (
 )
 from softvq.models.checkpoint_io import checkpoint_classes
 from softvq.models.files import write_atomic
+from softvq.models.progress import EpochProgressBar
 
 
 def checkpoint_callbacks(dirpath: Path, validation: bool) -> list[ModelCheckpoint]:
@@ -79,12 +84,16 @@ def checkpoint_callbacks(dirpath: Path, validation: bool) -> list[ModelCheckpoin
 
 def build_trainer(cfg: Namespace, out: Path, validation: bool, steps_per_epoch: int) -> L.Trainer:
     """The Lightning Trainer of one run: history, reconstruction grids, atomic checkpoints, the DDP replica check."""
-    callbacks = [HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out),
+    hw = config.hardware(cfg)
+    # the bar first: Lightning calls callbacks in order, so each epoch's bar is closed on its own line before
+    # HistoryWriter prints the epoch's summary
+    bar = [EpochProgressBar(steps_per_epoch * hw.accumulate_grad_batches)] if hw.progress_bar else []
+    callbacks = [*bar, HistoryWriter(out / "history.jsonl"), ReconstructionGrid(out),
                  *checkpoint_callbacks(out / "checkpoints", validation=validation)]
     if cfg.check_replicas:
         callbacks.append(ReplicaCheck(cfg.check_replicas))
     return L.Trainer(
-        max_epochs=cfg.epochs, default_root_dir=out, **config.hardware(cfg).trainer_kwargs(),
+        max_epochs=cfg.epochs, default_root_dir=out, **hw.trainer_kwargs(),
         # The data module shards every split itself (GlobalBatchSampler): N processes with batch size B see the
         # batches of one process with N * B. LatentNorm synchronises its batch statistics itself (SyncBatchNorm
         # refuses CPU tensors), so Lightning's sync_batchnorm stays off.
@@ -229,9 +238,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         return histories
     if several:
         write_atomic(out / "comparison.md", table)
+    write_comparison_png(histories, out / "comparison.png")
     print("\nPer-epoch codebook health on the validation split, restarts in the training epoch, and validation PSNR "
           "(soft and decoded from hard indices):\n" + table)
+    print(outputs_summary(out, {q: out / q if several else out for q in histories}))
     return histories
+
+
+def outputs_summary(out: Path, runs: dict[str, Path]) -> str:
+    """The block printed at the end of a command: every file it leaves in ``out``, as found there (the comparison,
+    each run's checkpoints, reconstruction grids, history and settings), and the TensorBoard command."""
+    lines = [f"Outputs in {out}/:"]
+    compared = [p.name for p in (out / "comparison.md", out / "comparison.png") if p.exists()]
+    if compared:
+        what = "table and curves" if len(compared) == 2 else "curves" if compared[0].endswith(".png") else "table"
+        lines.append(f"  {', '.join(compared)}: the per-epoch {what} of {', '.join(runs)}")
+    for name, run in runs.items():
+        at = f"{run.relative_to(out)}/" if run != out else ""
+        checkpoints = ", ".join(sorted(p.name for p in (run / "checkpoints").glob("*.ckpt")))
+        grids = sorted(p.name for p in run.glob("recon_epoch*.png"))
+        shown = grids[:1] if len(grids) == 1 else [f"{grids[0]} ... {grids[-1]}"] if grids else []
+        lines.append(f"  {name}: {at}checkpoints/ ({checkpoints}), {at}history.jsonl, {at}config.json"
+                     + "".join(f", reconstructions {at}{text}" for text in shown))
+    lines.append(f"  TensorBoard: tensorboard --logdir {out}")
+    return "\n".join(lines)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
@@ -239,7 +269,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     busy --out, NaN/Inf in training) print one ``error:`` message and return 2; a bad flag, config key or value exits
     2 with one ``error:`` line naming it (:func:`softvq.cli.parsing.parse`); SIGTERM / SIGINT stop it at the next
     batch, keep the last good checkpoint and return 143 / 130."""
-    return run_command(main, argv)
+    with data_messages():  # where the data archive was unpacked, the first time
+        return run_command(main, argv)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ check (``validate``, e.g. other class folders in the two splits) is removed from
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tarfile
@@ -20,6 +21,7 @@ from pathlib import Path
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 _MARKER = ".softvq-complete"
+log = logging.getLogger("softvq.data")
 
 
 class CorruptArchiveError(RuntimeError):
@@ -158,6 +160,9 @@ def extract_archive(archive: str | os.PathLike, cache_dir: str | os.PathLike | N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # once per archive (a reused entry says nothing): the unpacked tree is large and outlives the run
+    log.info(f"unpacked {archive} into {target} (the data cache: $SOFTVQ_CACHE, default ~/.cache/softvq, or the "
+             f"data module's cache_dir, --data.cache_dir; remove the folder to reclaim the space)")
     return find_image_folder(target)  # type: ignore[return-value]
 
 
