@@ -1,4 +1,4 @@
-"""Code written for vector-quantize-pytorch runs unchanged when only the constructor line changes (the README's
+"""Code written for vector-quantize-pytorch runs unchanged when only the constructor line changes (docs/migrating.md's
 promise): the same user function, written against ``VectorQuantize`` / ``ResidualVQ``'s API, run once with their
 layer and once with softvq's, gets outputs of the same shapes and dtypes, and the same relations hold in both
 (``get_output_from_indices(indices)`` is the evaluation output, it is the ``codebook`` rows of the indices). And the
