@@ -14,7 +14,9 @@ with ``Source:`` lines: the file, the commits and the setting the numbers were m
 of one study are named, a method's rows come from the first file that has it, and each ``Source:`` line says which
 methods it gave. The flag ``former-defaults`` after the sources (``<!-- render: peers_test
 reports/peers/k512_908f6de/results.json former-defaults -->``) marks results whose DDCL rows trained with the defaults
-of their commit before the entropy target became ``log(K) / 2`` (:data:`FORMER_DEFAULTS`): their labels say so.
+of their commit before the entropy target became ``log(K) / 2`` (:data:`FORMER_DEFAULTS`): their labels say so. The
+flag ``vqp-threshold-2`` marks results whose vector-quantize-pytorch ``VectorQuantize`` ran its README's former
+recipe, an absolute dead-code threshold of 2 (:data:`FORMER_VQP`; version 1.32 or older), not today's ratio of 0.1.
 
     python -m eval.render            # fill every block of README.md and docs/*.md
     python -m eval.render --check    # exit 1 naming every block whose text differs from its source (a test runs it)
@@ -38,18 +40,23 @@ from eval.reports import read_header
 
 BLOCK = re.compile(r"(<!-- render: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /render -->)", re.DOTALL)
 FILES = ("README.md", "docs/*.md")
-FLAGS = ("former-defaults",)
+FLAGS = ("former-defaults", "vqp-threshold-2")
 # what a DDCL row's label adds under ``former-defaults``: the entropy target those runs' defaults held (2.5 nats at
 # every K from 149 on, the only sizes the flag marks)
 FORMER_DEFAULTS = " at the time (target entropy 2.5 nats)"
 DDCL_METHODS = ("ddcl", "rddcl")
+# vqp_vq's label under ``vqp-threshold-2``: the recipe of vector-quantize-pytorch's README up to 1.32 (eval._hard)
+FORMER_VQP = {"vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)"}
 
 
 def labels_of(labels: dict[str, str], flags: Sequence[str]) -> dict[str, str]:
-    """``labels`` with each DDCL method's marked as the former defaults' under the flag ``former-defaults``."""
-    if "former-defaults" not in flags:
-        return labels
-    return {k: v + FORMER_DEFAULTS if k in DDCL_METHODS else v for k, v in labels.items()}
+    """``labels`` with each DDCL method's marked as the former defaults' under the flag ``former-defaults``, and
+    vector-quantize-pytorch's former recipe named under ``vqp-threshold-2``."""
+    if "former-defaults" in flags:
+        labels = {k: v + FORMER_DEFAULTS if k in DDCL_METHODS else v for k, v in labels.items()}
+    if "vqp-threshold-2" in flags:
+        labels = {**labels, **{k: v for k, v in FORMER_VQP.items() if k in labels}}
+    return labels
 
 
 def load(path: Path) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import render
+from eval import harness, render
 
 
 def test_every_committed_block_is_what_its_source_gives():
@@ -79,3 +79,13 @@ def test_unedited_leaves_a_page_with_uncommitted_changes_alone(tmp_path):
     assert render.main(["--unedited"], root=tmp_path) == 0
     assert "20.50 ± 0.71" in readme.read_text()
     assert "20.50" not in other.read_text() and "\nold\n" in other.read_text()
+
+
+def test_vqp_threshold_2_names_vector_quantize_pytorchs_former_recipe_and_nothing_else():
+    labels = {"vqp_vq": harness.LABELS["vqp_vq"], "hard_ema": "HardVQ", "ddcl": "DDCL"}
+    assert "ratio 0.1" in labels["vqp_vq"]  # today's recipe (eval._hard.VQP_RECIPE)
+    former = render.labels_of(labels, ["vqp-threshold-2"])
+    assert former == {**labels, "vqp_vq": "vqp VectorQuantize (kmeans init, dead < 2, rotation trick)"}
+    both = render.labels_of(labels, ["former-defaults", "vqp-threshold-2"])
+    assert both["ddcl"] == "DDCL" + render.FORMER_DEFAULTS and both["vqp_vq"] == former["vqp_vq"]
+    assert render.labels_of({"ddcl": "DDCL"}, ["vqp-threshold-2"]) == {"ddcl": "DDCL"}  # no vqp row: none added
