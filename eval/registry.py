@@ -20,6 +20,7 @@ RENDERERS: dict[str, str] = {
     "long_run_test": "eval.long_run.report:render_test",
     "long_run_curves": "eval.long_run.report:render_curves",
     "generative_test": "eval.sample_quality.long_report:render_test",
+    "main_job": "eval.main_job:render_table",
 }
 
 
