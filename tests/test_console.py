@@ -50,19 +50,23 @@ def test_the_bar_counts_epochs_from_one_and_each_summary_has_a_line_of_its_own(c
 
 HISTORIES = {
     "ddcl": [{"epoch": e, "val_psnr_hard": 19.0 + e, "val_utilization": 1.0, "val_dead_codes": 0,
-              "val_perplexity": 340.0 + 10 * e, "utilization": 1.0, "dead_codes": 0, "perplexity": 350.0}
-             for e in (1, 2, 3)],
+              "val_perplexity": 340.0 + 10 * e, "utilization": 1.0, "dead_codes": 0, "perplexity": 350.0,
+              "time_s": 40.0 + e} for e in (1, 2, 3)],
     "hard": [{"epoch": e, "val_psnr_hard": 18.5 + e, "val_utilization": 0.5 + 0.1 * e, "val_dead_codes": 200 - 50 * e,
-              "val_perplexity": 150.0 + 100 * e, "utilization": 0.9, "dead_codes": 5, "perplexity": 300.0}
-             for e in (1, 2, 3)],
+              "val_perplexity": 150.0 + 100 * e, "utilization": 0.9, "dead_codes": 5, "perplexity": 300.0,
+              "time_s": 30.0} for e in (1, 2, 3)],
 }
 
 
 @pytest.mark.parametrize("names", [("ddcl", "hard"), ("hard",)])
 def test_comparison_png_draws_each_quantizers_validation_curves(names):
     fig = comparison_figure({name: HISTORIES[name] for name in names})
-    axes = fig.axes
+    *axes, timed = fig.axes
     assert [ax.get_title() for ax in axes] == [f"{title}, validation" for title, *_ in PANELS]
+    seconds = {"ddcl": [41.0, 83.0, 126.0], "hard": [30.0, 60.0, 90.0]}  # each epoch's time_s, summed
+    for line, name in zip(timed.lines, names, strict=True):
+        assert list(line.get_xdata()) == pytest.approx(seconds[name])
+        assert list(line.get_ydata()) == pytest.approx([row["val_psnr_hard"] for row in HISTORIES[name]])
     for ax, (_, key, _, scale) in zip(axes, PANELS, strict=True):
         assert [line.get_label() for line in ax.lines] == list(names)
         for line, name in zip(ax.lines, names, strict=True):
@@ -72,8 +76,9 @@ def test_comparison_png_draws_each_quantizers_validation_curves(names):
 
 def test_a_run_without_validation_draws_its_training_epochs_and_says_so():
     rows = [{k: v for k, v in row.items() if not k.startswith("val_")} for row in HISTORIES["hard"]]
-    psnr, util, dead, ppl = comparison_figure({"hard": rows}).axes
+    psnr, util, dead, ppl, timed = comparison_figure({"hard": rows}).axes
     assert len(psnr.lines) == 0 and psnr.texts[0].get_text() == "no validation split"
+    assert len(timed.lines) == 0
     assert util.get_title() == "utilization (%), training epoch"
     assert list(util.lines[0].get_ydata()) == pytest.approx([90.0] * 3)
     assert list(dead.lines[0].get_ydata()) == [5] * 3 and list(ppl.lines[0].get_ydata()) == [300.0] * 3

@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from eval._provenance import ROOT, code_commit, cpu_model
 from eval.render import report_commits
 
@@ -53,7 +55,8 @@ def write_report(run: Path, seconds: float, threads: int, out: Path = OUT, commi
         f"Regenerate: `{COMMAND}` (the README's first command, after its setup; then `python -m eval.main_job --run "
         f"runs/cifar10 --seconds S --threads {threads}`, S its wall time)", "",
         f"Code: {commit or code_commit()}", "",
-        f"{SETTING} (the command's default), 5,000 held-out training images as the validation split; {cpu_model()}, "
+        f"{SETTING} (the command's default), 5,000 held-out training images as the validation split; {cpu_model()} "
+        f"({torch.backends.cpu.get_cpu_capability()}), "
         f"{threads} torch thread{'s' if threads > 1 else ''}, other jobs paused: {minutes} min {rest:02d} s for the "
         "whole command (data unpacked beforehand, install not counted). Codebook health on the validation split; "
         "restarts are the training epoch's; PSNR from the hard indices (the soft decode in brackets). "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -27,13 +28,14 @@ def curve(rows: list[dict[str, Any]], key: str | None) -> tuple[list[int], list[
 
 def comparison_figure(histories: dict[str, list[dict[str, Any]]]) -> Figure:
     """One panel per figure of :data:`PANELS` (validation PSNR, utilization, dead codes, perplexity) against the
-    epoch, one line per quantizer. A figure the runs have on the validation split is drawn from it; a run without
-    validation draws its training epoch's (restarted codes count as used there), and the panel's title says so.
+    epoch, one line per quantizer, and the validation PSNR once more against the run's seconds. A figure the runs
+    have on the validation split is drawn from it; a run without validation draws its training epoch's (restarted
+    codes count as used there), and the panel's title says so.
 
     matplotlib's object API (``Figure``), not pyplot: no global backend or figure state is touched.
     """
-    fig = Figure(figsize=(4.2 * len(PANELS), 3.4), dpi=100, layout="constrained")
-    axes = fig.subplots(1, len(PANELS))
+    fig = Figure(figsize=(4.2 * (len(PANELS) + 1), 3.4), dpi=100, layout="constrained")
+    *axes, timed = fig.subplots(1, len(PANELS) + 1)
     for ax, (title, val_key, train_key, scale) in zip(axes, PANELS, strict=True):
         train_only = False
         for name, rows in histories.items():
@@ -51,6 +53,19 @@ def comparison_figure(histories: dict[str, list[dict[str, Any]]]) -> Figure:
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "no validation split", ha="center", va="center", transform=ax.transAxes)
+    # the first panel again against the seconds each run took (its epochs' recorded time_s, summed): a method whose
+    # steps cost more is drawn where a user's clock would put it
+    for name, rows in histories.items():
+        points = [(row.get("time_s"), row.get("val_psnr_hard")) for row in rows]
+        if points and all(t is not None and v is not None for t, v in points):
+            timed.plot(list(itertools.accumulate(t for t, _ in points)), [v for _, v in points], marker="o", label=name)
+    timed.set_title("PSNR from hard indices (dB), validation", fontsize=10)
+    timed.set_xlabel("seconds (training and validation, summed over epochs)")
+    timed.grid(alpha=0.3)
+    if timed.lines:
+        timed.legend(fontsize=8)
+    else:
+        timed.text(0.5, 0.5, "no validation split or no times", ha="center", va="center", transform=timed.transAxes)
     return fig
 
 
