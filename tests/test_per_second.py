@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 
+import lightning as L
 import pytest
 import torch
 
@@ -107,3 +108,49 @@ def test_the_report_summarises_seeds_at_the_fastest_hard_vqs_seconds():
     assert "| 0, 1, 2 |" in row
     single, _ = per_second_report.tables([r for r in runs if r["seed"] == 0], cost)
     assert "Over seeds" not in single  # one seed each: no summary
+
+
+class _SeedAtFirstBatch(L.Callback):
+    """Seeds the global random state just before the first training step (Lightning's data loader draws from it
+    before that, which time_step_interleaved, with no loader, does not)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            torch.manual_seed(self.seed)
+
+
+def test_step_interleaved_timing_trains_every_model_as_lightning_would(tmp_path):
+    """--interleave steps takes the models' own training steps in turn: a model stepped so ends with the parameters of
+    the same model fitted by Lightning on the same batches from the same random state (so what is timed is its
+    training step), and every method gets rounds x steps timings."""
+    argv = ["--num-codes", "32", "--methods", "ddcl_k16", "hard_ema", "--width", "8", "--res-blocks", "1",
+            "--res-hidden", "4", "--batch-size", "4", "--steps", "2", "--rounds", "2", "--warmup", "1"]
+    args = step_cost.parse_args([*argv, "--json", str(tmp_path / "cost.json")])
+    args.accelerator = "cpu"
+    g = torch.Generator().manual_seed(args.seed)
+    batches = torch.rand(4, 4, 3, 32, 32, generator=g)  # the batches time_step_interleaved draws, in its order
+    images = torch.cat([batches[step % 4] for step in range(5)])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, torch.zeros(len(images))),
+                                         batch_size=4)
+    for name in ("ddcl_k16", "hard_ema"):  # one at a time: their restarts draw from the global random state
+        timed = step_cost.build_model(name, 32, args)
+        torch.manual_seed(123)
+        times = step_cost.time_step_interleaved(args, {name: timed})
+        assert len(times[name]) == 4 and all(t > 0 for t in times[name])
+        fitted = step_cost.build_model(name, 32, args)
+        L.Trainer(max_steps=5, limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, accelerator="cpu", callbacks=[_SeedAtFirstBatch(123)]).fit(fitted, loader)
+        tensors = 0
+        for (key, a), b in zip(timed.state_dict().items(), fitted.state_dict().values(), strict=True):
+            if torch.is_tensor(a):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+                tensors += 1
+            else:  # a layer's extra state (its settings)
+                assert a == b, key
+        assert tensors > 10
+    result = step_cost.main([*argv, "--json", str(tmp_path / "cost.json")])
+    assert {name: len(t) for name, t in result["steps"]["32"].items()} == {"ddcl_k16": 4, "hard_ema": 4}
+    assert result["interleave"] == "steps" and result["measured"]["32"]["interleave"] == "steps"

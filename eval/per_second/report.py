@@ -171,7 +171,8 @@ def write_report(out: Path = OUT) -> str:
     cost_path = out / "step_cost.json"
     cost = json.loads(cost_path.read_text()) if cost_path.exists() else {}
     body, curves = tables(runs, cost)
-    per_k = "; ".join(f"K = {k}: code {m.get('code')}, {m.get('rounds')} rounds x {m.get('steps_per_fit')} steps"
+    per_k = "; ".join(f"K = {k}: code {m.get('code')}, {m.get('rounds')} rounds x {m.get('steps_per_fit')} steps, "
+                      f"taking turns every {'step' if m.get('interleave') == 'steps' else 'Lightning fit'}"
                       for k, m in sorted(cost.get("measured", {}).items(), key=lambda kv: int(kv[0])))
     machine = (f"step costs: {cost.get('machine', '?')}, {cost.get('cpu_capability', '?')}, torch "
                f"{cost.get('torch', '?')}, {cost.get('threads', '?')} threads, the median of interleaved rounds "

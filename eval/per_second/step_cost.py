@@ -3,10 +3,15 @@
     python -m eval.per_second.step_cost --num-codes 512 4096 16384 [--methods ...] [--threads 2] [--json FILE]
 
 The model is the study's (:func:`eval.harness.vqvae_of` in the short setting's sizes: width 128, two residual blocks,
-D = 64, batch 128); each method is fitted by Lightning for ``--steps`` steps on the same in-memory random batches, the
-methods one after the other in ``--rounds`` interleaved rounds so that machine noise hits them alike
-(:func:`eval.bench_train.time_steps`: every step from its start hook to its end hook, warm-up steps dropped). Run it on
-quiet cores: pause training jobs (SIGSTOP) while it runs. ``ddcl_anneal`` is timed at each of its k
+D = 64, batch 128), every method on the same in-memory random batches. ``--interleave steps`` (the default): all the
+methods' models live at once and take their training steps in turn, one step each, the order rotated every step
+(:func:`time_step_interleaved`: the model's own ``training_step`` with its metrics, backward pass and optimizer step,
+outside Lightning's loop), so that a burst of machine noise, which on a shared VM lasts seconds, hits every method
+alike; ``--rounds`` x ``--steps`` steps per method after ``--warmup`` untimed ones. ``--interleave fits``: each method
+fitted by Lightning for ``--steps`` steps, the methods one after the other in ``--rounds`` rounds
+(:func:`eval.bench_train.time_steps`: every step from its start hook to its end hook, warm-up steps dropped); measured
+so, one method's per-round step ratio to hard VQ's moved between 0.6x and 1.3x here. Run it on quiet cores: pause
+training jobs (SIGSTOP) while it runs. ``ddcl_anneal`` is timed at each of its k
 (``ddcl_anneal@128`` ...; a k that ``ddcl_k<k>`` times is that entry): its seconds are each phase's steps times that
 phase's cost. Printed: the median step and its
 ratio to ``hard_ema``'s; written (``--json``, default ``reports/per_second/step_cost.json``): every step's seconds.
@@ -18,6 +23,7 @@ import argparse
 import json
 import platform
 import statistics
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +33,7 @@ import lightning as L
 import torch
 
 from eval import bench_train, harness
-from eval._bench import markdown_table
+from eval._bench import markdown_table, sync
 from eval._provenance import code_commit
 from eval.per_second.plan import BASELINES, CANDIDATES, OUT
 from softvq.cli.common import quiet_lightning
@@ -57,13 +63,48 @@ def build_model(name: str, num_codes: int, args: argparse.Namespace) -> VQVAE:
                  res_hidden=args.res_hidden, lr=args.lr)
 
 
+def time_step_interleaved(args: argparse.Namespace, models: dict[str, VQVAE]) -> dict[str, list[float]]:
+    """Per-step seconds of every method, the methods taking one training step each in turn (the order rotated every
+    step), ``--warmup`` steps each untimed, then ``--rounds x --steps`` timed; each step the model's own batch-start
+    hook and ``training_step`` (its metrics included), the backward pass and the optimizer step, on the same batch."""
+    device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
+    g = torch.Generator().manual_seed(args.seed)
+    batches = torch.rand(4, args.batch_size, 3, 32, 32, generator=g).to(device)
+    labels = torch.zeros(args.batch_size, dtype=torch.long, device=device)
+    optimizers = {}
+    for name, model in models.items():
+        model.to(device).train()
+        configured = model.configure_optimizers()
+        optimizers[name] = configured["optimizer"] if isinstance(configured, dict) else configured
+        model.on_train_epoch_start()
+    names = list(models)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(args.warmup + args.rounds * args.steps):
+        batch = (batches[step % len(batches)], labels)
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            model, optimizer = models[name], optimizers[name]
+            sync(device)
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            model.on_train_batch_start(batch, step)
+            model.training_step(batch, step).backward()
+            optimizer.step()
+            sync(device)
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every step's seconds per K and method name."""
     result: dict[str, Any] = {"steps": {}, "batch_size": args.batch_size}
     for num_codes in args.num_codes:
         models = {name: build_model(name, num_codes, args) for name in timed_methods(args.methods, num_codes)}
-        with quiet_lightning():
-            times = bench_train.time_steps(args, models, args.batch_size)
+        with quiet_lightning(), warnings.catch_warnings():
+            # self.log outside a Trainer: the step's logging is skipped, with a warning each time
+            warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered.*")
+            times = (time_step_interleaved(args, models) if args.interleave == "steps"
+                     else bench_train.time_steps(args, models, args.batch_size))
         result["steps"][str(num_codes)] = times
         print(format_table(num_codes, times))
     return result
@@ -83,6 +124,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps per fit (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of every fit (default 3)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--interleave", choices=("steps", "fits"), default="steps",
+                   help="take turns every step (default) or every Lightning fit of --steps steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=OUT / "step_cost.json")
     harness.add_vqvae_arguments(p)
@@ -105,9 +148,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result.update(code=code_commit(), torch=torch.__version__, threads=torch.get_num_threads(),
                   machine=platform.processor() or platform.machine(),
                   cpu_capability=torch.backends.cpu.get_cpu_capability(), accelerator=args.accelerator,
-                  rounds=args.rounds, steps_per_fit=args.steps, warmup=args.warmup)
-    result["measured"] = {k: {"code": result["code"], "rounds": args.rounds, "steps_per_fit": args.steps}
-                          for k in result["steps"]}
+                  rounds=args.rounds, steps_per_fit=args.steps, warmup=args.warmup, interleave=args.interleave)
+    result["measured"] = {k: {"code": result["code"], "rounds": args.rounds, "steps_per_fit": args.steps,
+                              "interleave": args.interleave} for k in result["steps"]}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         previous = json.loads(args.json.read_text()) if args.json.exists() else {}
