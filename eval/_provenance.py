@@ -29,6 +29,18 @@ def code_commit() -> str:
     return head + ("+" if dirty else "")
 
 
+_LOADED: list[str] = []
+
+
+def loaded_code() -> str:
+    """:func:`code_commit` as it was when this process first asked: the code a long-lived process runs is what it
+    imported at its start, whatever the tree holds by the time one of its runs ends (a study's modules ask at their
+    import, so its records name the code it loaded)."""
+    if not _LOADED:
+        _LOADED.append(code_commit())
+    return _LOADED[0]
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` says): which machine a timing ran on."""
     try:

@@ -50,11 +50,15 @@ from torch import Tensor, nn
 
 import softvq
 from eval._hard import HARD_RESTART, HARD_RESTART_CAPPED, VQP_RECIPE
-from eval._provenance import code_commit
+from eval._provenance import loaded_code
+from eval.amortised import AmortisedDDCL
+from eval.neighbour import neighbour_layer
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 from softvq.models.callbacks import HistoryWriter
 from softvq.types import QuantizerOutput
+
+loaded_code()  # pinned at import: what this process runs (eval._provenance.loaded_code)
 
 LABELS = {
     "ddcl": "softvq DDCL, defaults",
@@ -208,13 +212,9 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
         return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": TOP_K[method], **extra})
     if method in TRUNCATED or method == "ddcl_anneal":  # truncated, with a target k can hold (Anneal moves both)
         return truncated_layer(num_codes, dim, TRUNCATED.get(method, ANNEAL_K[0]), extra)
-    if method in NEIGHBOURS:
-        from eval.neighbour import neighbour_layer  # a prototype of eval.per_second, beside the library
-
+    if method in NEIGHBOURS:  # a prototype of eval.per_second, beside the library
         return neighbour_layer(num_codes, dim, *NEIGHBOURS[method], extra)
-    if method == "ddcl_amortised":
-        from eval.amortised import AmortisedDDCL  # a prototype of eval.per_second, beside the library
-
+    if method == "ddcl_amortised":  # a prototype of eval.per_second, beside the library
         return AmortisedDDCL(num_codes, dim, **{"neighbours": 16, **extra})
     if method in ("hard_ema", "hard_ema_cap"):
         restart = HARD_RESTART if method == "hard_ema" else HARD_RESTART_CAPPED
@@ -347,7 +347,7 @@ def fit_run(method: str, seed: int, args: argparse.Namespace, out: Path,
         row["train_images_per_s"] = speed_row
         row["train_cpu_s"] = cpu  # the training loop's CPU seconds in this process (data-loader workers excluded)
     result = {"method": method, "seed": seed, "settings": settings_of(args), "history": history, "test": scores,
-              "wall_s": time.perf_counter() - start, "code": code_commit()}  # the commit it trained at (+: edited)
+              "wall_s": time.perf_counter() - start, "code": loaded_code()}  # the code this process loaded (+: edited)
     return model, data, result
 
 

@@ -75,6 +75,9 @@ def test_a_test_sized_study_run_and_step_cost(tmp_path, tiny_cifar):
     saved = json.loads((tmp_path / "out" / "runs" / "K32_ddcl_anneal_seed0.json").read_text())
     assert saved["settings"]["split"] == "validation" and saved["test"] is None  # the test split is never read
     assert saved["steps_per_epoch"] == [4]
+    from eval._provenance import loaded_code
+
+    assert saved["code"] == loaded_code()  # the code this process imported, not the tree after the run
     again = study_main([*tiny, "--data-root", data, "--num-codes", "32", "--methods", "ddcl_anneal",
                         "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
     assert again[0]["wall_s"] == saved["wall_s"]  # a finished run is read, not trained again
@@ -154,3 +157,16 @@ def test_step_interleaved_timing_trains_every_model_as_lightning_would(tmp_path)
     result = step_cost.main([*argv, "--json", str(tmp_path / "cost.json")])
     assert {name: len(t) for name, t in result["steps"]["32"].items()} == {"ddcl_k16": 4, "hard_ema": 4}
     assert result["interleave"] == "steps" and result["measured"]["32"]["interleave"] == "steps"
+
+
+def test_records_name_the_code_the_process_loaded_not_the_tree_at_their_end(monkeypatch):
+    """A long-lived study process runs the code it imported; commits made while it trains (its own records', or
+    anyone's) must not be named as the code of its later runs."""
+    from eval import _provenance
+
+    heads = iter(["aaaaaaa", "bbbbbbb+", "ccccccc"])
+    monkeypatch.setattr(_provenance, "code_commit", lambda: next(heads))
+    monkeypatch.setattr(_provenance, "_LOADED", [])
+    assert _provenance.loaded_code() == "aaaaaaa"  # the first ask pins it
+    assert _provenance.loaded_code() == "aaaaaaa"  # later asks, after the tree moved, read the same
+    assert next(heads) == "bbbbbbb+"  # and no second git call was made

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import harness
-from eval._provenance import ROOT, code_commit, repo_relative
+from eval._provenance import ROOT, loaded_code, repo_relative
 from eval.per_second.plan import BASELINES, CANDIDATES, OUT
 from softvq.models.files import RunLock, RunLockedError, write_atomic
 
@@ -55,7 +55,7 @@ def train_one(num_codes: int, method: str, seed: int, args: argparse.Namespace) 
             if path.exists():  # another process finished it between the check above and taking the lock
                 return json.loads(path.read_text())
             one = argparse.Namespace(**{**vars(args), "num_codes": num_codes})
-            code = code_commit()  # at launch: the tree may move on while it trains (fit_run reads it at the end)
+            code = loaded_code()  # what this process imported: the tree may have moved on since, and may in training
             log.info("training K=%d %s seed %d at %s", num_codes, method, seed, code)
             _, _, record = harness.fit_run(method, seed, one, directory, test=False, echo=True,
                                            callbacks=harness.method_callbacks(method))
