@@ -90,3 +90,26 @@ def json_strings(node: object):
             yield from json_strings(value)
     elif isinstance(node, str):
         yield node
+
+
+def worse_every_epoch_module():
+    """A one-parameter LightningModule whose validation MSE rises every epoch (its value is the epoch: the best
+    checkpoint stays at epoch 1), for tests of the trainer's callbacks without a model. Built on call: Lightning is
+    imported only by the tests that use it."""
+    import lightning as L
+
+    class WorseEveryEpoch(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            return (self.weight - 1.0).pow(2).sum()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val/mse", float(self.current_epoch))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return WorseEveryEpoch()

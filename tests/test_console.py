@@ -7,24 +7,10 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from helpers import worse_every_epoch_module
 
 from softvq.cli.comparison import PANELS, comparison_figure
 from softvq.models.progress import EpochProgressBar
-
-
-class _Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-
-    def training_step(self, batch, batch_idx):
-        return (self.weight - 1.0).pow(2).sum()
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val/mse", float(self.current_epoch))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class _Summary(L.Callback):
@@ -38,7 +24,7 @@ def test_the_bar_counts_epochs_from_one_and_each_summary_has_a_line_of_its_own(c
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=2)
     trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[EpochProgressBar(4), _Summary()])
-    trainer.fit(_Tiny(), data, data)
+    trainer.fit(worse_every_epoch_module(), data, data)
     out = capsys.readouterr().out
     assert "Epoch 0" not in out  # Lightning's own bar counts from 0
     assert out.index("Epoch 1/2") < out.index("summary of epoch 1") < out.index("Epoch 2/2") < \

@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import worse_every_epoch_module
 
 from softvq import DDCLQuantizer
 from softvq.cli import config
@@ -318,29 +319,12 @@ def test_script_runs_as_a_command(tmp_path):
     assert "error: no CIFAR-10 data found" in result.stderr and "Traceback" not in result.stderr
 
 
-class _WorseEveryEpoch(L.LightningModule):
-    """Validation MSE that rises every epoch: the best checkpoint stays at epoch 1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-
-    def training_step(self, batch, batch_idx):
-        return (self.weight - 1.0).pow(2).sum()
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val/mse", float(self.current_epoch))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def test_last_checkpoint_holds_the_final_epoch_even_when_validation_got_worse(tmp_path):
     # Lightning's save_last=True skipped last.ckpt after an epoch that did not improve the monitored metric.
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1)), batch_size=2)
     trainer = L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=train_vqvae.checkpoint_callbacks(tmp_path, validation=True))
-    trainer.fit(_WorseEveryEpoch(), data, data)
+    trainer.fit(worse_every_epoch_module(), data, data)
     last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
     assert (last["epoch"], last["global_step"]) == (2, 6)  # 0-based epoch 2 = the third
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-epoch01.ckpt", "last.ckpt"]  # epochs from 1
@@ -349,6 +333,6 @@ def test_last_checkpoint_holds_the_final_epoch_even_when_validation_got_worse(tm
     without_val = tmp_path / "no-val"
     trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=train_vqvae.checkpoint_callbacks(without_val, validation=False))
-    trainer.fit(_WorseEveryEpoch(), data)
+    trainer.fit(worse_every_epoch_module(), data)
     assert sorted(p.name for p in without_val.iterdir()) == ["last.ckpt"]
     assert torch.load(without_val / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
