@@ -77,12 +77,12 @@ def _softmax_floored(s: Tensor, s_max: Tensor, out: Tensor | None = None) -> Ten
 
 
 # Rows of (N, K) work per chunk on a CPU: 2^19 entries (2 MiB in float32) stay in cache from the score matmul to the
-# soft centroid's, and the forward pass ran 2x faster than on whole (N, K) arrays here (N = 8192, K = 512). On an
-# accelerator the chunks only bound the memory (softvq._kernels.DEVICE_BLOCK_BYTES of scores), one large kernel each.
+# soft centroid's, where whole (N, K) arrays go out to memory between passes (timings:
+# docs/scaling.md, "Chunk sizes"). On an accelerator the chunks only bound the memory
+# (softvq._kernels.DEVICE_BLOCK_BYTES of scores), one large kernel each.
 _CHUNK_ENTRIES = 1 << 19
-# At least this many rows per chunk: at K = 16384 (32 rows of 2 MiB) the matmul of a thin chunk and the Python per
-# chunk cost more than the cache saves (N = 8192, D = 64, 2 threads: the exact layer's step 1464 ms in chunks of 32
-# rows, 986 in chunks of 128; top-k 64: 576 and 403).
+# At least this many rows per chunk: at large K a thin chunk's matmul and the Python per chunk cost more than the
+# cache saves (docs/scaling.md, "Chunk sizes").
 _MIN_ROWS = 128
 # Entries of the (n, k, D) prototypes a top-k chunk's backward pass gathers (4 MiB in float32 on a CPU).
 _TOP_K_ENTRIES = 1 << 20

@@ -74,8 +74,8 @@ def update_train(model: nn.Module, views: Sequence[QuantizerOutput], mse: Tensor
     ran = len(views) if levels_run is None else levels_run
     model.train_usage.update(q.indices, q.probs, q.prob_codes)
     model.train_mse.update(mse, weight=n)
-    # the layer's own H(Q) where it reports one (DDCL; HardVQ: 0): another pass over the (N, K) assignments with a
-    # log per entry cost DDCL's training step 7 ms of 250 here
+    # the layer's own H(Q) where it reports one (DDCL; HardVQ: 0): it is exact, and recomputing it is another pass
+    # over the (N, K) assignments with a log per entry (its cost: docs/scaling.md, "Chunk sizes")
     entropy = q.terms["entropy"] if "entropy" in q.terms else softvq.assignment_entropy(q.probs)
     model.train_entropy.update(entropy, weight=n)
     entropies = [entropy] + [metrics.update_train(view, n) if level < ran else None for level, (metrics, view)
