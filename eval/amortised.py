@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import softvq
+from eval.neighbour import RefreshCursor
 from softvq._checks import flatten_tokens
 from softvq._kernels import nearest_codes, nearest_k_codes
 from softvq._precision import compute_dtype
@@ -79,24 +80,17 @@ class AmortisedDDCL(softvq.DDCLQuantizer):
         self.register_buffer("neighbour_index", torch.zeros(num_codes, r, dtype=torch.long), persistent=False)
         # each list's squared distances when it was refreshed: q_c at the current T reads them (module docstring)
         self.register_buffer("neighbour_distance", torch.zeros(num_codes, r), persistent=False)
-        self._fresh = False  # neighbour lists computed for the current codebook (all of them)
-        self._cursor = 0  # the next code whose list is refreshed
+        self._lists = RefreshCursor()
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        self._fresh = False
+        self._lists.reset()
 
     @torch.no_grad()
     def _refresh(self, p: Tensor) -> None:
         """The ``r`` nearest codes of some codes (all of them the first time): ``K / 32`` per step, round robin."""
         k = p.shape[0]
-        if self._fresh:
-            count = max(1, k // 32)
-            codes = (torch.arange(count, device=p.device) + self._cursor) % k
-            self._cursor = (self._cursor + count) % k
-        else:
-            codes = torch.arange(k, device=p.device)
-            self._fresh, self._cursor = True, 0
+        codes = self._lists.next(k, max(1, k // 32), p.device)
         distances, self.neighbour_index[codes] = nearest_k_codes(p[codes], p, self.neighbours)
         self.neighbour_distance[codes] = distances.to(self.neighbour_distance.dtype)
 

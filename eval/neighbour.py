@@ -37,6 +37,27 @@ from softvq._kernels import nearest_k_codes
 from softvq._replay import ForwardRecord
 
 
+class RefreshCursor:
+    """Which codes' neighbour lists a training step refreshes: every code the first time (and after :meth:`reset`, as
+    when a state is loaded), then ``count`` codes a step, round robin (``eval/neighbour.py``, ``eval/amortised.py``)."""
+
+    def __init__(self) -> None:
+        self.fresh = False  # lists computed for the current codebook (all of them)
+        self.cursor = 0  # the next code whose list is refreshed
+
+    def reset(self) -> None:
+        self.fresh = False
+
+    def next(self, num_codes: int, count: int, device: torch.device) -> Tensor:
+        """The codes to refresh now, ``(n,)``."""
+        if not self.fresh:
+            self.fresh, self.cursor = True, 0
+            return torch.arange(num_codes, device=device)
+        codes = (torch.arange(count, device=device) + self.cursor) % num_codes
+        self.cursor = (self.cursor + count) % num_codes
+        return codes
+
+
 class NeighbourDDCL(softvq.DDCLQuantizer):
     """:class:`softvq.DDCLQuantizer` whose training distribution spans ``neighbours`` codes near each token's code:
     the code's nearest, or the token's nearest among the code's ``candidates`` nearest (module docstring); the entropy
@@ -54,25 +75,18 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
         super().__init__(num_codes, dim, top_k=r, **options)
         self.neighbours, self.candidates, self.refresh_every, self.max_refresh = r, width, refresh_every, max_refresh
         self.register_buffer("neighbour_index", torch.zeros(num_codes, width, dtype=torch.long), persistent=False)
-        self._fresh = False  # lists computed for the current codebook (all of them)
-        self._cursor = 0  # the next code whose list is refreshed
+        self._lists = RefreshCursor()
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        self._fresh = False
+        self._lists.reset()
 
     @torch.no_grad()
     def refresh(self, p: Tensor) -> None:
         """The lists of ``K / refresh_every`` codes, at most ``max_refresh`` (all of them the first time), round
         robin: each code first, then its ``R - 1`` nearest other codes of ``p (K, D)``."""
         k = p.shape[0]
-        if self._fresh:
-            count = max(1, min(k // self.refresh_every, self.max_refresh))
-            codes = (torch.arange(count, device=p.device) + self._cursor) % k
-            self._cursor = (self._cursor + count) % k
-        else:
-            codes = torch.arange(k, device=p.device)
-            self._fresh, self._cursor = True, 0
+        codes = self._lists.next(k, max(1, min(k // self.refresh_every, self.max_refresh)), p.device)
         distances, index = nearest_k_codes(p[codes], p, self.candidates)
         # the code itself first (a duplicate prototype may tie with it at distance 0 and take its place in the k
         # nearest: it is then put back, in place of the farthest)
@@ -87,7 +101,7 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
             return None  # evaluation (and a compiled graph): the parent's top_k = r
         if update and replay is None:
             self.refresh(p.detach())
-        return self.neighbour_index if self._fresh else None
+        return self.neighbour_index if self._lists.fresh else None
 
 
 def neighbour_layer(num_codes: int, dim: int, r: int, candidates: int | None = None,
