@@ -42,16 +42,17 @@ from softvq._recipe import (
     PartOption,
     check_commitment,
     check_distance,
-    check_top_k,
     fixed_option,
     layer_option,
     resolve_hard_output,
     resolve_prototype_update,
     resolve_temperature,
+    resolve_top_k,
     start_refusal,
 )
 from softvq._replay import ForwardRecord, ForwardRecords, in_backward, replayed_prototypes
 from softvq._soft_centroid import Objective, _SoftCentroid
+from softvq.parts._settings import is_auto
 from softvq.parts.ema import EmaPrototypes
 from softvq.parts.init import NormalInit, check_init
 from softvq.parts.restart import DeadCodeRestart, Restart, code_counts
@@ -104,7 +105,9 @@ class DDCLQuantizer(FullPrecisionState):
         recipe: ``"auto"`` or ``"plain"``.
         target_entropy: the H(Q) in nats the control holds (its gain 0.01 per step; a
             :class:`softvq.parts.EntropyControl` ``(target, rate)`` for another); ``None``: ``T`` fixed; ``"auto"``:
-            ``log(K) / 2`` (the entropy of sqrt(K) prototypes sharing a token evenly), ``None`` for ``recipe="plain"``.
+            ``log(K) / 2`` (the entropy of sqrt(K) prototypes sharing a token evenly), or with ``top_k=k``
+            ``log(k) - 0.5`` when lower (a target the ``k`` codes can hold), following ``top_k`` when it is assigned;
+            ``None`` for ``recipe="plain"``.
         standardize: standardise tokens inside the layer (:class:`softvq.parts.TokenStandardizer`) as a
             :class:`softvq.parts.Standardize` ``(renorm_clip, output_scale)`` says: clipped batch renormalisation in
             training (``renorm_clip=None``: plain batch standardisation) and codes in the standardised space, on the
@@ -130,7 +133,9 @@ class DDCLQuantizer(FullPrecisionState):
             mean tokens per code), ``None`` for ``recipe="plain"``.
         top_k: ``None``: the exact distribution over all ``K``; ``k``: truncated to each token's ``k`` nearest
             prototypes, exactly (``probs`` is ``(..., k)``, ``prob_codes`` says which; ``out.dense_probs(K)`` scatters
-            them; docs/scaling.md, "Top-k assignments").
+            them; docs/scaling.md, "Top-k assignments"); ``"auto"``: the recipe's, chosen per second of training
+            (docs/scaling.md, "The default per codebook size"): exact up to K = 2048, 16 codes up to 8192, 32 above;
+            ``None`` for ``recipe="plain"``.
         channel_first: accept ``(B, dim, *spatial)`` feature maps; ``quantized`` keeps their layout.
         check_finite: raise on NaN/Inf input (one device sync per call); skipped inside ``torch.compile``.
 
@@ -141,8 +146,9 @@ class DDCLQuantizer(FullPrecisionState):
         TypeError: a keyword of earlier versions (a ``ValueError`` too), naming the option that replaced it.
     """
 
-    # extra-state version: 1 (no key) = the plain layer before the in-layer recipe; 3: the settings recorded
-    VERSION = 3
+    # extra-state version: 1 (no key) = the plain layer before the in-layer recipe; 3: the settings recorded; 4: top_k
+    # "auto" truncates large codebooks (a state of 2 or 3 loads into a layer of "auto" options as the exact layer)
+    VERSION = 4
 
     @_compat.refuse_former_options("ddcl")  # a keyword of earlier versions: refused with its replacement
     def __init__(
@@ -160,7 +166,7 @@ class DDCLQuantizer(FullPrecisionState):
         commitment_weight: float | Commitment = 0.0,
         init: Literal["data", "normal"] | NormalInit = "data",
         restart: Restart | Literal["auto"] | None = "auto",
-        top_k: int | None = None,
+        top_k: int | Literal["auto"] | None = "auto",
         channel_first: bool = False,
         check_finite: bool = True,
     ) -> None:
@@ -176,7 +182,8 @@ class DDCLQuantizer(FullPrecisionState):
         self._commitment_weight, self._commitment_term = weight, term or "hard"  # a number: the "hard" term's weight
         self._init = check_init(init, self._dim)
         self._check_finite = check_bool("check_finite", check_finite)
-        self._top_k = check_top_k(top_k)
+        self._top_k = resolve_top_k(top_k, self._num_codes, auto)
+        self._top_k_auto = is_auto(top_k)  # what a state of an earlier version meant by it (_load_from_state_dict)
         self._channel_first = check_bool("channel_first", channel_first)
         update = resolve_prototype_update(prototype_update, auto)  # an Ema or a Gradient
         start = resolve_temperature(temperature, self._dim)  # None: calibrated on the first training batch
@@ -185,8 +192,8 @@ class DDCLQuantizer(FullPrecisionState):
         # resolves its option's "auto" to the recipe's value itself.
         self.standardizer = TokenStandardizer.from_setting(self._dim, standardize,
                                                            auto=Standardize() if auto else False)
-        self.temperature_control = TemperatureControl.from_options(  # T lives there
-            self._num_codes, start, target_entropy, dim=self._dim, auto=auto)
+        self.temperature_control = TemperatureControl.from_options(  # T lives there; its "auto" target follows top_k
+            self._num_codes, start, target_entropy, dim=self._dim, auto=auto, top_k=self._top_k)
         self.dead_codes = DeadCodeRestart(self._num_codes, restart, auto=Restart() if auto else None)
         scale = 1.0 if self._init == "data" else self._init.scale
         self.prototypes = nn.Parameter(torch.randn(self._num_codes, self._dim) * scale,  # (K, D)
@@ -221,8 +228,6 @@ class DDCLQuantizer(FullPrecisionState):
                         "How the prototypes started (fixed): ``\"data\"`` or a :class:`softvq.parts.NormalInit`.")
     distance = layer_option("distance", lambda layer, value: check_distance(value),
                             "``\"euclidean\"`` or ``\"cosine\"``.")
-    top_k = layer_option("top_k", lambda layer, value: check_top_k(value),
-                         "``None`` (all ``K`` codes) or a positive integer: the assignments truncated to it.")
     hard_output = layer_option("hard_output",
                                lambda layer, value: resolve_hard_output(value, layer.recipe == "auto"),
                                "Output the argmax code (``True``) or the soft centroid; assigning ``\"auto\"`` is the "
@@ -264,6 +269,19 @@ class DDCLQuantizer(FullPrecisionState):
     @standardize.setter
     def standardize(self, value: bool | Literal["auto"] | Standardize) -> None:
         self.standardizer.settings = value
+
+    @property
+    def top_k(self) -> int | None:
+        """``None`` (all ``K`` codes) or ``k``: the assignments truncated to each token's ``k`` nearest codes.
+        Assigning takes what the constructor takes (``"auto"``: the recipe's for this ``K``); an entropy target left
+        at ``"auto"`` follows it (:func:`softvq.parts.temperature.auto_target_entropy`), a number stays."""
+        return self._top_k
+
+    @top_k.setter
+    def top_k(self, value: int | Literal["auto"] | None) -> None:
+        self._top_k = resolve_top_k(value, self._num_codes, self._recipe == "auto")
+        self._top_k_auto = is_auto(value)
+        self.temperature_control.set_top_k(self._top_k)
 
     @property
     def target_entropy(self) -> float | None:
@@ -379,6 +397,8 @@ class DDCLQuantizer(FullPrecisionState):
                                                   lambda: TokenStandardizer(self.dim).state_dict())
         if "recipe" in trained_with:  # fixed once built: set as the saved layer was built
             self._set_recipe(trained_with.pop("recipe"))
+        trained_with.update(_compat.former_auto_settings(state_dict, prefix, self.num_codes, self.recipe,
+                                                         self._top_k_auto, self.temperature_control.target_is_auto))
         for name, value in trained_with.items():
             setattr(self, name, value)
         _compat.check_state_settings({"": ("DDCLQuantizer", self._settings())}, state_dict, prefix)

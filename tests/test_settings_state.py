@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ SETTINGS = [  # (a layer's options, the setting named, a fragment of the saved v
     ({"prototype_update": Ema(decay=0.9)}, "prototype_update", "Ema(decay=0.9, soft=False)"),
     ({"prototype_update": "soft_ema"}, "prototype_update", "Ema(decay=0.99, soft=True)"),
     ({"prototype_update": Gradient(weight=0.5)}, "prototype_update", "Gradient(term='free_energy', weight=0.5)"),
-    ({"top_k": 3}, "top_k", "3"),
+    ({"top_k": 3, "target_entropy": 0.5 * math.log(16)}, "top_k", "3"),  # the target "auto" would follow top_k
     ({"hard_output": False}, "hard_output", "False"),
     ({"commitment_weight": 0.25}, "commitment_weight", "Commitment(weight=0.25, term='hard')"),
     ({"commitment_weight": Commitment(0.25, "l_ols")}, "commitment_weight", "term='l_ols'"),

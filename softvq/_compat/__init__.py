@@ -45,6 +45,7 @@ from softvq._compat.state import (  # noqa: F401 (the package's names)
     PLAIN_SETTINGS,
     SETTINGS_VERSION,
     check_state_settings,
+    former_auto_settings,
     read_ddcl_extra_state,
     settings_record,
     upgrade_ddcl_state,

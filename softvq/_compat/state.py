@@ -4,6 +4,7 @@ state records checked against the layer that loads it (the layers' ``_load_from_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from typing import Any
@@ -58,10 +59,27 @@ def upgrade_ddcl_state(state_dict: dict[str, Any], prefix: str, prototypes: Tens
     return dict(PLAIN_SETTINGS) if recipe == "auto" else {}
 
 
+def former_auto_settings(state_dict: dict[str, Any], prefix: str, num_codes: int, recipe: str, top_k_auto: bool,
+                         target_auto: bool) -> dict[str, Any]:
+    """The settings a :class:`softvq.DDCLQuantizer` of ``recipe`` takes to load a state dict (at ``prefix``) of
+    versions 2 and 3, saved before ``top_k="auto"`` truncated large codebooks (version 4): ``"auto"`` then meant
+    the exact distribution and the entropy target ``log(K) / 2``. A layer that left ``top_k`` at ``"auto"``
+    (``top_k_auto``) takes ``top_k=None`` (a target left at ``"auto"`` follows it); one that set ``top_k`` and left
+    the target at ``"auto"`` (``target_auto``) takes ``log(K) / 2``. Anything else the state records is compared as
+    it is (:func:`check_state_settings`)."""
+    extra = state_dict.get(prefix + "_extra_state")
+    version = extra.get("version") if isinstance(extra, dict) else None
+    if recipe != "auto" or not isinstance(version, int) or version >= 4:
+        return {}
+    if top_k_auto:
+        return {"top_k": None}
+    return {"target_entropy": 0.5 * math.log(num_codes)} if target_auto and num_codes > 1 else {}
+
+
 # The plain layer's settings (a checkpoint from before the recipe existed), in the order a layer takes them: it
 # evaluates and trains on as it was trained, with no standardisation, soft-centroid output, gradient-trained
 # prototypes, a fixed temperature and no restarts.
-PLAIN_SETTINGS: dict[str, Any] = {"recipe": "plain", "standardize": False, "hard_output": False,
+PLAIN_SETTINGS: dict[str, Any] = {"recipe": "plain", "top_k": None, "standardize": False, "hard_output": False,
                                   "prototype_update": "gradient", "target_entropy": None, "restart": None}
 
 

@@ -140,17 +140,33 @@ class EntropyControl:
         return from_mapping(cls, value, "target_entropy") if isinstance(value, Mapping) else value
 
 
-def resolve_target_entropy(value: object, num_codes: int, auto: bool) -> tuple[float | None, float | None]:
+def auto_target_entropy(num_codes: int, top_k: int | None = None) -> float | None:
+    """The recipe's entropy target (``target_entropy="auto"``) for ``num_codes`` codes: ``log(K) / 2``, the entropy of
+    sqrt(K) prototypes sharing a token evenly; for assignments truncated to each token's ``top_k < K`` nearest codes,
+    ``log(top_k) - 0.5`` (about ``0.6 top_k`` prototypes' worth: the ``top_k`` can hold it, their entropy being at most
+    ``log top_k``) when that is lower. ``None`` where there is no entropy to hold (one code, or ``top_k=1``: the
+    assignment is the nearest code whatever ``T``)."""
+    if num_codes < 2 or top_k == 1:
+        return None
+    exact = 0.5 * math.log(num_codes)
+    return exact if top_k is None or top_k >= num_codes else min(math.log(top_k) - 0.5, exact)
+
+
+def resolve_target_entropy(value: object, num_codes: int, auto: bool,
+                           top_k: int | None = None) -> tuple[float | None, float | None]:
     """``target_entropy`` as the layer takes it -> ``(target, rate)``: ``rate`` ``None`` unless given (an
-    :class:`softvq.parts.EntropyControl`); ``"auto"``: ``log(K) / 2`` with the recipe's control (``auto``; one code
-    has no entropy to hold), else ``None``. The range is checked by
-    :func:`check_entropy_control`."""
+    :class:`softvq.parts.EntropyControl`); ``"auto"``: :func:`auto_target_entropy` ``(K, top_k)`` with the recipe's
+    control (``auto``), else ``None``. The range is checked by :func:`check_entropy_control`."""
     value, rate = EntropyControl.of(value), None
     if isinstance(value, EntropyControl):  # a target with a gain of its own
         value, rate = value.target, value.rate
-        value = 0.5 * math.log(num_codes) if is_auto(value) else value
-    elif is_auto(value):  # sqrt(K) prototypes' worth of entropy; one code has none to control: T fixed
-        value = 0.5 * math.log(num_codes) if auto and num_codes > 1 else None
+        if is_auto(value):
+            value = auto_target_entropy(num_codes, top_k)
+            if value is None:
+                raise ValueError(f"target_entropy=EntropyControl(target='auto') has no entropy to hold for "
+                                 f"num_codes={num_codes}, top_k={top_k}: pass target_entropy=None (T fixed)")
+    elif is_auto(value):  # one code (or top_k=1) has no entropy to control: T fixed
+        value = auto_target_entropy(num_codes, top_k) if auto else None
     if isinstance(value, str | bytes):
         raise ValueError(f"target_entropy must be a number of nats, 'auto', a softvq.parts.EntropyControl or None, "
                          f"got {value!r}")
@@ -196,34 +212,52 @@ class TemperatureControl(FullPrecisionState):
         self.ready = self.initial is not None
         self.register_buffer("temperature_t", torch.tensor(self.initial or 1.0, dtype=torch.float64),
                              persistent=False)
-        # what target_entropy="auto" means when assigned (set_target): log(K) / 2 for a layer of the default recipe,
-        # no control (None) for the paper's plain layer
+        # what target_entropy="auto" means when assigned (set_target): auto_target_entropy(K, top_k) for a layer of
+        # the default recipe, no control (None) for the paper's plain layer
         self.auto_target = False
+        # the truncation of the assignments whose entropy is held (the layer's top_k, set_top_k), and whether the
+        # target is the recipe's, "auto", and so follows it
+        self.top_k: int | None = None
+        self.target_is_auto = False
 
     @classmethod
     def from_options(cls, num_codes: int, temperature: float | None, target_entropy: object, *, dim: int | None,
-                     auto: bool) -> TemperatureControl:
+                     auto: bool, top_k: int | None = None) -> TemperatureControl:
         """The part a layer builds from its options: ``temperature`` (``None``: calibrated on the first training
         batch) and ``target_entropy`` as the layer takes it (a number, an :class:`EntropyControl`, ``"auto"`` or
-        ``None``: :func:`resolve_target_entropy`, ``auto`` saying whether ``"auto"`` is ``log(K) / 2``). Without a
-        target and a starting ``T``, ``T`` is fixed at 1.0."""
-        target, rate = resolve_target_entropy(target_entropy, num_codes, auto)
+        ``None``: :func:`resolve_target_entropy`, ``auto`` saying whether ``"auto"`` is
+        :func:`auto_target_entropy` ``(K, top_k)``). Without a target and a starting ``T``, ``T`` is fixed at 1.0."""
+        target, rate = resolve_target_entropy(target_entropy, num_codes, auto, top_k)
         part = cls(num_codes, 1.0 if temperature is None and target is None else temperature, target,
                    DEFAULT_RATE if rate is None else rate, dim)
-        part.auto_target = auto
+        part.auto_target, part.top_k = auto, top_k
+        part.target_is_auto = _is_auto_target(target_entropy)
         return part
 
     def set_target(self, value: object) -> None:
         """Assign the entropy target as the layer's option takes it (:meth:`from_options`): a number sets the target
-        and keeps :attr:`rate`, an :class:`EntropyControl` sets both, ``"auto"`` is the part's recipe's, ``None``
-        holds ``T`` (at 1.0 if it was still to be calibrated). Both checked before either is set."""
-        target, rate = resolve_target_entropy(value, self.num_codes, self.auto_target)
+        and keeps :attr:`rate`, an :class:`EntropyControl` sets both, ``"auto"`` is the part's recipe's (and follows
+        :meth:`set_top_k` from then on), ``None`` holds ``T`` (at 1.0 if it was still to be calibrated). Both checked
+        before either is set."""
+        target, rate = resolve_target_entropy(value, self.num_codes, self.auto_target, self.top_k)
         check_entropy_control(self.num_codes, target, self._rate if rate is None else rate)
         if target is None and not self.ready:
             self.load(1.0)
         if rate is not None:
             self.rate = rate
         self.target_entropy = target
+        self.target_is_auto = _is_auto_target(value)
+
+    def set_top_k(self, top_k: int | None) -> None:
+        """The truncation whose entropy the control holds (the layer's ``top_k``; ``None``: all ``K``); a target
+        that is the recipe's (``"auto"``) moves with it to :func:`auto_target_entropy` ``(K, top_k)``, keeping the
+        rate; a number stays. ``T`` stays where it is: the control moves it to the new target."""
+        if self.target_is_auto and self.auto_target:
+            target = auto_target_entropy(self.num_codes, top_k)
+            if target is None and not self.ready:
+                self.load(1.0)
+            self.target_entropy = target
+        self.top_k = top_k
 
     @property
     def target_entropy(self) -> float | None:
@@ -309,6 +343,13 @@ class TemperatureControl(FullPrecisionState):
     def extra_repr(self) -> str:
         t = "uncalibrated" if not self.ready else f"{self.temperature:g}"
         return f"num_codes={self.num_codes}, temperature={t}, target_entropy={self.target_entropy}, rate={self.rate:g}"
+
+
+def _is_auto_target(value: object) -> bool:
+    """Whether ``target_entropy`` as the layer takes it is the recipe's, ``"auto"`` (alone or an
+    :class:`EntropyControl`'s target)."""
+    value = EntropyControl.of(value)
+    return is_auto(value.target if isinstance(value, EntropyControl) else value)
 
 
 # The calibration's schedule, coarse to fine: (tokens of the sample a level sees, ``None`` for all of them; its steps of
