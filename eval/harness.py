@@ -3,8 +3,12 @@ behind :class:`PeerAdapter`), the project's VQ-VAE trained and tested on CIFAR-1
 :func:`settings_of` from the flags of :func:`add_vqvae_arguments`), and what a study starts with (:func:`study_run`).
 
 Methods (``LABELS``; each configured as its own documentation recommends):
-    ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto")
-    ddcl_h25, ddcl_wide, ddcl_top128, ddcl_top256  the defaults with another entropy target or a top-k truncation
+    ddcl        ``softvq.DDCLQuantizer(K, D)``, the layer's defaults (recipe="auto"; from K = 2049 on truncated,
+                ``top_k="auto"``: the computation of ddcl_k16 up to K = 8192, of ddcl_k32 above)
+    ddcl_exact  ``softvq.DDCLQuantizer(K, D, top_k=None)``, the exact layer: the default up to K = 2048, and at every K
+                before ``top_k="auto"`` (the studies' ``ddcl`` rows at K >= 4096 measured before it are this)
+    ddcl_h25, ddcl_wide, ddcl_top128, ddcl_top256  the exact layer with another entropy target, or truncated to 128 /
+                256 codes with the exact layer's target ``log K / 2`` (as they were measured)
     ddcl_k16, ddcl_k32  the defaults truncated to each token's k nearest prototypes with an entropy target that k can
                 hold, ``log(k) - 0.5`` nats (:func:`truncated_target`): the per-second candidates of eval.per_second
     ddcl_amortised  hard VQ's search with an amortised Jacobian: each code's Boltzmann distribution over its 16
@@ -62,10 +66,11 @@ loaded_code()  # pinned at import: what this process runs (eval._provenance.load
 
 LABELS = {
     "ddcl": "softvq DDCL, defaults",
+    "ddcl_exact": "softvq DDCL, top_k=None (the exact layer)",
     "ddcl_h25": "softvq DDCL, former defaults (target entropy min(2.5, log K / 2) nats)",
     "ddcl_wide": "softvq DDCL, target entropy min(log K / 2, log(D + 1)) nats",
-    "ddcl_top128": "softvq DDCL, defaults with top_k=128 (each token's 128 nearest prototypes)",
-    "ddcl_top256": "softvq DDCL, defaults with top_k=256 (each token's 256 nearest prototypes)",
+    "ddcl_top128": "softvq DDCL, top_k=128 (each token's 128 nearest prototypes), target log K / 2",
+    "ddcl_top256": "softvq DDCL, top_k=256 (each token's 256 nearest prototypes), target log K / 2",
     "ddcl_k16": "softvq DDCL, top_k=16, target entropy log(16) - 0.5 nats",
     "ddcl_k32": "softvq DDCL, top_k=32, target entropy log(32) - 0.5 nats",
     "ddcl_amortised": "DDCL with an amortised Jacobian (each code's distribution over its 16 nearest codes)",
@@ -202,14 +207,21 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
     extra = dict(overrides or {})
     if method == "ddcl":
         return softvq.DDCLQuantizer(num_codes, dim, **extra)
+    # the exact layer and its variants, as measured before top_k="auto": top_k and the target pinned
+    exact = {"top_k": None}
+    if method == "ddcl_exact":
+        return softvq.DDCLQuantizer(num_codes, dim, **{**exact, **extra})
     if method == "ddcl_h25":  # the studies' DDCL rows measured before the entropy target became log K / 2
-        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": former_entropy_target(num_codes), **extra})
+        return softvq.DDCLQuantizer(num_codes, dim, **{**exact, "target_entropy": former_entropy_target(num_codes),
+                                                       **extra})
     if method == "ddcl_wide":
-        # the default's log K / 2 held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token; the same
-        # layer as the defaults up to K = (D + 1)^2 (docs/design.md, "Training to the end")
-        return softvq.DDCLQuantizer(num_codes, dim, **{"target_entropy": wide_entropy_target(num_codes, dim), **extra})
-    if method in TOP_K:  # the defaults with the Boltzmann distribution truncated to each token's k nearest
-        return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": TOP_K[method], **extra})
+        # the exact layer's log K / 2 held below log(D + 1), where exp(H) ~ D + 1 prototypes share a token; the same
+        # layer as the exact one up to K = (D + 1)^2 (docs/design.md, "Training to the end")
+        return softvq.DDCLQuantizer(num_codes, dim, **{**exact, "target_entropy": wide_entropy_target(num_codes, dim),
+                                                       **extra})
+    if method in TOP_K:  # truncated to each token's k nearest, with the exact layer's target log K / 2 (unreachable)
+        return softvq.DDCLQuantizer(num_codes, dim, **{"top_k": TOP_K[method], "target_entropy": 0.5 * math.log(
+            num_codes) if num_codes > 1 else None, **extra})
     if method in TRUNCATED or method == "ddcl_anneal":  # truncated, with a target k can hold (Anneal moves both)
         return truncated_layer(num_codes, dim, TRUNCATED.get(method, ANNEAL_K[0]), extra)
     if method in NEIGHBOURS:  # a prototype of eval.per_second, beside the library

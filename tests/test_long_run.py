@@ -160,8 +160,9 @@ def test_a_failing_git_commit_is_logged_and_the_record_still_written(studies, tm
 
 def test_the_plan_is_filtered_and_an_off_plan_combination_needs_the_flag():
     runs = long_run.select_runs(num_codes=[4096])
-    assert [r.name for r in runs] == ["K4096_ddcl_seed0", "K4096_hard_ema_seed0", "K4096_vqp_vq_seed0",
-                                      "K4096_ddcl_seed1", "K4096_hard_ema_seed1"]
+    assert [r.name for r in runs] == ["K4096_ddcl_seed0", "K4096_ddcl_exact_seed0", "K4096_hard_ema_seed0",
+                                      "K4096_vqp_vq_seed0", "K4096_ddcl_seed1", "K4096_ddcl_exact_seed1",
+                                      "K4096_hard_ema_seed1"]
     assert [r.name for r in long_run.select_runs(methods=["vqp_fsq"])] == ["K512_vqp_fsq_seed0"]
     assert len(long_run.select_runs()) == sum(len(s) for per_k in long_run.PLAN.values() for s in per_k.values())
     with pytest.raises(ValueError, match="--off-plan"):

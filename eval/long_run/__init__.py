@@ -66,11 +66,12 @@ __all__ = ["PLAN", "EightBitPSNR", "Run", "check_settings", "main", "psnr_8bit",
 log = logging.getLogger("eval.long_run")
 
 # {K: {method: seeds}}: the full study. Every method at 512 (the three VQ peers with 3 seeds, FSQ and SimVQ with one);
-# at 4096 and 16384 DDCL and HardVQ, where hard codebooks are published to collapse.
+# at 4096 and 16384 DDCL and HardVQ, where hard codebooks are published to collapse; there DDCL's default truncates
+# (top_k="auto"), and the exact layer that was the default before it, ddcl_exact, keeps its runs.
 PLAN: dict[int, dict[str, tuple[int, ...]]] = {
     512: {"ddcl": (0, 1, 2), "hard_ema": (0, 1, 2), "vqp_vq": (0, 1, 2), "vqp_fsq": (0,), "vqp_simvq": (0,)},
-    4096: {"ddcl": (0, 1), "hard_ema": (0, 1), "vqp_vq": (0,)},
-    16384: {"ddcl": (0,), "hard_ema": (0,)},
+    4096: {"ddcl": (0, 1), "ddcl_exact": (0, 1), "hard_ema": (0, 1), "vqp_vq": (0,)},
+    16384: {"ddcl": (0,), "ddcl_exact": (0,), "hard_ema": (0,)},
 }
 PATH_FLAGS = ("--data-root", "--runs", "--out")  # recorded relative to the repository root
 

@@ -33,7 +33,7 @@ CVQ_VAE_ANCHORS_DB = {"CVQ-VAE": 24.72, "its VQ-VAE baseline": 23.32}
 COLUMNS = (("psnr_hard", "PSNR hard (dB)", "{:.2f}", 1.0), ("ssim_hard", "SSIM hard", "{:.3f}", 1.0),
            ("psnr_8bit", "8-bit per-image PSNR (dB)", "{:.2f}", 1.0), ("utilization", "util %", "{:.1f}", 100.0),
            ("ppl_per_k", "perplexity / K", "{:.2f}", 1.0))
-METHOD_ORDER = ("ddcl", "ddcl_h25", "ddcl_wide", "hard_ema", "vqp_vq", "vqp_fsq", "vqp_simvq")
+METHOD_ORDER = ("ddcl", "ddcl_exact", "ddcl_h25", "ddcl_wide", "hard_ema", "vqp_vq", "vqp_fsq", "vqp_simvq")
 
 
 def is_ours(method: str) -> bool:

@@ -3,7 +3,7 @@
 Usage:
     pip install -e ".[dev]"
     python -m eval.per_second --data-root ../shared/data/cifar10-jpeg.tar.gz --num-codes 4096 \\
-        --methods ddcl_k16 ddcl_k32 ddcl_anneal ddcl hard_ema --seeds 0 --threads 1 [--commit]
+        --methods ddcl_k16 ddcl_k32 ddcl_anneal ddcl_exact hard_ema --seeds 0 --threads 1 [--commit]
     python -m eval.per_second.step_cost --num-codes 512 4096 16384 --methods ddcl_k16 ... hard_ema   # quiet cores
     python -m eval.per_second.report            # the report from the finished runs and the step costs
 
