@@ -197,8 +197,8 @@ def test_the_wide_candidate_holds_h_at_half_log_k_below_log_d_plus_one():
 
 
 def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h25_the_former_defaults():
-    # the long-run records of ddcl_wide at K = 512 and 4096 stand as the defaults': the same options, and the same
-    # training, bit for bit (docs/design.md, "Training to the end")
+    # the long-run records of ddcl_wide at K = 512 and 4096 stand as the exact layer's (the default then; at K = 512
+    # today's): the same options, and the same training, bit for bit (docs/design.md, "Training to the end")
     torch.manual_seed(0)
     batches = [torch.randn(300, 8) for _ in range(3)]
     layers = []
@@ -213,9 +213,10 @@ def test_below_d_plus_one_squared_the_wide_candidate_is_the_defaults_layer_and_h
     for (name, u), (_, v) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name
     assert harness.build("ddcl_wide", 128, 8).target_entropy == pytest.approx(math.log(9))  # above it, capped
-    for k in (512, 4096):  # the records' sizes (D = 64): the same target to the bit, log K / 2
-        assert harness.build("ddcl_wide", k, 64).target_entropy == harness.build("ddcl", k, 64).target_entropy \
+    for k in (512, 4096):  # the records' sizes (D = 64): the exact layer's target to the bit, log K / 2
+        assert harness.build("ddcl_wide", k, 64).target_entropy == harness.build("ddcl_exact", k, 64).target_entropy \
             == 0.5 * math.log(k)
+        assert harness.build("ddcl_wide", k, 64).top_k is None  # the exact layer, as measured
     # the former defaults: 2.5 nats from K = 149 on, log K / 2 below
     assert harness.build("ddcl_h25", 512, 64).target_entropy == 2.5
     assert harness.build("ddcl_h25", 64, 8).target_entropy == pytest.approx(0.5 * math.log(64))
