@@ -9,8 +9,9 @@ Methods (``LABELS``; each configured as its own documentation recommends):
                 before ``top_k="auto"`` (the studies' ``ddcl`` rows at K >= 4096 measured before it are this)
     ddcl_h25, ddcl_wide, ddcl_top128, ddcl_top256  the exact layer with another entropy target, or truncated to 128 /
                 256 codes with the exact layer's target ``log K / 2`` (as they were measured)
-    ddcl_k16, ddcl_k32  the defaults truncated to each token's k nearest prototypes with an entropy target that k can
+    ddcl_k16, ddcl_k32, ddcl_k64  truncated to each token's k nearest prototypes with an entropy target that k can
                 hold, ``log(k) - 0.5`` nats (:func:`truncated_target`): the per-second candidates of eval.per_second
+                (ddcl_k64, the widest, 3.66 nats: whether a wider target keeps the exact layer's lead in long runs)
     ddcl_amortised  hard VQ's search with an amortised Jacobian: each code's Boltzmann distribution over its 16
                 nearest codes, target log(16) - 0.5 nats, the width of ddcl_k16 (eval/amortised.py, a prototype)
     ddcl_n16, ddcl_n32  the truncation of ddcl_k16 / ddcl_k32 with another set: the k codes nearest to each token's
@@ -73,6 +74,7 @@ LABELS = {
     "ddcl_top256": "softvq DDCL, top_k=256 (each token's 256 nearest prototypes), target log K / 2",
     "ddcl_k16": "softvq DDCL, top_k=16, target entropy log(16) - 0.5 nats",
     "ddcl_k32": "softvq DDCL, top_k=32, target entropy log(32) - 0.5 nats",
+    "ddcl_k64": "softvq DDCL, top_k=64, target entropy log(64) - 0.5 nats",
     "ddcl_amortised": "DDCL with an amortised Jacobian (each code's distribution over its 16 nearest codes)",
     "ddcl_anneal": "softvq DDCL, top_k 128 -> 64 -> 32 by thirds of the run, target entropy log(k) - 0.5 nats",
     "ddcl_n16": "DDCL truncated to the 16 codes nearest each token's code, target log(16) - 0.5 nats",
@@ -87,7 +89,7 @@ LABELS = {
 }
 METHODS = tuple(LABELS)
 TOP_K = {"ddcl_top128": 128, "ddcl_top256": 256}  # DDCL's top-k truncations
-TRUNCATED = {"ddcl_k16": 16, "ddcl_k32": 32}  # top-k with an entropy target k can hold (truncated_target)
+TRUNCATED = {"ddcl_k16": 16, "ddcl_k32": 32, "ddcl_k64": 64}  # top-k with a target k can hold (truncated_target)
 # the same width over the neighbours of the token's code: (r, candidates R)
 NEIGHBOURS = {"ddcl_n16": (16, None), "ddcl_n32": (32, None), "ddcl_c16": (16, 64)}
 ANNEAL_K = (128, 64, 32)  # ddcl_anneal's k over the thirds of a run

@@ -19,7 +19,7 @@ from eval.per_second import report as per_second_report
 from eval.per_second import step_cost
 
 
-@pytest.mark.parametrize("method, k", [("ddcl_k16", 16), ("ddcl_k32", 32), ("ddcl_anneal", 128)])
+@pytest.mark.parametrize("method, k", [("ddcl_k16", 16), ("ddcl_k32", 32), ("ddcl_k64", 64), ("ddcl_anneal", 128)])
 def test_truncated_candidates_hold_a_target_their_k_can_hold(method, k):
     layer = harness.build(method, 4096, 8)
     assert layer.top_k == k

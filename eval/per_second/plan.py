@@ -10,5 +10,5 @@ OUT = ROOT / "reports" / "per_second"
 # computation up to K = 8192, ddcl_k32's above), and
 # the hard VQ baselines; from K = N / 4 on the capped restart is the stronger hard VQ
 # (docs/studies.md, "Long training").
-CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_n16", "ddcl_n32", "ddcl_c16", "ddcl_anneal", "ddcl_amortised")
+CANDIDATES = ("ddcl_k16", "ddcl_k32", "ddcl_k64", "ddcl_n16", "ddcl_n32", "ddcl_c16", "ddcl_anneal", "ddcl_amortised")
 BASELINES = ("ddcl_exact", "hard_ema", "hard_ema_cap")
