@@ -43,10 +43,9 @@ def check_top_k(value: object) -> int | None:
 
 
 # top_k="auto" (the recipe's): the exact distribution up to EXACT_UP_TO codes, above it each token's k nearest, k
-# from AUTO_TOP_K (the first row whose K bound holds). Chosen per second on validation in the short VQ-VAE setting
-# (reports/per_second; docs/scaling.md, "The default per codebook size"): at K = 512 the exact layer reads higher at
-# hard VQ's seconds than any truncation, and costs less than them; at K = 4096 and 16384 the truncations to 16 and to
-# 32 codes read 0.7 and 2.2 dB higher there than the exact layer, whose step costs 0.52x and 0.34x hard VQ's.
+# from AUTO_TOP_K (the first row whose K bound holds). Chosen per second of training on validation, where the exact
+# layer's step grows with K and the truncation's far less: the measurements are in docs/scaling.md, "The default per
+# codebook size".
 EXACT_UP_TO = 2048
 AUTO_TOP_K: tuple[tuple[float, int], ...] = ((8192, 16), (math.inf, 32))
 
