@@ -44,8 +44,8 @@ def check_top_k(value: object) -> int | None:
 
 # top_k="auto" (the recipe's): the exact distribution up to EXACT_UP_TO codes, above it each token's k nearest, k
 # from AUTO_TOP_K (the first row whose K bound holds). Chosen per second of training on validation, where the exact
-# layer's step grows with K and the truncation's far less: the measurements are in docs/scaling.md, "The default per
-# codebook size".
+# layer's step grows with K and the truncation's far less; the measurements:
+# docs/scaling.md, "The default per codebook size".
 EXACT_UP_TO = 2048
 AUTO_TOP_K: tuple[tuple[float, int], ...] = ((8192, 16), (math.inf, 32))
 
