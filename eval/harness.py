@@ -61,6 +61,7 @@ from eval.neighbour import neighbour_layer
 from softvq.data.cifar10 import CIFAR10DataModule
 from softvq.models import VQVAE
 from softvq.models.callbacks import HistoryWriter
+from softvq.parts.temperature import auto_target_entropy
 from softvq.types import QuantizerOutput
 
 loaded_code()  # pinned at import: what this process runs (eval._provenance.loaded_code)
@@ -95,11 +96,11 @@ NEIGHBOURS = {"ddcl_n16": (16, None), "ddcl_n32": (32, None), "ddcl_c16": (16, 6
 ANNEAL_K = (128, 64, 32)  # ddcl_anneal's k over the thirds of a run
 
 
-def truncated_target(k: int, num_codes: int) -> float:
-    """The entropy target of a layer truncated to ``k`` of ``num_codes`` prototypes: ``log(k) - 0.5`` nats (about
-    ``0.6 k`` prototypes' worth, a target the ``k`` can hold: their entropy cannot exceed ``log k``), and no more than
-    the exact layer's ``log(K) / 2``."""
-    return min(math.log(k) - 0.5, 0.5 * math.log(num_codes))
+def truncated_target(k: int, num_codes: int) -> float | None:
+    """The entropy target of a layer truncated to ``k`` of ``num_codes`` prototypes, the recipe's own
+    (:func:`softvq.parts.temperature.auto_target_entropy`, what ``target_entropy="auto"`` gives beside ``top_k=k``):
+    ``log(k) - 0.5`` nats, a target the ``k`` can hold, and no more than the exact layer's ``log(K) / 2``."""
+    return auto_target_entropy(num_codes, k)
 
 
 def truncated_layer(num_codes: int, dim: int, k: int, extra: dict[str, Any] | None = None) -> softvq.DDCLQuantizer:

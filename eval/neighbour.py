@@ -26,7 +26,6 @@ calibrated and evaluation runs on the parent's ``top_k = r`` truncation (each to
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from torch import Tensor
 import softvq
 from softvq._kernels import nearest_k_codes
 from softvq._replay import ForwardRecord
+from softvq.parts.temperature import auto_target_entropy
 
 
 class RefreshCursor:
@@ -71,7 +71,7 @@ class NeighbourDDCL(softvq.DDCLQuantizer):
             raise ValueError(f"max_refresh must be a positive number of codes, got {max_refresh}")
         r = max(1, min(neighbours, num_codes))
         width = max(r, min(candidates or r, num_codes))  # R: the lists' width
-        options.setdefault("target_entropy", min(math.log(r) - 0.5, 0.5 * math.log(num_codes)) if r > 1 else None)
+        options.setdefault("target_entropy", auto_target_entropy(num_codes, r))  # the recipe's for top_k = r
         super().__init__(num_codes, dim, top_k=r, **options)
         self.neighbours, self.candidates, self.refresh_every, self.max_refresh = r, width, refresh_every, max_refresh
         self.register_buffer("neighbour_index", torch.zeros(num_codes, width, dtype=torch.long), persistent=False)
