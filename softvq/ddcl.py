@@ -281,7 +281,8 @@ class DDCLQuantizer(FullPrecisionState):
     def top_k(self, value: int | Literal["auto"] | None) -> None:
         self._top_k = resolve_top_k(value, self._num_codes, self._recipe == "auto")
         self._top_k_auto = is_auto(value)
-        self.temperature_control.set_top_k(self._top_k)
+        if self.temperature_control.target_is_auto:  # the recipe's target for the new truncation, the rate kept
+            self.temperature_control.set_target("auto", self._top_k)
 
     @property
     def target_entropy(self) -> float | None:
@@ -293,7 +294,7 @@ class DDCLQuantizer(FullPrecisionState):
 
     @target_entropy.setter
     def target_entropy(self, value: float | Literal["auto"] | EntropyControl | None) -> None:
-        self.temperature_control.set_target(value)
+        self.temperature_control.set_target(value, self._top_k)
 
     @property
     def restart(self) -> Restart | None:

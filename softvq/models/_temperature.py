@@ -57,7 +57,7 @@ class ModelTemperature(TemperatureControl):
         start = part.initial if part.initial is not None or part.target_entropy is not None else 1.0
         new = cls(part.num_codes, start, part.target_entropy, part.rate, part.dim, *settings)
         new.initial, new.ready, new.temperature_t = part.initial, part.ready, part.temperature_t
-        new.auto_target, new.top_k, new.target_is_auto = part.auto_target, part.top_k, part.target_is_auto
+        new.auto_target, new.target_is_auto = part.auto_target, part.target_is_auto
         layer.temperature_control = new.train(part.training)
         return new
 

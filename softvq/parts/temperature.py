@@ -213,11 +213,9 @@ class TemperatureControl(FullPrecisionState):
         self.register_buffer("temperature_t", torch.tensor(self.initial or 1.0, dtype=torch.float64),
                              persistent=False)
         # what target_entropy="auto" means when assigned (set_target): auto_target_entropy(K, top_k) for a layer of
-        # the default recipe, no control (None) for the paper's plain layer
+        # the default recipe, no control (None) for the paper's plain layer; and whether the target is "auto", so that
+        # the layer moves it with its top_k
         self.auto_target = False
-        # the truncation of the assignments whose entropy is held (the layer's top_k, set_top_k), and whether the
-        # target is the recipe's, "auto", and so follows it
-        self.top_k: int | None = None
         self.target_is_auto = False
 
     @classmethod
@@ -230,16 +228,16 @@ class TemperatureControl(FullPrecisionState):
         target, rate = resolve_target_entropy(target_entropy, num_codes, auto, top_k)
         part = cls(num_codes, 1.0 if temperature is None and target is None else temperature, target,
                    DEFAULT_RATE if rate is None else rate, dim)
-        part.auto_target, part.top_k = auto, top_k
-        part.target_is_auto = _is_auto_target(target_entropy)
+        part.auto_target, part.target_is_auto = auto, _is_auto_target(target_entropy)
         return part
 
-    def set_target(self, value: object) -> None:
+    def set_target(self, value: object, top_k: int | None = None) -> None:
         """Assign the entropy target as the layer's option takes it (:meth:`from_options`): a number sets the target
-        and keeps :attr:`rate`, an :class:`EntropyControl` sets both, ``"auto"`` is the part's recipe's (and follows
-        :meth:`set_top_k` from then on), ``None`` holds ``T`` (at 1.0 if it was still to be calibrated). Both checked
-        before either is set."""
-        target, rate = resolve_target_entropy(value, self.num_codes, self.auto_target, self.top_k)
+        and keeps :attr:`rate`, an :class:`EntropyControl` sets both, ``"auto"`` is the part's recipe's for the
+        layer's truncation ``top_k`` (:attr:`target_is_auto`: the layer assigns it again when its ``top_k``
+        changes), ``None`` holds ``T`` (at 1.0 if it was still to be calibrated). Both checked before either is
+        set; ``T`` stays where it is, and the control moves it to the new target."""
+        target, rate = resolve_target_entropy(value, self.num_codes, self.auto_target, top_k)
         check_entropy_control(self.num_codes, target, self._rate if rate is None else rate)
         if target is None and not self.ready:
             self.load(1.0)
@@ -247,17 +245,6 @@ class TemperatureControl(FullPrecisionState):
             self.rate = rate
         self.target_entropy = target
         self.target_is_auto = _is_auto_target(value)
-
-    def set_top_k(self, top_k: int | None) -> None:
-        """The truncation whose entropy the control holds (the layer's ``top_k``; ``None``: all ``K``); a target
-        that is the recipe's (``"auto"``) moves with it to :func:`auto_target_entropy` ``(K, top_k)``, keeping the
-        rate; a number stays. ``T`` stays where it is: the control moves it to the new target."""
-        if self.target_is_auto and self.auto_target:
-            target = auto_target_entropy(self.num_codes, top_k)
-            if target is None and not self.ready:
-                self.load(1.0)
-            self.target_entropy = target
-        self.top_k = top_k
 
     @property
     def target_entropy(self) -> float | None:
