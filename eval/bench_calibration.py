@@ -6,8 +6,9 @@ calibrated temperature against the bisection the calibration replaced.
 
 For each K, a fresh ``softvq.DDCLQuantizer(K, dim)`` in training mode steps (forward + backward) on N standard normal
 tokens: the first batch once, then the median of ``--later`` later steps. The layer's call of
-``softvq.parts.temperature.calibrate_temperature`` is wrapped to keep its inputs (the strided sample of at most ~4096
-standardised tokens, the prototypes drawn from them, the target log(K) / 2), its ``T`` and its time; the reference is
+``softvq.parts.calibration.calibrate_temperature`` (by its name in ``softvq.parts.temperature``) is wrapped to keep
+its inputs (the strided sample of at most ~4096 standardised tokens, the prototypes drawn from them, the target
+log(K) / 2), its ``T`` and its time; the reference is
 the calibration before it, written out here (:func:`bisection_temperature`: 34 halvings of log T in float64 over the
 same float32 distances), run on those inputs. The table: both times, their ratio, the calibration's time, the
 bisection's, and ``T / T_bisection - 1``.
@@ -72,8 +73,8 @@ def bisection_temperature(z: torch.Tensor, prototypes: torch.Tensor, target_entr
 
 
 class CalibrationSpy:
-    """Wraps ``softvq.parts.temperature.calibrate_temperature`` while active: keeps its inputs, its ``T`` and its
-    time (the layer looks the name up in that module at each call)."""
+    """Wraps ``calibrate_temperature`` as ``softvq.parts.temperature`` names it, while active: keeps its inputs, its
+    ``T`` and its time (the temperature part looks the name up in that module at each call)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

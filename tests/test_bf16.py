@@ -15,7 +15,7 @@ import torch
 
 import softvq._kernels
 import softvq._soft_centroid
-import softvq.parts.temperature
+import softvq.parts.calibration
 from softvq import DDCLQuantizer, HardVQ
 from softvq.cli import train as train_vqvae
 
@@ -39,7 +39,7 @@ def spies(monkeypatch):
         monkeypatch.setattr(module, name, distances)
 
     spy(softvq._soft_centroid, "logit_scores")  # DDCLQuantizer's forward pass: the scores (|z|^2 - d) / T
-    spy(softvq.parts.temperature)  # its temperature calibration
+    spy(softvq.parts.calibration)  # its temperature calibration
     spy(softvq._kernels)  # HardVQ's nearest_codes (its batches here fit one block: squared_distances itself)
     for cls in (DDCLQuantizer, HardVQ):
         original_forward = cls.forward

@@ -1,4 +1,4 @@
-"""The first temperature's calibration (``softvq.parts.temperature.calibrate_temperature``: safeguarded Newton in log T
+"""The first temperature's calibration (``softvq.parts.calibration.calibrate_temperature``: safeguarded Newton in log T
 over float32 distances, coarse to fine) against an independent reference, the calibration it replaced written out: a
 bisection of the same bracket in float64 arithmetic over the same distances (the centred float32 matmul), halved 34
 times (to 1.2e-9 in log T).
@@ -19,7 +19,7 @@ import torch
 from helpers import SyncRecorder
 
 from softvq._kernels import squared_distances
-from softvq.parts.temperature import calibrate_temperature
+from softvq.parts.calibration import calibrate_temperature
 
 RTOL = 1e-6  # the stated tolerance, relative in T
 

@@ -186,7 +186,7 @@ def resolved_config(cfg: Namespace, quantizer: str, model: VQVAE) -> dict[str, A
     Nulls that stand for a default are replaced by the value the constructors chose (e.g. ``model.latent_norm``,
     ``ddcl.standardize``, ``ddcl.target_entropy``); a null that remains means "off" or "not used". ``"auto"`` remains
     only where it names a rule applied in training (:data:`RUNTIME_AUTO`): ``ddcl.temperature`` set on the first
-    training batch to the target entropy (``softvq.parts.temperature.calibrate_temperature``). A part's settings
+    training batch to the target entropy (``softvq.parts.calibration.calibrate_temperature``). A part's settings
     (``ddcl.restart``) are recorded field by field.
     """
     layer = model._codebooks()[0]  # level 0 of a hierarchy or a residual stack
