@@ -1,0 +1,52 @@
+"""eval/commit_ratio.py: the commitment held at a ratio of the decoder's gradient, against the parent layer's gradient
+plus the pull written out in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import softvq
+from eval.commit_ratio import RatioCommitDDCL
+
+
+def _pair(rho: float) -> tuple[softvq.DDCLQuantizer, RatioCommitDDCL]:
+    torch.manual_seed(0)
+    plain = softvq.DDCLQuantizer(16, 4, top_k=None).double()
+    ratio = RatioCommitDDCL(16, 4, rho=rho, top_k=None).double()
+    plain(torch.randn(64, 4, dtype=torch.float64))  # start the codebook (prototypes, T) on one batch
+    ratio.load_state_dict(copy.deepcopy(plain.state_dict()))
+    return plain, ratio
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.2, 1.5])
+def test_gradient_is_the_parents_plus_the_pull(rho: float) -> None:
+    plain, ratio = _pair(rho)
+    plain.standardize = False
+    ratio.standardize = False  # the pull acts on the tokens the distances see: here the input itself
+    z = torch.randn(32, 4, dtype=torch.float64)
+    weight = torch.randn(32, 4, dtype=torch.float64)  # a linear loss: its gradient g at the output is `weight`
+    z_plain, z_ratio = z.clone().requires_grad_(), z.clone().requires_grad_()
+    codes_before = ratio.prototypes.detach().clone()  # the training forward moves the EMA prototypes after it
+    out_plain, out_ratio = plain(z_plain), ratio(z_ratio)
+    assert torch.equal(out_plain.quantized, out_ratio.quantized)  # the forward is the parent's, bit for bit
+    assert torch.equal(out_plain.indices, out_ratio.indices)
+    (out_plain.quantized * weight).sum().backward()
+    (out_ratio.quantized * weight).sum().backward()
+    diff = z - codes_before[out_ratio.indices]  # each token minus its argmax code
+    expected = z_plain.grad + rho * weight.norm() / diff.norm() * diff
+    torch.testing.assert_close(z_ratio.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_evaluation_and_bad_rho() -> None:
+    plain, ratio = _pair(0.2)
+    plain.eval()
+    ratio.eval()
+    z = torch.randn(8, 4, dtype=torch.float64)
+    assert torch.equal(plain(z).quantized, ratio(z).quantized)
+    with pytest.raises(ValueError, match="rho"):
+        RatioCommitDDCL(16, 4, rho=-1.0)
+    with pytest.raises(ValueError, match="rho"):
+        RatioCommitDDCL(16, 4, rho=float("nan"))
