@@ -1,0 +1,269 @@
+"""Small autoencoders: DDCL against hard VQ in MLP autoencoders on Gaussian clusters, the quickstart's family, over a
+grid of settings (a study in progress; ``reports/small_ae/``).
+
+    python -m eval.small_ae                                   # the grid, validation split, 3,000 steps a run
+    python -m eval.small_ae --settings base K=64 opt=sgd      # some settings of the grid
+    python -m eval.small_ae --diagnose --methods ddcl hard_ema  # the quickstart setting, gradient diagnostics
+    python -m eval.small_ae --quick                           # seconds: a test-sized run
+
+The model (the quickstart's, with its sizes as options): a point ``x`` of ``in_dim = 16`` dimensions from a mixture
+of ``clusters`` Gaussians (centres ``2 * randn``, noise ``noise``) -> MLP encoder (64 hidden, GELU) -> ``tokens``
+tokens of dimension ``dim`` -> the bottleneck with ``K`` codes -> MLP decoder -> ``x``; loss ``MSE + out.loss``,
+Adam 1e-3 (or SGD 0.05 with momentum 0.9), batches of 256 fresh points. Scored every ``--every`` steps on 4,096
+held-out points (the validation split; ``--split test``: another 4,096 drawn from a generator no run trains or
+validates on) by the MSE of the points decoded from the hard codes alone. The floor is the cluster noise, ``noise^2``.
+
+The settings vary the quickstart's one option at a time (``SETTINGS``). The methods (``METHODS``): ``ddcl``
+(``DDCLQuantizer(K, D)``, its defaults), ``ddcl_rho`` (the defaults with a commitment held at 0.2 of the decoder's
+gradient, :mod:`eval.commit_ratio`), ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ
+here) and ``hard`` (``HardVQ(K, D)``, a gradient-trained codebook with commitment 0.25).
+
+``--diagnose`` logs, on the quickstart setting, what the issue's account asks: the encoder's gradient against the
+gradient at the layer's output (straight-through's: the median per-token cosine and the ratio of norms), the
+commitment term's share of it, the tokens' distance to their codes relative to their variance (in the layer's own
+space: standardised for DDCL), the temperature and H(Q).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+import softvq
+from eval._provenance import code_commit
+from eval.commit_ratio import RatioCommitDDCL
+
+OUT = Path(__file__).resolve().parent.parent / "reports" / "small_ae"
+WITHIN = 1.15  # the study's bar: a method's final MSE within 1.15x of the best hard VQ's
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One small autoencoder and its data (the quickstart's values by default)."""
+
+    dim: int = 8
+    tokens: int = 4
+    codes: int = 128
+    clusters: int = 64
+    noise: float = 0.1
+    opt: str = "adam"
+    in_dim: int = 16
+
+
+SETTINGS: dict[str, Setting] = {
+    "base": Setting(), "D=2": Setting(dim=2), "D=32": Setting(dim=32), "T=1": Setting(tokens=1),
+    "T=16": Setting(tokens=16), "K=64": Setting(codes=64), "K=1024": Setting(codes=1024),
+    "C=16": Setting(clusters=16), "C=256": Setting(clusters=256), "noise=0.3": Setting(noise=0.3),
+    "opt=sgd": Setting(opt="sgd"),
+}
+
+METHODS: dict[str, Callable[[int, int], nn.Module]] = {
+    "ddcl": lambda k, d: softvq.DDCLQuantizer(k, d),
+    "ddcl_rho": lambda k, d: RatioCommitDDCL(k, d, rho=0.2),
+    "hard_ema": lambda k, d: softvq.HardVQ(k, d, ema_decay=0.99, restart=softvq.Restart()),
+    "hard": lambda k, d: softvq.HardVQ(k, d),
+}
+HARD = ("hard_ema", "hard")
+
+
+class TokenAutoencoder(nn.Module):
+    """``x (B, in_dim)`` -> ``tokens`` tokens of ``dim`` -> quantizer -> decoder -> ``(B, in_dim)``."""
+
+    def __init__(self, quantizer: nn.Module, setting: Setting) -> None:
+        super().__init__()
+        self.tokens, width = setting.tokens, setting.tokens * setting.dim
+        self.encoder = nn.Sequential(nn.Linear(setting.in_dim, 64), nn.GELU(), nn.Linear(64, width))
+        self.quantizer = quantizer
+        self.decoder = nn.Sequential(nn.Linear(width, 64), nn.GELU(), nn.Linear(64, setting.in_dim))
+
+    def encode(self, x: Tensor) -> Tensor:
+        return rearrange(self.encoder(x), "b (t d) -> b t d", t=self.tokens)
+
+    def decode(self, tokens: Tensor) -> Tensor:
+        return self.decoder(rearrange(tokens, "b t d -> b (t d)"))
+
+
+class Clusters:
+    """The mixture of ``setting.clusters`` Gaussians of ``seed``; ``draw(n, generator)`` samples points."""
+
+    def __init__(self, setting: Setting, seed: int) -> None:
+        self.noise = setting.noise
+        gen = torch.Generator().manual_seed(seed)
+        self.centers = 2.0 * torch.randn(setting.clusters, setting.in_dim, generator=gen)
+
+    def draw(self, n: int, generator: torch.Generator) -> Tensor:
+        which = torch.randint(len(self.centers), (n,), generator=generator)
+        return self.centers[which] + self.noise * torch.randn(n, self.centers.shape[1], generator=generator)
+
+
+def held_out(data: Clusters, split: str, seed: int) -> Tensor:
+    """4,096 points no training step draws: the validation split's, or the test split's (another generator)."""
+    offset = {"validation": 10_000, "test": 20_000}[split]
+    return data.draw(4096, torch.Generator().manual_seed(offset + seed))
+
+
+@torch.no_grad()
+def hard_mse(model: TokenAutoencoder, x: Tensor) -> float:
+    """The MSE of ``x`` decoded from its hard codes alone, in evaluation mode."""
+    was = model.training
+    model.eval()
+    out = model.quantizer(model.encode(x))
+    mse = (model.decode(model.quantizer.decode_indices(out.indices)) - x).square().mean().item()
+    model.train(was)
+    return mse
+
+
+def diagnostics(model: TokenAutoencoder, z: Tensor, out: softvq.QuantizerOutput,
+                recon_loss: Tensor) -> dict[str, float]:
+    """What reaches the encoder, on one training batch: the encoder's gradient against the gradient at the layer's
+    output (what straight-through would pass), the commitment's share, the tokens' distance to their codes in the
+    layer's own space relative to the tokens' variance, and DDCL's temperature and H(Q)."""
+    q = model.quantizer
+    total = recon_loss + out.loss
+    g_z, g_out = torch.autograd.grad(total, (z, out.quantized), retain_graph=True)
+    dim = z.shape[-1]
+    g_z, g_out = g_z.reshape(-1, dim), g_out.reshape(-1, dim)
+    row: dict[str, float] = {
+        "cos_median": torch.nn.functional.cosine_similarity(g_z, g_out, dim=1).median().item(),
+        "norm_ratio": (g_z.norm() / g_out.norm()).item(),
+    }
+    if out.loss.requires_grad:
+        commit = torch.autograd.grad(out.loss, z, retain_graph=True, allow_unused=True)[0]
+        if commit is not None:
+            row["commitment_share"] = (commit.norm() / (g_z.reshape(commit.shape) - commit).norm()).item()
+    with torch.no_grad():
+        tokens = z.detach().reshape(-1, dim)
+        if getattr(q, "standardize", False):
+            tokens = q.standardizer(tokens, update=False)[0]
+        codes = q.prototypes.detach()[out.indices.reshape(-1)]
+        row["distance_to_code"] = ((tokens - codes).square().sum(-1).mean() / tokens.var(0).sum()).item()
+    if isinstance(q, softvq.DDCLQuantizer):
+        row["temperature"] = float(q.temperature)
+        row["entropy"] = float(out.terms["entropy"])
+    return row
+
+
+def train(method: str, setting: Setting, *, steps: int = 3000, every: int = 250, seed: int = 0,
+          split: str = "validation", diagnose: bool = False) -> dict[str, Any]:
+    """One run: the hard-code MSE on the held-out split every ``every`` steps (and at the end), with the diagnostics
+    of :func:`diagnostics` at the same steps when ``diagnose``."""
+    data = Clusters(setting, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    torch.manual_seed(seed)
+    model = TokenAutoencoder(METHODS[method](setting.codes, setting.dim), setting)
+    if setting.opt == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    elif setting.opt == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        raise ValueError(f"opt must be 'adam' or 'sgd', got {setting.opt!r}")
+    x_held = held_out(data, split, seed)
+    curve: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        x = data.draw(256, gen)
+        z = model.encode(x)
+        out = model.quantizer(z)
+        loss = (model.decode(out.quantized) - x).square().mean()
+        log = step % every == 0 or step == steps
+        extra = diagnostics(model, z, out, loss) if log and diagnose else {}
+        opt.zero_grad(set_to_none=True)
+        (loss + out.loss).backward()
+        opt.step()
+        if log:
+            curve.append({"step": step, "mse_hard": hard_mse(model, x_held), **extra})
+    final = curve[-1]["mse_hard"]
+    near = next(point["step"] for point in curve if point["mse_hard"] <= WITHIN * final)
+    return {"method": method, "setting": asdict(setting), "seed": seed, "split": split, "steps": steps,
+            "final_mse_hard": final, "steps_to_within": near, "seconds": time.perf_counter() - start, "curve": curve}
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting: each method's final MSE (the mean over seeds) and its ratio to the best hard VQ's."""
+    table = []
+    for name in dict.fromkeys(r["name"] for r in rows):
+        mine = [r for r in rows if r["name"] == name]
+        finals = {m: statistics.fmean(r["final_mse_hard"] for r in mine if r["method"] == m)
+                  for m in dict.fromkeys(r["method"] for r in mine)}
+        best = min((finals[m] for m in HARD if m in finals), default=None)
+        for method, value in finals.items():
+            near = statistics.fmean(r["steps_to_within"] for r in mine if r["method"] == method)
+            table.append({"setting": name, "method": method, "final_mse_hard": value, "steps_to_within": near,
+                          "vs_best_hard": None if best is None else value / best})
+    return table
+
+
+def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
+    """``out/results.json`` (every run and its curve) and ``out/report.md`` (the table of :func:`summary`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"command": command, "code": code_commit(), "runs": rows},
+                                                 indent=1) + "\n")
+    split = rows[0]["split"] if rows else "validation"
+    lines = ["# Small autoencoders: DDCL against hard VQ on Gaussian clusters", "",
+             f"Regenerate: `{command}`", "", f"Code: {code_commit()}", "",
+             f"MLP autoencoders of eval/small_ae.py, {rows[0]['steps'] if rows else 0} steps a run; hard-code MSE on "
+             f"4,096 held-out points of the {split} split (the floor is the noise's variance)"
+             + ("; the test split was not read." if split == "validation" else "."), "",
+             f"| setting | method | final hard-code MSE | steps to within {WITHIN}x of its final "
+             "| vs the best hard VQ |",
+             "|---|---|---|---|---|"]
+    for r in summary(rows):
+        ratio = "–" if r["vs_best_hard"] is None else f"{r['vs_best_hard']:.2f}x"
+        lines.append(f"| {r['setting']} | {r['method']} | {r['final_mse_hard']:.4f} | {r['steps_to_within']:.0f} | "
+                     f"{ratio} |")
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--steps", type=int, default=3000, help="training steps a run (default 3000)")
+    p.add_argument("--every", type=int, default=250, help="steps between held-out scores (default 250)")
+    p.add_argument("--split", choices=("validation", "test"), default="validation")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--diagnose", action="store_true", help="log the gradient diagnostics at every score")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 40 steps, K = 16, two settings")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.every < 1 or args.threads < 1:
+        p.error("--steps, --every and --threads must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    settings = {name: SETTINGS[name] for name in args.settings}
+    if args.quick:
+        settings = {name: replace(s, codes=16) for name, s in list(settings.items())[:2]}
+        args.steps, args.every = 40, 20
+    rows = []
+    for name, setting in settings.items():
+        for seed in args.seeds:
+            for method in args.methods:
+                row = {"name": name, **train(method, setting, steps=args.steps, every=args.every, seed=seed,
+                                             split=args.split, diagnose=args.diagnose)}
+                print(f"{name:>10} seed {seed} {method:>9}: hard-code MSE {row['final_mse_hard']:.4f} "
+                      f"(within {WITHIN}x from step {row['steps_to_within']}; {row['seconds']:.0f} s)", flush=True)
+                rows.append(row)
+    command = "python -m eval.small_ae " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    print(f"wrote {report(rows, args.out, command.strip())}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
