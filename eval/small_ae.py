@@ -16,7 +16,8 @@ validates on) by the MSE of the points decoded from the hard codes alone. The fl
 The settings vary the quickstart's one option at a time (``SETTINGS``). The methods (``METHODS``): ``ddcl``
 (``DDCLQuantizer(K, D)``, its defaults), ``ddcl_rho`` (the defaults with a commitment held at 0.2 of the decoder's
 gradient, :mod:`eval.commit_ratio`), ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ
-here) and ``hard`` (``HardVQ(K, D)``, a gradient-trained codebook with commitment 0.25).
+here) and ``hard`` (``HardVQ(K, D)``, a gradient-trained codebook with commitment 0.25); ``hard_ema_c0``, hard_ema
+without its commitment, is a probe of what the commitment does, not a baseline (not among ``HARD``).
 
 ``--diagnose`` logs, on the quickstart setting, what the issue's account asks: the encoder's gradient against the
 gradient at the layer's output (straight-through's: the median per-token cosine and the ratio of norms), the
@@ -72,6 +73,8 @@ METHODS: dict[str, Callable[[int, int], nn.Module]] = {
     "ddcl_rho": lambda k, d: RatioCommitDDCL(k, d, rho=0.2),
     "hard_ema": lambda k, d: softvq.HardVQ(k, d, ema_decay=0.99, restart=softvq.Restart()),
     "hard": lambda k, d: softvq.HardVQ(k, d),
+    # not a baseline: the strongest hard VQ without its commitment, to see what the commitment does
+    "hard_ema_c0": lambda k, d: softvq.HardVQ(k, d, ema_decay=0.99, restart=softvq.Restart(), commitment_weight=0.0),
 }
 HARD = ("hard_ema", "hard")
 
@@ -229,7 +232,7 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=["ddcl", "ddcl_rho", *HARD])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=3000, help="training steps a run (default 3000)")
     p.add_argument("--every", type=int, default=250, help="steps between held-out scores (default 250)")
