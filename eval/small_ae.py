@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -80,7 +81,9 @@ HARD = ("hard_ema", "hard")
 
 
 class TokenAutoencoder(nn.Module):
-    """``x (B, in_dim)`` -> ``tokens`` tokens of ``dim`` -> quantizer -> decoder -> ``(B, in_dim)``."""
+    """``x (B, in_dim)`` -> ``tokens`` tokens of ``dim`` -> quantizer -> decoder -> ``(B, in_dim)``: the model of
+    examples/quickstart.py, written again here because an example stays one self-contained file a user can copy
+    (examples/ is not a package this study could import)."""
 
     def __init__(self, quantizer: nn.Module, setting: Setting) -> None:
         super().__init__()
@@ -130,7 +133,9 @@ def diagnostics(model: TokenAutoencoder, z: Tensor, out: softvq.QuantizerOutput,
                 recon_loss: Tensor) -> dict[str, float]:
     """What reaches the encoder, on one training batch: the encoder's gradient against the gradient at the layer's
     output (what straight-through would pass), the commitment's share, the tokens' distance to their codes in the
-    layer's own space relative to the tokens' variance, and DDCL's temperature and H(Q)."""
+    layer's own space relative to the tokens' variance, and DDCL's temperature and H(Q). The commitment's share is read
+    from ``out.loss``: ``ddcl_rho``'s pull acts in the backward pass instead, so it reads 0 there (0.2 by
+    construction)."""
     q = model.quantizer
     total = recon_loss + out.loss
     g_z, g_out = torch.autograd.grad(total, (z, out.quantized), retain_graph=True)
@@ -263,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 print(f"{name:>10} seed {seed} {method:>9}: hard-code MSE {row['final_mse_hard']:.4f} "
                       f"(within {WITHIN}x from step {row['steps_to_within']}; {row['seconds']:.0f} s)", flush=True)
                 rows.append(row)
-    command = "python -m eval.small_ae " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python -m eval.small_ae " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"wrote {report(rows, args.out, command.strip())}")
     return rows
 
