@@ -14,6 +14,11 @@ gradient reaching the layer's output:
 the gradient of a commitment term whose weight is ``rho * ||G||_F * D / (2 ||Z - C||_F)``, detached, chosen on the
 same batch (VQGAN's adaptive weight, a ratio of gradient norms, applied to the commitment). The forward pass, the
 output, ``L_q = L_OLS + V`` and every statistic are the parent's; only the encoder's gradient gains the pull.
+
+``against="tokens"`` holds the pull at ``rho`` of the gradient the layer passes to its tokens, ``J^T G`` (the soft
+centroid's Jacobian applied to ``G``) instead of ``G``: what HardVQ's measured ratio compares with, since
+straight-through passes ``G`` to the tokens unchanged. Where ``||J^T G||`` is far below ``||G||``, the output's ratio
+makes the pull dominate what the encoder learns from its decoder.
 """
 
 from __future__ import annotations
@@ -45,18 +50,60 @@ class _RatioPull(torch.autograd.Function):
         return g, pull if ctx.needs_input_grad[1] else None, None, None
 
 
-class RatioCommitDDCL(softvq.DDCLQuantizer):
-    """``DDCLQuantizer`` with a commitment held at ``rho`` of the decoder's gradient (module docstring)."""
+class _TokenPull(torch.autograd.Function):
+    """Identity on the tokens ``zf``; its backward adds ``rho * ||g_z|| / ||zf - codes|| * (zf - codes)`` to the
+    gradient ``g_z`` that reaches them (the soft centroid's Jacobian applied to the decoder's gradient). The codes are
+    known only after the forward that reads ``zf``: the layer puts them in ``slot`` (a dict) once it has them."""
 
-    def __init__(self, num_codes: int, dim: int, *, rho: float = 0.2, **kwargs: Any) -> None:
+    @staticmethod
+    def forward(ctx: FunctionCtx, zf: Tensor, slot: dict[str, Tensor], rho: float) -> Tensor:
+        ctx.save_for_backward(zf)
+        ctx.slot, ctx.rho = slot, rho
+        return zf.view_as(zf)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        (zf,) = ctx.saved_tensors
+        diff = zf - ctx.slot.pop("codes")
+        tiny = torch.finfo(diff.dtype).tiny
+        return g + diff * (ctx.rho * g.norm() / diff.norm().clamp_min(tiny)), None, None
+
+
+class RatioCommitDDCL(softvq.DDCLQuantizer):
+    """``DDCLQuantizer`` with a commitment held at ``rho`` of a gradient's norm (module docstring): of the decoder's
+    gradient at the layer's output (``against="output"``), or of the gradient the layer passes to its tokens
+    (``against="tokens"``: the soft centroid's Jacobian applied to the decoder's gradient, what HardVQ's measured
+    ratio compares with, since straight-through passes the output's gradient to the tokens unchanged)."""
+
+    def __init__(self, num_codes: int, dim: int, *, rho: float = 0.2, against: str = "output",
+                 **kwargs: Any) -> None:
         super().__init__(num_codes, dim, **kwargs)
         if not rho >= 0:
             raise ValueError(f"rho must be >= 0, got {rho!r}")
-        self.rho = float(rho)
+        if against not in ("output", "tokens"):
+            raise ValueError(f"against must be 'output' or 'tokens', got {against!r}")
+        self.rho, self.against = float(rho), against
+        self._slot: dict[str, Tensor] | None = None
+
+    def _pulls(self) -> bool:
+        return self.training and self.rho > 0 and torch.is_grad_enabled()
+
+    def _codebook_space(self, zf: Tensor, update: bool, update_codebook: bool) -> tuple[Tensor, Tensor | None,
+                                                                                        Tensor | None]:
+        zf, mean, std = super()._codebook_space(zf, update, update_codebook)
+        self._slot = None
+        if self.against == "tokens" and self._pulls() and zf.requires_grad:
+            self._slot = {}
+            zf = _TokenPull.apply(zf, self._slot, self.rho)
+        return zf, mean, std
 
     def _output_codes(self, zf: Tensor, p: Tensor, mu: Tensor, indices: Tensor, loss: Tensor, mean: Tensor | None,
                       std: Tensor | None) -> tuple[Tensor, Tensor]:
-        if self.training and self.rho > 0 and torch.is_grad_enabled():
+        if self._pulls():
             codes = torch.nn.functional.embedding(indices, p.detach())
-            mu = _RatioPull.apply(mu, zf, codes, self.rho)
+            if self.against == "output":
+                mu = _RatioPull.apply(mu, zf, codes, self.rho)
+            elif self._slot is not None:
+                self._slot["codes"] = codes.detach()
+                self._slot = None
         return super()._output_codes(zf, p, mu, indices, loss, mean, std)

@@ -15,7 +15,7 @@ validates on) by the MSE of the points decoded from the hard codes alone. The fl
 
 The settings vary the quickstart's one option at a time (``SETTINGS``). The methods (``METHODS``): ``ddcl``
 (``DDCLQuantizer(K, D)``, its defaults), ``ddcl_rho`` (the defaults with a commitment held at 0.2 of the decoder's
-gradient, :mod:`eval.commit_ratio`), ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ
+gradient, :mod:`eval.commit_ratio`; ``ddcl_rhoz``: at 0.2 of the gradient the layer passes to its tokens), ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ
 here) and ``hard`` (``HardVQ(K, D)``, a gradient-trained codebook with commitment 0.25); ``hard_ema_c0``, hard_ema
 without its commitment, is a probe of what the commitment does, not a baseline (not among ``HARD``).
 
@@ -72,6 +72,7 @@ SETTINGS: dict[str, Setting] = {
 METHODS: dict[str, Callable[[int, int], nn.Module]] = {
     "ddcl": lambda k, d: softvq.DDCLQuantizer(k, d),
     "ddcl_rho": lambda k, d: RatioCommitDDCL(k, d, rho=0.2),
+    "ddcl_rhoz": lambda k, d: RatioCommitDDCL(k, d, rho=0.2, against="tokens"),
     "hard_ema": lambda k, d: softvq.HardVQ(k, d, ema_decay=0.99, restart=softvq.Restart()),
     "hard": lambda k, d: softvq.HardVQ(k, d),
     # not a baseline: the strongest hard VQ without its commitment, to see what the commitment does

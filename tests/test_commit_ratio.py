@@ -50,3 +50,26 @@ def test_evaluation_and_bad_rho() -> None:
         RatioCommitDDCL(16, 4, rho=-1.0)
     with pytest.raises(ValueError, match="rho"):
         RatioCommitDDCL(16, 4, rho=float("nan"))
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.2, 1.5])
+def test_tokens_ratio_is_held_against_the_tokens_gradient(rho: float) -> None:
+    """``against="tokens"``: the pull's norm is ``rho`` times that of the gradient the parent passes to its tokens."""
+    plain, ratio = _pair(rho)
+    ratio = RatioCommitDDCL(16, 4, rho=rho, against="tokens", top_k=None).double()
+    ratio.load_state_dict(copy.deepcopy(plain.state_dict()))
+    plain.standardize = False
+    ratio.standardize = False
+    z = torch.randn(32, 4, dtype=torch.float64)
+    weight = torch.randn(32, 4, dtype=torch.float64)
+    z_plain, z_ratio = z.clone().requires_grad_(), z.clone().requires_grad_()
+    codes_before = ratio.prototypes.detach().clone()
+    out_plain, out_ratio = plain(z_plain), ratio(z_ratio)
+    assert torch.equal(out_plain.quantized, out_ratio.quantized)
+    (out_plain.quantized * weight).sum().backward()
+    (out_ratio.quantized * weight).sum().backward()
+    diff = z - codes_before[out_ratio.indices]
+    expected = z_plain.grad + rho * z_plain.grad.norm() / diff.norm() * diff
+    torch.testing.assert_close(z_ratio.grad, expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="against"):
+        RatioCommitDDCL(16, 4, against="decoder")
