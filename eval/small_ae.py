@@ -15,9 +15,10 @@ validates on) by the MSE of the points decoded from the hard codes alone. The fl
 
 The settings vary the quickstart's one option at a time (``SETTINGS``). The methods (``METHODS``): ``ddcl``
 (``DDCLQuantizer(K, D)``, its defaults), ``ddcl_rho`` (the defaults with a commitment held at 0.2 of the decoder's
-gradient, :mod:`eval.commit_ratio`; ``ddcl_rhoz``: at 0.2 of the gradient the layer passes to its tokens), ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ
-here) and ``hard`` (``HardVQ(K, D)``, a gradient-trained codebook with commitment 0.25); ``hard_ema_c0``, hard_ema
-without its commitment, is a probe of what the commitment does, not a baseline (not among ``HARD``).
+gradient, :mod:`eval.commit_ratio`; ``ddcl_rhoz``: at 0.2 of the gradient the layer passes to its tokens),
+``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ here) and ``hard`` (``HardVQ(K, D)``,
+a gradient-trained codebook with commitment 0.25); ``hard_ema_c0``, hard_ema without its commitment, is a probe of
+what the commitment does, not a baseline (not among ``HARD``).
 
 ``--diagnose`` logs, on the quickstart setting, what the issue's account asks: the encoder's gradient against the
 gradient at the layer's output (straight-through's: the median per-token cosine and the ratio of norms), the
