@@ -18,7 +18,10 @@ The settings vary the quickstart's one option at a time (``SETTINGS``). The meth
 gradient, :mod:`eval.commit_ratio`; ``ddcl_rhoz``: at 0.2 of the gradient the layer passes to its tokens),
 ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ here) and ``hard`` (``HardVQ(K, D)``,
 a gradient-trained codebook with commitment 0.25); ``hard_ema_c0``, hard_ema without its commitment, is a probe of
-what the commitment does, not a baseline (not among ``HARD``).
+what the commitment does, not a baseline (not among ``HARD``); ``ddcl_st``, ``ddcl_st_nostd``, ``ddcl_nostd`` and
+``ddcl_soft_ema`` are probes of DDCL's parts (straight-through's gradient in place of the soft centroid's Jacobian,
+without the standardiser, EMA weighted by Q). Each run also reports how the held-out points of each cluster are coded
+(:func:`cluster_codes`: distinct code tuples per cluster, the share of points decoded far from their point).
 
 ``--diagnose`` logs, on the quickstart setting, what the issue's account asks: the encoder's gradient against the
 gradient at the layer's output (straight-through's: the median per-token cosine and the ratio of norms), the
@@ -70,6 +73,17 @@ SETTINGS: dict[str, Setting] = {
     "opt=sgd": Setting(opt="sgd"),
 }
 
+class StraightThroughDDCL(softvq.DDCLQuantizer):
+    """A probe: DDCL's defaults with straight-through's gradient in place of the soft centroid's Jacobian (the output
+    is the argmax code, as the defaults'; the encoder gets the output's gradient unchanged, through the standardiser).
+    Everything else (standardiser, EMA, restarts, temperature) is the parent's."""
+
+    def _output_codes(self, zf: Tensor, p: Tensor, mu: Tensor, indices: Tensor, loss: Tensor, mean: Tensor | None,
+                      std: Tensor | None) -> tuple[Tensor, Tensor]:
+        codes = torch.nn.functional.embedding(indices, p.detach())
+        return self.standardizer.output(codes + (zf - zf.detach()), mean, std), loss
+
+
 METHODS: dict[str, Callable[[int, int], nn.Module]] = {
     "ddcl": lambda k, d: softvq.DDCLQuantizer(k, d),
     "ddcl_rho": lambda k, d: RatioCommitDDCL(k, d, rho=0.2),
@@ -78,6 +92,11 @@ METHODS: dict[str, Callable[[int, int], nn.Module]] = {
     "hard": lambda k, d: softvq.HardVQ(k, d),
     # not a baseline: the strongest hard VQ without its commitment, to see what the commitment does
     "hard_ema_c0": lambda k, d: softvq.HardVQ(k, d, ema_decay=0.99, restart=softvq.Restart(), commitment_weight=0.0),
+    # probes of DDCL's parts, not candidates: its encoder gradient and its standardiser, one at a time
+    "ddcl_st": lambda k, d: StraightThroughDDCL(k, d),
+    "ddcl_st_nostd": lambda k, d: StraightThroughDDCL(k, d, standardize=False),
+    "ddcl_nostd": lambda k, d: softvq.DDCLQuantizer(k, d, standardize=False),
+    "ddcl_soft_ema": lambda k, d: softvq.DDCLQuantizer(k, d, prototype_update="soft_ema"),
 }
 HARD = ("hard_ema", "hard")
 
@@ -129,6 +148,24 @@ def hard_mse(model: TokenAutoencoder, x: Tensor) -> float:
     mse = (model.decode(model.quantizer.decode_indices(out.indices)) - x).square().mean().item()
     model.train(was)
     return mse
+
+
+@torch.no_grad()
+def cluster_codes(model: TokenAutoencoder, data: Clusters, x: Tensor) -> dict[str, float]:
+    """How the held-out points ``x`` of each cluster are coded, in evaluation mode: ``codes_per_cluster``, the mean
+    over clusters of the number of distinct code tuples (one per point's ``tokens`` codes) its points get (1: every
+    point of a cluster decodes from the same codes); ``share_far``, the share of points whose hard-code squared error
+    (mean over dimensions) is above 5x the noise's variance. A point's cluster is its nearest centre."""
+    was = model.training
+    model.eval()
+    indices = model.quantizer(model.encode(x)).indices.reshape(len(x), -1)
+    err = (model.decode(model.quantizer.decode_indices(indices)) - x).square().mean(-1)
+    model.train(was)
+    label = torch.cdist(x, data.centers).argmin(-1)
+    # distinct (cluster, tuple) pairs over clusters present: rows of [label, indices] made unique
+    pairs = torch.unique(torch.cat([label[:, None], indices], dim=1), dim=0)
+    return {"codes_per_cluster": len(pairs) / len(torch.unique(label)),
+            "share_far": (err > 5 * data.noise**2).float().mean().item()}
 
 
 def diagnostics(model: TokenAutoencoder, z: Tensor, out: softvq.QuantizerOutput,
@@ -192,10 +229,12 @@ def train(method: str, setting: Setting, *, steps: int = 3000, every: int = 250,
         opt.step()
         if log:
             curve.append({"step": step, "mse_hard": hard_mse(model, x_held), **extra})
+    seconds = time.perf_counter() - start
     final = curve[-1]["mse_hard"]
     near = next(point["step"] for point in curve if point["mse_hard"] <= WITHIN * final)
     return {"method": method, "setting": asdict(setting), "seed": seed, "split": split, "steps": steps,
-            "final_mse_hard": final, "steps_to_within": near, "seconds": time.perf_counter() - start, "curve": curve}
+            "final_mse_hard": final, "steps_to_within": near, **cluster_codes(model, data, x_held),
+            "seconds": seconds, "curve": curve}
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,9 +246,12 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                   for m in dict.fromkeys(r["method"] for r in mine)}
         best = min((finals[m] for m in HARD if m in finals), default=None)
         for method, value in finals.items():
-            near = statistics.fmean(r["steps_to_within"] for r in mine if r["method"] == method)
+            runs = [r for r in mine if r["method"] == method]
+            near = statistics.fmean(r["steps_to_within"] for r in runs)
+            split = {key: statistics.fmean(r[key] for r in runs) if all(key in r for r in runs) else None
+                     for key in ("codes_per_cluster", "share_far")}  # None: records from before they were kept
             table.append({"setting": name, "method": method, "final_mse_hard": value, "steps_to_within": near,
-                          "vs_best_hard": None if best is None else value / best})
+                          "vs_best_hard": None if best is None else value / best, **split})
     return table
 
 
@@ -224,13 +266,18 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
              f"MLP autoencoders of eval/small_ae.py, {rows[0]['steps'] if rows else 0} steps a run; hard-code MSE on "
              f"4,096 held-out points of the {split} split (the floor is the noise's variance)"
              + ("; the test split was not read." if split == "validation" else "."), "",
+             "Code tuples per cluster: the distinct codes the held-out points of one cluster get, the mean over "
+             "clusters (1: one per cluster); far: the share of points whose squared error is above 5x the noise's "
+             "variance.", "",
              f"| setting | method | final hard-code MSE | steps to within {WITHIN}x of its final "
-             "| vs the best hard VQ |",
-             "|---|---|---|---|---|"]
+             "| vs the best hard VQ | code tuples per cluster | far |",
+             "|---|---|---|---|---|---|---|"]
     for r in summary(rows):
         ratio = "–" if r["vs_best_hard"] is None else f"{r['vs_best_hard']:.2f}x"
+        tuples = "–" if r["codes_per_cluster"] is None else f"{r['codes_per_cluster']:.2f}"
+        far = "–" if r["share_far"] is None else f"{100 * r['share_far']:.1f}%"
         lines.append(f"| {r['setting']} | {r['method']} | {r['final_mse_hard']:.4f} | {r['steps_to_within']:.0f} | "
-                     f"{ratio} |")
+                     f"{ratio} | {tuples} | {far} |")
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -74,3 +74,39 @@ def test_bad_arguments() -> None:
         small_ae.parse_args(["--steps", "0"])
     with pytest.raises(ValueError, match="opt"):
         small_ae.train("hard", Setting(opt="lbfgs"), steps=1)
+
+
+def test_cluster_codes_against_a_loop() -> None:
+    """Distinct code tuples per cluster and the far share, against a Python loop over the points."""
+    setting = Setting(dim=4, tokens=2, codes=8, clusters=5)
+    torch.manual_seed(0)
+    model = TokenAutoencoder(softvq.HardVQ(8, 4), setting)
+    data = Clusters(setting, 0)
+    x = data.draw(200, torch.Generator().manual_seed(1))
+    got = small_ae.cluster_codes(model, data, x)
+    with torch.no_grad():
+        idx = model.quantizer(model.encode(x)).indices
+        err = (model.decode(model.quantizer.prototypes[idx]) - x).square().mean(-1)
+    tuples: dict[int, set] = {}
+    for point, codes in zip(x, idx.tolist(), strict=True):
+        nearest = min(range(len(data.centers)), key=lambda c: float((point - data.centers[c]).square().sum()))
+        tuples.setdefault(nearest, set()).add(tuple(codes))
+    assert got["codes_per_cluster"] == pytest.approx(sum(map(len, tuples.values())) / len(tuples))
+    assert got["share_far"] == pytest.approx(float((err > 5 * 0.1**2).float().mean()))
+    assert got["codes_per_cluster"] >= 1.0
+
+
+def test_straight_through_probe_passes_the_output_gradient() -> None:
+    """ddcl_st: the parent's output bit for bit, and (without the standardiser) the output's gradient unchanged."""
+    torch.manual_seed(0)
+    plain = softvq.DDCLQuantizer(16, 4, standardize=False).double()
+    probe = small_ae.StraightThroughDDCL(16, 4, standardize=False).double()
+    plain(torch.randn(64, 4, dtype=torch.float64))
+    probe.load_state_dict(plain.state_dict())
+    z = torch.randn(32, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(32, 4, dtype=torch.float64)
+    out = probe(z)
+    with torch.no_grad():
+        assert torch.equal(out.quantized, plain.eval()(z).quantized)  # same codes (EMA moved after the probe's pass)
+    (out.quantized * weight).sum().backward()
+    torch.testing.assert_close(z.grad, weight, rtol=0, atol=0)
