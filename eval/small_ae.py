@@ -15,7 +15,8 @@ validates on) by the MSE of the points decoded from the hard codes alone. The fl
 
 The settings vary the quickstart's one option at a time (``SETTINGS``). The methods (``METHODS``): ``ddcl``
 (``DDCLQuantizer(K, D)``, its defaults), ``ddcl_rho`` (the defaults with a commitment held at 0.2 of the decoder's
-gradient, :mod:`eval.commit_ratio`; ``ddcl_rhoz``: at 0.2 of the gradient the layer passes to its tokens),
+gradient, :mod:`eval.commit_ratio`; ``ddcl_rhoz``, ``ddcl_rhoz05``, ``ddcl_rhoz10``: at 0.2, 0.05, 0.1 of the
+gradient the layer passes to its tokens),
 ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ here) and ``hard`` (``HardVQ(K, D)``,
 a gradient-trained codebook with commitment 0.25); ``hard_ema_c0``, hard_ema without its commitment, is a probe of
 what the commitment does, not a baseline (not among ``HARD``); ``ddcl_st``, ``ddcl_st_nostd``, ``ddcl_nostd`` and
@@ -46,9 +47,10 @@ from einops import rearrange
 from torch import Tensor, nn
 
 import softvq
-from eval._provenance import code_commit
+from eval._provenance import loaded_code
 from eval.commit_ratio import RatioCommitDDCL
 
+CODE = loaded_code()  # the code this process imported, whatever the tree holds when its report is written
 OUT = Path(__file__).resolve().parent.parent / "reports" / "small_ae"
 WITHIN = 1.15  # the study's bar: a method's final MSE within 1.15x of the best hard VQ's
 
@@ -88,6 +90,8 @@ METHODS: dict[str, Callable[[int, int], nn.Module]] = {
     "ddcl": lambda k, d: softvq.DDCLQuantizer(k, d),
     "ddcl_rho": lambda k, d: RatioCommitDDCL(k, d, rho=0.2),
     "ddcl_rhoz": lambda k, d: RatioCommitDDCL(k, d, rho=0.2, against="tokens"),
+    "ddcl_rhoz05": lambda k, d: RatioCommitDDCL(k, d, rho=0.05, against="tokens"),  # the conv VQ-VAE's bearable pull
+    "ddcl_rhoz10": lambda k, d: RatioCommitDDCL(k, d, rho=0.1, against="tokens"),
     "hard_ema": lambda k, d: softvq.HardVQ(k, d, ema_decay=0.99, restart=softvq.Restart()),
     "hard": lambda k, d: softvq.HardVQ(k, d),
     # not a baseline: the strongest hard VQ without its commitment, to see what the commitment does
@@ -258,11 +262,11 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
     """``out/results.json`` (every run and its curve) and ``out/report.md`` (the table of :func:`summary`)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"command": command, "code": code_commit(), "runs": rows},
+    (out / "results.json").write_text(json.dumps({"command": command, "code": CODE, "runs": rows},
                                                  indent=1) + "\n")
     split = rows[0]["split"] if rows else "validation"
     lines = ["# Small autoencoders: DDCL against hard VQ on Gaussian clusters", "",
-             f"Regenerate: `{command}`", "", f"Code: {code_commit()}", "",
+             f"Regenerate: `{command}`", "", f"Code: {CODE}", "",
              f"MLP autoencoders of eval/small_ae.py, {rows[0]['steps'] if rows else 0} steps a run; hard-code MSE on "
              f"4,096 held-out points of the {split} split (the floor is the noise's variance)"
              + ("; the test split was not read." if split == "validation" else "."), "",
