@@ -9,6 +9,11 @@ dimension 8, quantizes the tokens with a 128-code codebook, and decodes. Every `
 reconstruction MSE (of the training output, and decoded from the hard indices alone: the discrete code),
 codebook utilization, dead codes and perplexity over the steps since the last line, and for DDCL the
 decomposition L_q = L_OLS + V with its relative residual.
+
+What it shows is the layer as it is today: in this MLP autoencoder DDCL's defaults end above HardVQ with EMA +
+restart, whose hard-code MSE reaches the clusters' noise (0.01): about 5x at the default 600 steps and 3x at 3,000
+(the mean of 3 seeds, reports/small_ae/steps_600 and reports/small_ae/parts). In conv VQ-VAEs the same defaults are
+level with or ahead of hard VQ. Why, measured: docs/design.md, "Beyond conv VQ-VAEs".
 """
 
 from __future__ import annotations
