@@ -18,7 +18,10 @@ output, ``L_q = L_OLS + V`` and every statistic are the parent's; only the encod
 ``against="tokens"`` holds the pull at ``rho`` of the gradient the layer passes to its tokens, ``J^T G`` (the soft
 centroid's Jacobian applied to ``G``) instead of ``G``: what HardVQ's measured ratio compares with, since
 straight-through passes ``G`` to the tokens unchanged. Where ``||J^T G||`` is far below ``||G||``, the output's ratio
-makes the pull dominate what the encoder learns from its decoder.
+makes the pull dominate what the encoder learns from its decoder. ``surgery=True`` (with ``against="tokens"``) then
+drops, per token, the part of the pull that opposes that gradient (PCGrad's projection: where ``pull . g_n < 0``, the
+pull loses its component along ``g_n``), so the pull moves a token toward its code only in directions the
+reconstruction does not push against.
 """
 
 from __future__ import annotations
@@ -56,17 +59,21 @@ class _TokenPull(torch.autograd.Function):
     known only after the forward that reads ``zf``: the layer puts them in ``slot`` (a dict) once it has them."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, zf: Tensor, slot: dict[str, Tensor], rho: float) -> Tensor:
+    def forward(ctx: FunctionCtx, zf: Tensor, slot: dict[str, Tensor], rho: float, surgery: bool) -> Tensor:
         ctx.save_for_backward(zf)
-        ctx.slot, ctx.rho = slot, rho
+        ctx.slot, ctx.rho, ctx.surgery = slot, rho, surgery
         return zf.view_as(zf)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
         (zf,) = ctx.saved_tensors
         diff = zf - ctx.slot.pop("codes")
         tiny = torch.finfo(diff.dtype).tiny
-        return g + diff * (ctx.rho * g.norm() / diff.norm().clamp_min(tiny)), None, None
+        pull = diff * (ctx.rho * g.norm() / diff.norm().clamp_min(tiny))
+        if ctx.surgery:  # per token, drop the part of the pull that opposes the reconstruction's gradient (PCGrad)
+            dot = (pull * g).sum(-1, keepdim=True)
+            pull = pull - dot.clamp(max=0) / g.square().sum(-1, keepdim=True).clamp_min(tiny) * g
+        return g + pull, None, None, None
 
 
 class RatioCommitDDCL(softvq.DDCLQuantizer):
@@ -76,13 +83,15 @@ class RatioCommitDDCL(softvq.DDCLQuantizer):
     ratio compares with, since straight-through passes the output's gradient to the tokens unchanged)."""
 
     def __init__(self, num_codes: int, dim: int, *, rho: float = 0.2, against: str = "output",
-                 **kwargs: Any) -> None:
+                 surgery: bool = False, **kwargs: Any) -> None:
         super().__init__(num_codes, dim, **kwargs)
         if not rho >= 0:
             raise ValueError(f"rho must be >= 0, got {rho!r}")
         if against not in ("output", "tokens"):
             raise ValueError(f"against must be 'output' or 'tokens', got {against!r}")
-        self.rho, self.against = float(rho), against
+        if surgery and against != "tokens":
+            raise ValueError("surgery needs against='tokens' (the gradient it compares the pull with)")
+        self.rho, self.against, self.surgery = float(rho), against, bool(surgery)
         self._slot: dict[str, Tensor] | None = None
 
     def _pulls(self) -> bool:
@@ -94,7 +103,7 @@ class RatioCommitDDCL(softvq.DDCLQuantizer):
         self._slot = None
         if self.against == "tokens" and self._pulls() and zf.requires_grad:
             self._slot = {}
-            zf = _TokenPull.apply(zf, self._slot, self.rho)
+            zf = _TokenPull.apply(zf, self._slot, self.rho, self.surgery)
         return zf, mean, std
 
     def _output_codes(self, zf: Tensor, p: Tensor, mu: Tensor, indices: Tensor, loss: Tensor, mean: Tensor | None,

@@ -16,7 +16,7 @@ validates on) by the MSE of the points decoded from the hard codes alone. The fl
 The settings vary the quickstart's one option at a time (``SETTINGS``). The methods (``METHODS``): ``ddcl``
 (``DDCLQuantizer(K, D)``, its defaults), ``ddcl_rho`` (the defaults with a commitment held at 0.2 of the decoder's
 gradient, :mod:`eval.commit_ratio`; ``ddcl_rhoz``, ``ddcl_rhoz05``, ``ddcl_rhoz10``: at 0.2, 0.05, 0.1 of the
-gradient the layer passes to its tokens),
+gradient the layer passes to its tokens; ``ddcl_rhoz_pc``: 0.2, less the part opposing that gradient),
 ``hard_ema`` (``HardVQ`` with EMA 0.99 and ``Restart()``, the strongest hard VQ here) and ``hard`` (``HardVQ(K, D)``,
 a gradient-trained codebook with commitment 0.25); ``hard_ema_c0``, hard_ema without its commitment, is a probe of
 what the commitment does, not a baseline (not among ``HARD``); ``ddcl_st``, ``ddcl_st_nostd``, ``ddcl_nostd`` and
@@ -92,6 +92,7 @@ METHODS: dict[str, Callable[[int, int], nn.Module]] = {
     "ddcl_rhoz": lambda k, d: RatioCommitDDCL(k, d, rho=0.2, against="tokens"),
     "ddcl_rhoz05": lambda k, d: RatioCommitDDCL(k, d, rho=0.05, against="tokens"),  # the conv VQ-VAE's bearable pull
     "ddcl_rhoz10": lambda k, d: RatioCommitDDCL(k, d, rho=0.1, against="tokens"),
+    "ddcl_rhoz_pc": lambda k, d: RatioCommitDDCL(k, d, rho=0.2, against="tokens", surgery=True),
     "hard_ema": lambda k, d: softvq.HardVQ(k, d, ema_decay=0.99, restart=softvq.Restart()),
     "hard": lambda k, d: softvq.HardVQ(k, d),
     # not a baseline: the strongest hard VQ without its commitment, to see what the commitment does

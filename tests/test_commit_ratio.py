@@ -73,3 +73,30 @@ def test_tokens_ratio_is_held_against_the_tokens_gradient(rho: float) -> None:
     torch.testing.assert_close(z_ratio.grad, expected, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="against"):
         RatioCommitDDCL(16, 4, against="decoder")
+
+
+def test_surgery_drops_the_opposing_part_of_the_pull() -> None:
+    """``surgery=True``: per token, the pull minus its projection on the tokens' gradient where the two oppose."""
+    plain, _ = _pair(0.3)
+    ratio = RatioCommitDDCL(16, 4, rho=0.3, against="tokens", surgery=True, top_k=None).double()
+    ratio.load_state_dict(copy.deepcopy(plain.state_dict()))
+    plain.standardize = False
+    ratio.standardize = False
+    z = torch.randn(32, 4, dtype=torch.float64)
+    weight = torch.randn(32, 4, dtype=torch.float64)
+    z_plain, z_ratio = z.clone().requires_grad_(), z.clone().requires_grad_()
+    codes_before = ratio.prototypes.detach().clone()
+    out_plain, out_ratio = plain(z_plain), ratio(z_ratio)
+    (out_plain.quantized * weight).sum().backward()
+    (out_ratio.quantized * weight).sum().backward()
+    g = z_plain.grad
+    diff = z - codes_before[out_ratio.indices]
+    pull = 0.3 * g.norm() / diff.norm() * diff
+    expected = g.clone()
+    for n in range(len(z)):  # a loop over tokens, the projection written out
+        dot = float(pull[n] @ g[n])
+        expected[n] += pull[n] - (dot / float(g[n] @ g[n])) * g[n] if dot < 0 else pull[n]
+    assert any(float(pull[n] @ g[n]) < 0 for n in range(len(z)))  # the case is exercised
+    torch.testing.assert_close(z_ratio.grad, expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="surgery"):
+        RatioCommitDDCL(16, 4, surgery=True)  # against="output" has no tokens' gradient to compare with
