@@ -23,6 +23,7 @@ Methods (``LABELS``; each configured as its own documentation recommends):
                 applied to the decoder's gradient), which straight-through's ratio compares with
     ddcl_rhoz05, ddcl_rhoz10  the same at 0.05 and 0.1
     ddcl_st     a probe: the defaults with straight-through's gradient in place of the soft centroid's Jacobian
+    ddcl_nostd  a probe: the defaults without the standardiser
     ddcl_rhoz_pc  ddcl_rhoz with, per token, the part of the pull that opposes the tokens' gradient dropped (PCGrad)
     ddcl_anneal  the same truncation cooled over the run (:class:`Anneal`): k = 128, 64, 32 in thirds of the steps,
                 each with its target ``log(k) - 0.5``: wide early, narrow late (the paper's annealing, Theorems 2-3)
@@ -95,6 +96,7 @@ LABELS = {
     "ddcl_rhoz10": "softvq DDCL, defaults, with a commitment held at 0.1 of the tokens' gradient (commit_ratio.py)",
     "ddcl_rhoz_pc": "softvq DDCL, defaults, ddcl_rhoz's pull less its part opposing the tokens' gradient",
     "ddcl_st": "softvq DDCL, defaults, straight-through's gradient in place of the soft centroid's (a probe)",
+    "ddcl_nostd": "softvq DDCL, defaults without the standardiser (a probe)",
     "hard_ema": "softvq HardVQ, EMA 0.99 + restart 1",
     "hard_ema_cap": "softvq HardVQ, EMA 0.99 + restart 1 capped at N / (4K)",
     "vqp_vq": "vqp VectorQuantize (kmeans init, dead-code ratio 0.1, rotation trick)",
@@ -243,6 +245,8 @@ def build(method: str, num_codes: int, dim: int, overrides: dict[str, Any] | Non
         return truncated_layer(num_codes, dim, TRUNCATED.get(method, ANNEAL_K[0]), extra)
     if method in NEIGHBOURS:  # a prototype of eval.per_second, beside the library
         return neighbour_layer(num_codes, dim, *NEIGHBOURS[method], extra)
+    if method == "ddcl_nostd":  # a probe of the small-autoencoder study: the defaults without the standardiser
+        return softvq.DDCLQuantizer(num_codes, dim, **{"standardize": False, **extra})
     if method == "ddcl_st":  # a probe of the small-autoencoder study: straight-through's gradient, DDCL's other parts
         from eval.small_ae import StraightThroughDDCL  # imported here: the study's module is not the harness's
 
