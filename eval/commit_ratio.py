@@ -1,5 +1,6 @@
 """A DDCL layer whose commitment is held at a ratio of the decoder's gradient (a prototype of eval/, not yet the
-library's): the candidate ``ddcl_rho`` of the small-autoencoder study.
+library's): the candidates ``ddcl_rho`` and ``ddcl_rhoz*`` of the small-autoencoder study (what they measured:
+docs/design.md, "Beyond conv VQ-VAEs").
 
 Why. HardVQ's commitment ``beta * ||z - sg(c)||^2 / D`` acts on the encoder's raw tokens, whose scale the encoder
 chooses; measured at its weight 0.25, the commitment's gradient on the tokens was 0.15-0.19 of the reconstruction's

@@ -17,16 +17,16 @@ Methods (``LABELS``; each configured as its own documentation recommends):
     ddcl_n16, ddcl_n32  the truncation of ddcl_k16 / ddcl_k32 with another set: the k codes nearest to each token's
                 nearest code (a table refreshed round robin; eval/neighbour.py, a prototype): one argmax pass, no
                 selection over K; ddcl_c16: the token's 16 nearest among the 64 codes nearest its code
+    ddcl_anneal  the same truncation cooled over the run (:class:`Anneal`): k = 128, 64, 32 in thirds of the steps,
+                each with its target ``log(k) - 0.5``: wide early, narrow late (the paper's annealing, Theorems 2-3)
     ddcl_rho    the layer's defaults with a commitment of each token to its code whose gradient is held at 0.2 of the
                 decoder's, as HardVQ's is (eval/commit_ratio.py, a prototype of the small-autoencoder study)
     ddcl_rhoz   the same, held at 0.2 of the gradient the layer passes to its tokens (the soft centroid's Jacobian
                 applied to the decoder's gradient), which straight-through's ratio compares with
     ddcl_rhoz05, ddcl_rhoz10  the same at 0.05 and 0.1
+    ddcl_rhoz_pc  ddcl_rhoz with, per token, the part of the pull that opposes the tokens' gradient dropped (PCGrad)
     ddcl_st     a probe: the defaults with straight-through's gradient in place of the soft centroid's Jacobian
     ddcl_nostd  a probe: the defaults without the standardiser
-    ddcl_rhoz_pc  ddcl_rhoz with, per token, the part of the pull that opposes the tokens' gradient dropped (PCGrad)
-    ddcl_anneal  the same truncation cooled over the run (:class:`Anneal`): k = 128, 64, 32 in thirds of the steps,
-                each with its target ``log(k) - 0.5``: wide early, narrow late (the paper's annealing, Theorems 2-3)
     hard_ema    ``softvq.HardVQ(K, D, ema_decay=0.99, restart=softvq.Restart(1.0, decay=0.99, cap=None))``
     hard_ema_cap  the same with the restart threshold capped at a quarter of the mean tokens per code per batch
                 (``Restart(1.0, decay=0.99, cap=0.25)``, the cap of ``softvq.Restart``'s defaults): the cap binds
