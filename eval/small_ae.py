@@ -75,6 +75,7 @@ SETTINGS: dict[str, Setting] = {
     "opt=sgd": Setting(opt="sgd"),
 }
 
+
 class StraightThroughDDCL(softvq.DDCLQuantizer):
     """A probe: DDCL's defaults with straight-through's gradient in place of the soft centroid's Jacobian (the output
     is the argmax code, as the defaults'; the encoder gets the output's gradient unchanged, through the standardiser).
@@ -145,14 +146,20 @@ def held_out(data: Clusters, split: str, seed: int) -> Tensor:
 
 
 @torch.no_grad()
-def hard_mse(model: TokenAutoencoder, x: Tensor) -> float:
-    """The MSE of ``x`` decoded from its hard codes alone, in evaluation mode."""
+def hard_decode(model: TokenAutoencoder, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x``'s hard codes ``(B, tokens)`` and the points decoded from them alone, in evaluation mode (the model's mode
+    is left as it was found)."""
     was = model.training
     model.eval()
-    out = model.quantizer(model.encode(x))
-    mse = (model.decode(model.quantizer.decode_indices(out.indices)) - x).square().mean().item()
+    indices = model.quantizer(model.encode(x)).indices
+    decoded = model.decode(model.quantizer.decode_indices(indices))
     model.train(was)
-    return mse
+    return indices, decoded
+
+
+def hard_mse(model: TokenAutoencoder, x: Tensor) -> float:
+    """The MSE of ``x`` decoded from its hard codes alone, in evaluation mode."""
+    return (hard_decode(model, x)[1] - x).square().mean().item()
 
 
 @torch.no_grad()
@@ -161,11 +168,9 @@ def cluster_codes(model: TokenAutoencoder, data: Clusters, x: Tensor) -> dict[st
     over clusters of the number of distinct code tuples (one per point's ``tokens`` codes) its points get (1: every
     point of a cluster decodes from the same codes); ``share_far``, the share of points whose hard-code squared error
     (mean over dimensions) is above 5x the noise's variance. A point's cluster is its nearest centre."""
-    was = model.training
-    model.eval()
-    indices = model.quantizer(model.encode(x)).indices.reshape(len(x), -1)
-    err = (model.decode(model.quantizer.decode_indices(indices)) - x).square().mean(-1)
-    model.train(was)
+    indices, decoded = hard_decode(model, x)
+    indices = indices.reshape(len(x), -1)
+    err = (decoded - x).square().mean(-1)
     label = torch.cdist(x, data.centers).argmin(-1)
     # distinct (cluster, tuple) pairs over clusters present: rows of [label, indices] made unique
     pairs = torch.unique(torch.cat([label[:, None], indices], dim=1), dim=0)
